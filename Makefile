@@ -1,0 +1,28 @@
+# The two commands of the README's quick start. Both build .venv from scratch when it is
+# missing or older than pyproject.toml; nothing else is needed by hand.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/kvstack plan --preset deepseek-v4.1-flash --context 131072 --hbm-gib 80
+
+test: $(BIN)/.installed
+	$(BIN)/ruff check kvstack tests bench
+	$(BIN)/python -m pytest
+
+bench: $(BIN)/.installed
+	$(BIN)/python bench/formats.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

@@ -1,0 +1,1 @@
+"""kvstack: the DeepSeek-V4.1 compressed KV-cache stack."""

@@ -1,0 +1,200 @@
+"""The `kvstack` command."""
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kvstack.config import PRESETS, ModelConfig, preset
+from kvstack.plan import make_plan
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+MIB = 1 << 20
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:,.1f}B" if n >= 1e8 else f"{n / 1e6:,.2f}M"
+
+
+def print_plan(plan: dict[str, Any], console: Console) -> None:
+    console.print(f"[bold]kvstack plan: {plan['model']}[/bold]")
+    console.print(f"[dim]{plan['basis']}[/dim]\n")
+
+    layout = Table(
+        title="Persistent cache layout (one row per stream)", title_justify="left",
+        box=box.SIMPLE_HEAD, pad_edge=False,
+    )
+    for col in ("layer", "stream", "format", "width", "ratio", "B/entry", "B/token"):
+        layout.add_column(col, justify="left" if col in ("stream", "format") else "right")
+    for s in plan["streams"]:
+        layout.add_row(
+            str(s["layer"]), s["kind"], s["format"], str(s["width"]), str(s["ratio"]),
+            str(s["bytes_per_entry"]), f"{s['bytes_per_token']:g}",
+        )
+    layout.add_section()
+    layout.add_row("total", "", "", "", "", "", f"[bold]{plan['bytes_per_token']:g}[/bold]")
+    console.print(layout)
+
+    w = plan["window"]
+    console.print(
+        f"Persistent cache: [bold]{plan['bytes_per_token']:g} bytes/token[/bold]\n"
+        f"Per sequence, never persisted: window rings {w['layers']} layers × {w['slots']} × "
+        f"{w['format']}[{w['width']}] = {plan['window_bytes_per_sequence']:,} B "
+        f"({_bytes(plan['window_bytes_per_sequence'])}); partial compressor groups "
+        f"{plan['partial_group_bytes_per_sequence']:,} B"
+    )
+    layers = plan["layers"]
+    by_mode = {m: [x["layer"] for x in layers if x["mode"] == m] for m in
+               ("window", "full", "reindex", "reuse")}
+    enc = plan["n_encoder_layers"]
+    split = (
+        f"encoder {_ranges(list(range(enc)))}, decoder {_ranges(list(range(enc, len(layers))))}"
+        if enc
+        else "decoder-only (no CED)"
+    )
+    cand = [x["layer"] for x in layers if x["candidate_source"]]
+    console.print(
+        f"Layers: {split}; window-only {_ranges(by_mode['window'])}; Full "
+        f"{_ranges(by_mode['full'])}; Reindex {_ranges(by_mode['reindex'])}; Reuse "
+        f"{_ranges(by_mode['reuse'])}; candidate pool from layer "
+        f"{cand[0] if cand else 'none'}"
+    )
+    drafts = plan["draft_layers_excluded"]
+    console.print(
+        f"Parameters: {_params(plan['params_total'])} total"
+        + (f" (trunk; {drafts} draft layers not counted)" if drafts else "")
+        + f", {_params(plan['params_active_decode'])} active per decoded token, "
+        f"{_params(plan['params_active_prefill'])} per prefilled token"
+        + (" under CED" if enc else "")
+    )
+    fit = (
+        f"; {plan['hbm_gib']:g} GiB of cache memory holds [bold]{plan['sequences_fit']:,}"
+        "[/bold] such sequences"
+        if "sequences_fit" in plan
+        else ""
+    )
+    console.print(
+        f"At {plan['context']:,} tokens: {_bytes(plan['bytes_per_sequence'])} of cache per "
+        f"sequence{fit}\n"
+    )
+
+    title = f"What each mechanism buys (at {plan['context']:,} tokens"
+    title += f", {plan['hbm_gib']:g} GiB)" if "hbm_gib" in plan else ")"
+    mech = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    mech.add_column("variant", no_wrap=True)
+    for col in ("HBM B/tok", "disk B/tok", "window MiB", "MiB/seq"):
+        mech.add_column(col, justify="right", no_wrap=True)
+    if "hbm_gib" in plan:
+        mech.add_column("seqs fit", justify="right")
+    mech.add_column("×HBM", justify="right")
+    mech.add_column("×disk", justify="right")
+    for row in plan["mechanisms"]:
+        cells = [
+            row["variant"],
+            f"{row['hbm_bytes_per_token']:,g}",
+            f"{row['persistent_bytes_per_token']:,g}",
+            f"{row['window_bytes_per_sequence'] / MIB:,.2f}",
+            f"{row['bytes_per_sequence'] / MIB:,.1f}",
+        ]
+        if "hbm_gib" in plan:
+            cells.append(f"{row['sequences_fit']:,}")
+        cells.append(f"{row['hbm_ratio']:.2f}")
+        cells.append("-" if row["persistent_ratio"] is None else f"{row['persistent_ratio']:.2f}")
+        mech.add_row(*cells)
+    console.print(mech)
+    console.print(
+        "[dim]bf16 cache: every cache in bf16 instead of FP4/FP8. no sharing: every "
+        "compressed layer its own kv source (Full), the CED decoder stream aside. no CED: "
+        "every compressed decoder layer its own kv source. window persisted: no bounded "
+        "replay, so the disk tier keeps every token's window entry in every layer. "
+        "HBM B/tok: stream bytes per token; cache/seq adds one sequence's window rings "
+        "and partial groups; disk B/tok: what a saved session keeps per token.[/dim]"
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.config:
+        config, name = ModelConfig.from_json(args.config), args.config
+    else:
+        config, name = preset(args.preset), args.preset
+    plan = make_plan(config, name, context=args.context, hbm_gib=args.hbm_gib)
+    if args.json:
+        print(json.dumps(plan))
+    else:
+        # The mechanism table needs about 100 columns; narrower consoles would fold it.
+        print_plan(plan, Console(width=max(Console().width, 100)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstack",
+        description="The DeepSeek-V4.1 compressed KV-cache stack.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser(
+        "plan",
+        help="cache layout, bytes/token, parameters and capacity of a model (from its config)",
+    )
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=PRESETS, help="a named model config")
+    source.add_argument("--config", metavar="FILE", help="a config.json")
+    plan.add_argument(
+        "--context", type=_positive_int, help="tokens per sequence (default: max_seq_len)"
+    )
+    plan.add_argument(
+        "--hbm-gib", type=_positive_float, metavar="G",
+        help="GiB of device memory given to the cache: how many sequences fit",
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.set_defaults(run=_cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:
+        print(f"kvstack {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

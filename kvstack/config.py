@@ -1,0 +1,391 @@
+"""Model configuration of the DeepSeek-V4.1 family, its validation, and the presets.
+
+Keys follow the public V4.1 `inference/config.json` names, plus kvstack's own
+`n_encoder_layers` (the CED split) and the storage format of each cache. Layer modes
+(window-only / Full / Reindex / Reuse), the stream each layer reads and the top-k it uses
+are resolved here, once, into `ModelConfig.layers`; nothing else re-derives them.
+"""
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from kvstack.formats import bytes_per_entry, get_format
+
+
+class Mode(StrEnum):
+    WINDOW = "window"  # sliding window only, no compressed stream
+    FULL = "full"  # writes a compressed stream and its indexer keys, runs its own indexer
+    REINDEX = "reindex"  # reads an earlier stream, runs its own indexer
+    REUSE = "reuse"  # reads an earlier stream and reuses an earlier top-k
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer is, resolved from the config's layer lists."""
+
+    index: int
+    ratio: int  # tokens per compressed entry; 0 = window only
+    mode: Mode
+    in_encoder: bool
+    kv_source: int | None  # layer whose compressed stream (and indexer keys) it reads
+    index_source: int | None  # layer whose top-k it attends to (itself for Full/Reindex)
+    is_candidate_source: bool  # picks the candidate pool of blocks
+    uses_candidates: bool  # restricts its top-k to that pool
+
+
+# Keys of the published V4.1 config.json for parts kvstack does not build yet (Engram,
+# DSpark, vision, weight dtypes). A real config.json loads; these are set aside.
+_UNBUILT_V41_PREFIXES = ("engram_", "dspark_", "vision_")
+_UNBUILT_V41_KEYS = frozenset({"dtype", "expert_dtype", "image_token_id"})
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    # One ratio per layer, then one per draft (MTP) layer; 0 = window-only layer.
+    compress_ratios: tuple[int, ...] = ()
+    kv_source_layers: tuple[int, ...] = ()
+    index_source_layers: tuple[int, ...] = ()
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    candidate_source_layer: int | None = None
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    # FFN: MoE when n_routed_experts > 0, else a dense SwiGLU of width inter_dim.
+    n_routed_experts: int = 0
+    n_shared_experts: int = 1
+    n_activated_experts: int = 0
+    moe_inter_dim: int = 0
+    inter_dim: int = 0
+    score_func: str = "softmax"
+    route_scale: float = 1.0
+    swiglu_limit: float = 0.0  # 0 = no clamp
+    norm_eps: float = 1e-6
+    hc_mult: int = 1  # > 1 turns on hyper-connections
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 1.0  # YaRN on the compressed layers' rotations when > 1
+    original_seq_len: int = 0
+    beta_fast: int = 32
+    beta_slow: int = 1
+    n_mtp_layers: int = 0  # draft layers (DSpark); described, not built
+    # kvstack's own keys.
+    # CED split: layers [0, n_encoder_layers) are the encoder; 0 = plain decoder-only.
+    # None (the published config.json has no key for it) takes the split the layout
+    # implies: the last kv source, when it has ratio 1, starts the decoder.
+    n_encoder_layers: int | None = None
+    kv_format: str = "fp4_e4m3_16"
+    index_format: str = "fp4_ue8m0_32"
+    window_format: str = "fp8_ue8m0_32"
+    layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("compress_ratios", "kv_source_layers", "index_source_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            ):
+                raise ValueError(f"config key {name}: expected a list of integers, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        if self.n_encoder_layers is None:
+            object.__setattr__(self, "n_encoder_layers", _implied_encoder_layers(self))
+        _validate_scalars(self)
+        object.__setattr__(self, "layers", _resolve_layers(self))
+
+    # ---- derived facts -------------------------------------------------------------
+    @property
+    def n_decoder_layers(self) -> int:
+        return self.n_layers - self.n_encoder_layers
+
+    @property
+    def uses_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A validated copy with some keys changed."""
+        return dataclasses.replace(self, **changes)
+
+    # ---- JSON ------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+            for f in dataclasses.fields(self)
+            if f.init
+        }
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The config as JSON text; written to `path` as well when one is given."""
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"config: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(
+            k
+            for k in data
+            if k not in known
+            and k not in _UNBUILT_V41_KEYS
+            and not k.startswith(_UNBUILT_V41_PREFIXES)
+        )
+        if unknown:
+            raise ValueError(f"config: unknown keys {', '.join(unknown)}")
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.init and f.default is dataclasses.MISSING and f.name not in data
+        )
+        if missing:
+            raise ValueError(f"config: missing required keys {', '.join(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        """Load a config.json (kvstack's own, or the published V4.1 inference one)."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"config {path}: cannot read ({e.strerror})") from e
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config {path}: not valid JSON ({e})") from e
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"config {path}: {e}") from e
+
+
+def _implied_encoder_layers(c: ModelConfig) -> int:
+    kv = c.kv_source_layers
+    ratios = c.compress_ratios
+    if kv and 0 <= kv[-1] < len(ratios) and ratios[kv[-1]] == 1:
+        return kv[-1]
+    return 0
+
+
+def _validate_scalars(c: ModelConfig) -> None:
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ValueError(f"config key {key} = {getattr(c, key)!r}: {why}")
+
+    for key in (
+        "vocab_size", "dim", "n_layers", "n_heads", "head_dim", "q_lora_rank", "o_groups",
+        "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
+        "candidate_topk_blocks", "candidate_block_size", "hc_mult", "max_seq_len",
+    ):
+        value = getattr(c, key)
+        need(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
+             "must be a positive integer")
+    for key in ("n_mtp_layers", "n_encoder_layers", "n_routed_experts", "n_shared_experts",
+                "n_activated_experts", "moe_inter_dim", "inter_dim", "original_seq_len"):
+        value = getattr(c, key)
+        need(isinstance(value, int) and not isinstance(value, bool) and value >= 0, key,
+             "must be a non-negative integer")
+    need(c.head_dim % 32 == 0, "head_dim", "must be a multiple of 32")
+    need(c.index_head_dim % 32 == 0, "index_head_dim", "must be a multiple of 32")
+    need(c.rope_head_dim % 2 == 0 and 0 < c.rope_head_dim <= min(c.head_dim, c.index_head_dim),
+         "rope_head_dim", "must be even, positive and at most head_dim and index_head_dim")
+    need(c.n_heads % c.o_groups == 0, "o_groups", f"must divide n_heads ({c.n_heads})")
+    need(c.n_encoder_layers < c.n_layers, "n_encoder_layers", "must leave a decoder layer")
+    if c.uses_moe:
+        need(0 < c.n_activated_experts <= c.n_routed_experts, "n_activated_experts",
+             f"must be between 1 and n_routed_experts ({c.n_routed_experts})")
+        need(c.moe_inter_dim > 0, "moe_inter_dim", "must be positive with routed experts")
+    else:
+        need(c.inter_dim > 0, "inter_dim", "must be positive for a dense FFN (no experts)")
+    need(c.score_func in SCORE_FUNCS, "score_func", f"must be one of {', '.join(SCORE_FUNCS)}")
+    need(c.rope_factor >= 1, "rope_factor", "must be at least 1")
+    need(c.rope_factor == 1 or c.original_seq_len > 0, "original_seq_len",
+         "must be positive when rope_factor > 1 (YaRN)")
+    for key, width in (("kv_format", c.head_dim), ("index_format", c.index_head_dim),
+                       ("window_format", c.head_dim)):
+        try:
+            get_format(getattr(c, key))
+            bytes_per_entry(getattr(c, key), width)
+        except ValueError as e:
+            raise ValueError(f"config key {key}: {e}") from e
+
+
+def _resolve_layers(c: ModelConfig) -> tuple[LayerSpec, ...]:
+    """Resolve every layer's mode and sources, enforcing DESIGN.md section 2's rules."""
+    n_total = c.n_layers + c.n_mtp_layers
+    if len(c.compress_ratios) != n_total:
+        raise ValueError(
+            f"config key compress_ratios: has {len(c.compress_ratios)} entries, expected "
+            f"n_layers + n_mtp_layers = {n_total}"
+        )
+    for i, r in enumerate(c.compress_ratios):
+        if r < 0:
+            raise ValueError(f"config key compress_ratios: layer {i} has negative ratio {r}")
+        if i >= c.n_layers and r != 0:
+            raise ValueError(
+                f"config key compress_ratios: draft layer {i} has ratio {r}; draft layers "
+                "are window-only"
+            )
+    ratios = c.compress_ratios[: c.n_layers]
+
+    for key in ("kv_source_layers", "index_source_layers"):
+        listed = getattr(c, key)
+        if list(listed) != sorted(set(listed)):
+            raise ValueError(f"config key {key}: must be strictly increasing, got {list(listed)}")
+        for i in listed:
+            if not 0 <= i < c.n_layers:
+                raise ValueError(f"config key {key}: layer {i} is out of range 0..{c.n_layers - 1}")
+            if ratios[i] == 0:
+                raise ValueError(
+                    f"config key {key}: layer {i} has compress ratio 0 (window-only) and "
+                    "cannot be a source"
+                )
+    kv_sources, index_sources = set(c.kv_source_layers), set(c.index_source_layers)
+    for i in c.kv_source_layers:
+        if i not in index_sources:
+            raise ValueError(
+                f"config key index_source_layers: layer {i} is a kv source, so it must also "
+                "be an index source (a Full layer indexes the stream it writes)"
+            )
+
+    cand = c.candidate_source_layer
+    if cand is not None and cand not in index_sources:
+        raise ValueError(
+            f"config key candidate_source_layer: layer {cand} is not in index_source_layers"
+        )
+
+    enc = c.n_encoder_layers
+    if enc > 0:
+        if enc not in kv_sources or ratios[enc] != 1:
+            raise ValueError(
+                f"config key kv_source_layers: with CED (n_encoder_layers={enc}) the first "
+                f"decoder layer {enc} must be a kv source of ratio 1"
+            )
+        extra = sorted(i for i in kv_sources if i > enc)
+        if extra:
+            raise ValueError(
+                f"config key kv_source_layers: decoder layer {extra[0]} is a kv source; with "
+                f"CED only the first decoder layer ({enc}) may be one"
+            )
+
+    # Every kv source is an index source, so the nearest index source at or before a
+    # compressed layer always reads that layer's stream.
+    layers = []
+    kv_src: int | None = None
+    idx_src: int | None = None
+    for i, r in enumerate(ratios):
+        if i in kv_sources:
+            kv_src = i
+        if i in index_sources:
+            idx_src = i
+        if r == 0:
+            layers.append(LayerSpec(i, 0, Mode.WINDOW, i < enc, None, None, False, False))
+            continue
+        if kv_src is None:
+            raise ValueError(
+                f"config key kv_source_layers: layer {i} (ratio {r}) has no kv source at or "
+                "before it"
+            )
+        if ratios[kv_src] != r:
+            raise ValueError(
+                f"config key compress_ratios: layer {i} has ratio {r} but reads kv source "
+                f"layer {kv_src} of ratio {ratios[kv_src]}"
+            )
+        if i == kv_src:
+            mode = Mode.FULL
+        elif i == idx_src:
+            mode = Mode.REINDEX
+        else:
+            mode = Mode.REUSE
+        uses_candidates = mode is not Mode.REUSE and cand is not None and i > cand
+        if uses_candidates and kv_src != layers[cand].kv_source:
+            raise ValueError(
+                f"config key candidate_source_layer: index source layer {i} comes after "
+                f"candidate source layer {cand} but reads kv source layer {kv_src}, and the "
+                f"candidate pool is over layer {layers[cand].kv_source}'s stream"
+            )
+        layers.append(
+            LayerSpec(i, r, mode, i < enc, kv_src, idx_src, i == cand, uses_candidates)
+        )
+    return tuple(layers)
+
+
+# ---- presets -------------------------------------------------------------------------
+
+# DeepSeek-V4.1-Flash's public inference/config.json (Engram, DSpark and vision keys are
+# not modelled; its 3 draft layers are described by n_mtp_layers and left out of the trunk).
+_V41_FLASH = dict(
+    vocab_size=129280, dim=5120, n_layers=40, n_heads=64, head_dim=512, rope_head_dim=64,
+    q_lora_rank=1280, o_groups=8, o_lora_rank=1024, window_size=128,
+    compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0] * 3,
+    kv_source_layers=[2, 8, 14, 20], index_source_layers=[2, 8, 14, 20, 24, 28, 32, 36],
+    index_n_heads=32, index_head_dim=128, index_topk=512,
+    candidate_source_layer=20, candidate_topk_blocks=2048, candidate_block_size=8,
+    n_routed_experts=384, n_shared_experts=1, n_activated_experts=6, moe_inter_dim=2304,
+    score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=10.0, norm_eps=1e-20,
+    hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, max_seq_len=1048576,
+    rope_theta=10000.0, compress_rope_theta=160000.0, rope_factor=16.0,
+    original_seq_len=65536, beta_fast=32, beta_slow=1, n_mtp_layers=3,
+)
+
+# Every mechanism in 8 layers: window-only (0); ratio-2 Full (1), Reuse (2), Reindex (3)
+# in the encoder; the CED stream at 4 (ratio 1, Full, candidate source), Reuse (5),
+# Reindex inside the candidate pool (6), Reuse (7) in the decoder. MoE and
+# hyper-connections on.
+_TINY = dict(
+    vocab_size=512, dim=64, n_layers=8, n_heads=4, head_dim=32, rope_head_dim=8,
+    q_lora_rank=32, o_groups=2, o_lora_rank=32, window_size=8,
+    compress_ratios=[0, 2, 2, 2, 1, 1, 1, 1],
+    kv_source_layers=[1, 4], index_source_layers=[1, 3, 4, 6],
+    index_n_heads=2, index_head_dim=32, index_topk=4,
+    candidate_source_layer=4, candidate_topk_blocks=2, candidate_block_size=2,
+    n_routed_experts=4, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=32,
+    score_func="sqrtsoftplus", route_scale=1.0, hc_mult=2, max_seq_len=512,
+    rope_factor=4.0, original_seq_len=128, n_encoder_layers=4,
+)
+
+# V4.1-Flash's exact layer pattern, head_dim, index_head_dim and window (so the cache
+# layout is the real one, 890 B/token) on a tiny, dense trunk.
+_V41_LAYOUT_SMALL = {
+    **_V41_FLASH,
+    **dict(
+        vocab_size=512, dim=64, n_heads=2, q_lora_rank=32, o_groups=1, o_lora_rank=32,
+        index_n_heads=2, n_routed_experts=0, n_activated_experts=0, moe_inter_dim=0,
+        inter_dim=128, hc_mult=1, norm_eps=1e-6, max_seq_len=65536, rope_factor=1.0,
+        original_seq_len=0, n_mtp_layers=0, compress_ratios=[0, 0] + [2] * 18 + [1] * 20,
+    ),
+}
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-v4.1-flash": _V41_FLASH,
+    "tiny": _TINY,
+    "v41-layout-small": _V41_LAYOUT_SMALL,
+}
+PRESETS = tuple(_PRESETS)
+
+
+def preset(name: str) -> ModelConfig:
+    """A named config: deepseek-v4.1-flash, tiny, v41-layout-small."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(_PRESETS)}")
+    return ModelConfig.from_dict(_PRESETS[name])

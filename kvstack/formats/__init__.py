@@ -1,0 +1,25 @@
+"""Bit-exact storage formats of the KV cache (DESIGN.md section 3)."""
+
+from kvstack.formats.quantize import (
+    FORMATS,
+    Format,
+    Quantized,
+    bytes_per_entry,
+    dequantize,
+    get_format,
+    pack_rows,
+    quantize,
+    unpack_rows,
+)
+
+__all__ = [
+    "FORMATS",
+    "Format",
+    "Quantized",
+    "bytes_per_entry",
+    "dequantize",
+    "get_format",
+    "pack_rows",
+    "quantize",
+    "unpack_rows",
+]

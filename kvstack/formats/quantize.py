@@ -1,0 +1,160 @@
+"""Block-scaled storage formats of the KV cache (DESIGN.md section 3), bit-exact.
+
+A quantised tensor is two uint8 tensors: `codes` (two E2M1 codes per byte, element 2i in
+the low nibble, or one E4M3 byte per element, or the raw little-endian bf16 bytes) and
+`scales` (one raw scale byte per block of the last dimension). The cache stores both in
+one packed row per entry: codes, then scales.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvstack.formats.codecs import (
+    E2M1_MAX,
+    E4M3_MAX,
+    ceil_log2_ratio,
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    e4m3_encode_sixth,
+    pow2,
+    ue8m0_decode,
+)
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    element: str  # "e2m1" | "e4m3" | "bf16"
+    block: int  # elements per scale; 1 for bf16, which has no scales
+    scale: str | None  # "e4m3" | "ue8m0" | None
+    # Largest magnitude stored without the dequantised value overflowing float32; None
+    # when the format saturates instead (fp4_e4m3_16 clamps at 6 * 448 by its rule).
+    max_magnitude: float | None
+
+    def code_bytes(self, d: int) -> int:
+        return {"e2m1": d // 2, "e4m3": d, "bf16": 2 * d}[self.element]
+
+    def scale_bytes(self, d: int) -> int:
+        return d // self.block if self.scale else 0
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("fp4_e4m3_16", "e2m1", 16, "e4m3", None),
+        # Above 6 * 2^125 the scale is 2^126 and codes 4 and 6 dequantise to infinity.
+        Format("fp4_ue8m0_32", "e2m1", 32, "ue8m0", 6 * 2.0**125),
+        # Above 448 * 2^119 the scale is 2^120 and 256 * 2^120 is infinity.
+        Format("fp8_ue8m0_32", "e4m3", 32, "ue8m0", 448 * 2.0**119),
+        Format("bf16", "bf16", 1, None, float(torch.finfo(torch.bfloat16).max)),
+    )
+}
+
+
+def get_format(fmt: str) -> Format:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown storage format {fmt!r}; known: {', '.join(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def _check_width(f: Format, d: int) -> None:
+    if d <= 0 or d % f.block or (f.element == "e2m1" and d % 2):
+        raise ValueError(
+            f"format {f.name}: width {d} is not a positive multiple of its block of {f.block}"
+        )
+
+
+def bytes_per_entry(fmt: str, d: int) -> int:
+    """Bytes one cache entry of width d occupies in format fmt (codes + scales)."""
+    f = get_format(fmt)
+    _check_width(f, d)
+    return f.code_bytes(d) + f.scale_bytes(d)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    fmt: str
+    codes: torch.Tensor  # uint8 [..., code_bytes(d)]
+    scales: torch.Tensor  # uint8 [..., d // block]; [..., 0] for bf16
+
+
+def quantize(x: torch.Tensor, fmt: str) -> Quantized:
+    """Quantise a float tensor [..., d] along its last dimension (computed in float32)."""
+    f = get_format(fmt)
+    if not torch.is_floating_point(x):
+        raise ValueError(f"format {fmt}: expected a float tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"format {fmt}: expected a tensor [..., d], got a scalar")
+    d = x.shape[-1]
+    _check_width(f, d)
+    x = x.to(torch.float32)
+    if x.numel():
+        magnitude = x.abs().amax().item()  # NaN if any element is NaN
+        if not math.isfinite(magnitude):
+            raise ValueError(f"format {fmt}: input holds NaN or infinite values")
+        if f.max_magnitude is not None and magnitude > f.max_magnitude:
+            raise ValueError(
+                f"format {fmt}: input magnitude {magnitude:.6g} is above {f.max_magnitude:.6g}, "
+                "the largest this format stores without overflowing float32"
+            )
+    if f.element == "bf16":
+        codes = x.to(torch.bfloat16).contiguous().view(torch.uint8)
+        return Quantized(fmt, codes, codes.new_empty((*x.shape[:-1], 0)))
+
+    blocks = x.reshape(*x.shape[:-1], d // f.block, f.block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    if f.scale == "e4m3":
+        scale_bytes = e4m3_encode_sixth(amax)
+        scale = e4m3_decode(scale_bytes)
+        scaled = (blocks / scale).clamp(-E2M1_MAX, E2M1_MAX)
+    else:
+        if f.element == "e2m1":
+            exponent = ceil_log2_ratio(amax.clamp(min=E2M1_MAX * 2.0**-126), E2M1_MAX)
+        else:
+            exponent = ceil_log2_ratio(amax.clamp(min=1e-4), E4M3_MAX)
+        scale_bytes = (exponent + 127).to(torch.uint8)
+        scaled = blocks / pow2(exponent)
+
+    if f.element == "e2m1":
+        nibbles = e2m1_encode(scaled).reshape(*x.shape[:-1], d // 2, 2)
+        codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    else:
+        codes = e4m3_encode(scaled).reshape(x.shape)
+    return Quantized(fmt, codes, scale_bytes.reshape(*x.shape[:-1], d // f.block))
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    """Float32 values [..., d] of a quantised tensor."""
+    f = get_format(q.fmt)
+    if f.element == "bf16":
+        return q.codes.contiguous().view(torch.bfloat16).to(torch.float32)
+    if f.element == "e2m1":
+        values = torch.stack((e2m1_decode(q.codes), e2m1_decode(q.codes >> 4)), dim=-1)
+    else:
+        values = e4m3_decode(q.codes)
+    n_blocks = q.scales.shape[-1]
+    values = values.reshape(*q.scales.shape, f.block)
+    scale = e4m3_decode(q.scales) if f.scale == "e4m3" else ue8m0_decode(q.scales)
+    return (values * scale.unsqueeze(-1)).reshape(*q.scales.shape[:-1], n_blocks * f.block)
+
+
+def pack_rows(q: Quantized) -> torch.Tensor:
+    """One uint8 row per entry, [..., bytes_per_entry]: codes then scales."""
+    return torch.cat((q.codes, q.scales), dim=-1)
+
+
+def unpack_rows(rows: torch.Tensor, fmt: str, d: int) -> Quantized:
+    """Split packed rows [..., bytes_per_entry(fmt, d)] back into codes and scales."""
+    f = get_format(fmt)
+    width = bytes_per_entry(fmt, d)
+    if rows.dtype != torch.uint8 or rows.dim() == 0 or rows.shape[-1] != width:
+        raise ValueError(
+            f"format {fmt}: packed rows of width {d} must be uint8 [..., {width}], "
+            f"got {rows.dtype} {list(rows.shape)}"
+        )
+    n_code = f.code_bytes(d)
+    return Quantized(fmt, rows[..., :n_code], rows[..., n_code:])

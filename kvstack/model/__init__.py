@@ -1,0 +1,1 @@
+"""The DeepSeek-V4.1 model family in PyTorch."""

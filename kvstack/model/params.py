@@ -1,0 +1,112 @@
+"""Every parameter of a model of the family, by name and shape, derived from its config.
+
+This is the model's parameter contract (DESIGN.md section 2): the module tree of
+`kvstack.model` creates exactly these tensors, and the planner counts them. The draft
+(MTP) layers are not part of the trunk and are not listed.
+"""
+
+import math
+from dataclasses import dataclass
+
+from kvstack.config import ModelConfig
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, c.dim)}
+    hc_dim = c.hc_mult * c.dim
+    n_mix = (2 + c.hc_mult) * c.hc_mult  # pre weights, post weights, residual mixing
+    for spec in c.layers:
+        p = f"layers.{spec.index}."
+        shapes[p + "attn_norm.weight"] = (c.dim,)
+        shapes[p + "ffn_norm.weight"] = (c.dim,)
+        if c.hc_mult > 1:
+            for site in ("attn", "ffn"):
+                shapes[p + f"hc_{site}_fn"] = (n_mix, hc_dim)
+                shapes[p + f"hc_{site}_base"] = (n_mix,)
+                shapes[p + f"hc_{site}_scale"] = (3,)
+        a = p + "attn."
+        shapes[a + "wq_a.weight"] = (c.q_lora_rank, c.dim)
+        shapes[a + "q_norm.weight"] = (c.q_lora_rank,)
+        shapes[a + "wq_b.weight"] = (c.n_heads * c.head_dim, c.q_lora_rank)
+        shapes[a + "wkv.weight"] = (c.head_dim, c.dim)
+        shapes[a + "kv_norm.weight"] = (c.head_dim,)
+        shapes[a + "sink"] = (c.n_heads,)
+        group_width = c.n_heads * c.head_dim // c.o_groups
+        shapes[a + "wo_a.weight"] = (c.o_groups * c.o_lora_rank, group_width)
+        shapes[a + "wo_b.weight"] = (c.dim, c.o_groups * c.o_lora_rank)
+        if spec.kv_source == spec.index:
+            k = a + "compressor."
+            shapes[k + "wkv.weight"] = (c.head_dim, c.dim)
+            if spec.ratio > 1:
+                shapes[k + "wgate.weight"] = (c.head_dim, c.dim)
+            shapes[k + "norm.weight"] = (c.head_dim,)
+            shapes[k + "wk_index.weight"] = (c.index_head_dim, c.head_dim)
+            shapes[k + "index_norm.weight"] = (c.index_head_dim,)
+        if spec.index_source == spec.index:
+            shapes[a + "indexer.wq.weight"] = (c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+            shapes[a + "indexer.wweights.weight"] = (c.index_n_heads, c.dim)
+        f = p + "ffn."
+        if c.uses_moe:
+            shapes[f + "gate.weight"] = (c.n_routed_experts, c.dim)
+            shapes[f + "gate.bias"] = (c.n_routed_experts,)
+            shapes[f + "experts.w1"] = (c.n_routed_experts, c.moe_inter_dim, c.dim)
+            shapes[f + "experts.w2"] = (c.n_routed_experts, c.dim, c.moe_inter_dim)
+            shapes[f + "experts.w3"] = (c.n_routed_experts, c.moe_inter_dim, c.dim)
+            shared = c.n_shared_experts * c.moe_inter_dim
+            if shared:
+                shapes[f + "shared.w1.weight"] = (shared, c.dim)
+                shapes[f + "shared.w2.weight"] = (c.dim, shared)
+                shapes[f + "shared.w3.weight"] = (shared, c.dim)
+        else:
+            shapes[f + "w1.weight"] = (c.inter_dim, c.dim)
+            shapes[f + "w2.weight"] = (c.dim, c.inter_dim)
+            shapes[f + "w3.weight"] = (c.inter_dim, c.dim)
+    if c.hc_mult > 1:
+        shapes["hc_head_fn"] = (c.hc_mult, hc_dim)
+        shapes["hc_head_base"] = (c.hc_mult,)
+        shapes["hc_head_scale"] = (1,)
+    shapes["norm.weight"] = (c.dim,)
+    shapes["head.weight"] = (c.vocab_size, c.dim)
+    return shapes
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # every trunk parameter
+    active_decode: int  # used for one decoded token (routed experts: only the chosen k)
+    active_prefill: int  # used for each prompt token under CED prefill
+
+
+def count_parameters(config: ModelConfig) -> ParamCounts:
+    """Total and active parameter counts.
+
+    Active per decoded token: everything but the routed experts a token is not sent to.
+    Active per prefilled token under CED: the embedding, the encoder layers, and the first
+    decoder layer's input mixing, norm and stream projections (the decoder runs over only
+    the last few prompt tokens, and the head over the last one). Without CED, every layer.
+    """
+    shapes = parameter_shapes(config)
+    expert_share = (
+        config.n_activated_experts / config.n_routed_experts if config.uses_moe else 1.0
+    )
+    enc = config.n_encoder_layers
+    stream_layer_prefixes = (
+        f"layers.{enc}.attn_norm.",
+        f"layers.{enc}.hc_attn_",
+        f"layers.{enc}.attn.compressor.",
+    )
+    total = 0
+    decode = prefill = 0.0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        active = n * expert_share if ".ffn.experts." in name else n
+        total += n
+        decode += active
+        if name.startswith("layers."):
+            layer = int(name.split(".")[1])
+            if enc == 0 or layer < enc or name.startswith(stream_layer_prefixes):
+                prefill += active
+        elif name == "embed.weight":
+            prefill += active
+    return ParamCounts(total, round(decode), round(prefill))

@@ -1,0 +1,171 @@
+"""The planner: layout, bytes per token, parameter counts, capacity and mechanism table."""
+
+import json
+import math
+
+import pytest
+
+from kvstack.cache.layout import CacheLayout
+from kvstack.cli import main
+from kvstack.config import PRESETS, preset
+from kvstack.formats import bytes_per_entry
+from kvstack.model.params import count_parameters, parameter_shapes
+from kvstack.plan import make_plan
+
+
+def test_v41_flash_is_890_bytes_per_token():
+    layout = CacheLayout.from_config(preset("deepseek-v4.1-flash"))
+    assert layout.bytes_per_token == 890
+    rows = [(s.layer, s.kind, s.fmt, s.width, s.ratio, s.entry_bytes) for s in layout.streams]
+    assert rows == [
+        (2, "kv", "fp4_e4m3_16", 512, 2, 288), (2, "index", "fp4_ue8m0_32", 128, 2, 68),
+        (8, "kv", "fp4_e4m3_16", 512, 2, 288), (8, "index", "fp4_ue8m0_32", 128, 2, 68),
+        (14, "kv", "fp4_e4m3_16", 512, 2, 288), (14, "index", "fp4_ue8m0_32", 128, 2, 68),
+        (20, "kv", "fp4_e4m3_16", 512, 1, 288), (20, "index", "fp4_ue8m0_32", 128, 1, 68),
+    ]
+    # One window ring per layer: 40 x 128 slots x 528 B; draft layers are not served.
+    assert layout.window_bytes_per_sequence == 40 * 128 * 528
+    assert CacheLayout.from_config(preset("v41-layout-small")).bytes_per_token == 890
+
+
+def test_bytes_follow_the_formats():
+    c = preset("deepseek-v4.1-flash").replace(kv_format="fp8_ue8m0_32")
+    per_token = CacheLayout.from_config(c).bytes_per_token
+    assert per_token == (3 / 2 + 1) * (bytes_per_entry("fp8_ue8m0_32", 512) + 68)
+
+
+def test_sequence_bytes_count_complete_groups_only():
+    layout = CacheLayout.from_config(preset("tiny"))
+    fixed = layout.window_bytes_per_sequence + layout.partial_bytes_per_sequence
+    # 5 tokens: 2 entries of the ratio-2 stream (layer 1), 5 of the ratio-1 stream (layer 4)
+    expected = 2 * (18 + 17) + 5 * (18 + 17) + fixed
+    assert layout.sequence_bytes(5) == expected
+
+
+def test_v41_flash_parameter_counts_match_the_published_figures():
+    p = count_parameters(preset("deepseek-v4.1-flash"))
+    assert 548e9 < p.total < 556e9  # "552B trunk, without Engram tables and draft layers"
+    assert 15.5e9 < p.active_decode < 17e9  # "16B active per decoded token"
+    assert 7.6e9 < p.active_prefill < 8.6e9  # "8B per prefilled token under CED"
+
+
+def test_parameter_shapes_follow_the_layer_modes():
+    c = preset("tiny")
+    shapes = parameter_shapes(c)
+    compressors = {int(n.split(".")[1]) for n in shapes if ".compressor.wkv." in n}
+    gates = {int(n.split(".")[1]) for n in shapes if ".compressor.wgate." in n}
+    indexers = {int(n.split(".")[1]) for n in shapes if ".indexer.wq." in n}
+    assert compressors == set(c.kv_source_layers)
+    assert gates == {i for i in c.kv_source_layers if c.compress_ratios[i] > 1}
+    assert indexers == set(c.index_source_layers)
+    p = count_parameters(c)
+    assert p.total == sum(math.prod(s) for s in shapes.values())
+    assert p.active_prefill < p.active_decode < p.total
+
+
+def test_without_ced_prefill_touches_every_layer():
+    c = preset("tiny")
+    with_ced = count_parameters(c)
+    without = count_parameters(c.replace(n_encoder_layers=0))
+    shapes = parameter_shapes(c)
+    head = math.prod(shapes["head.weight"]) + math.prod(shapes["norm.weight"])
+    head += sum(math.prod(s) for n, s in shapes.items() if n.startswith("hc_head"))
+    assert without.active_prefill == without.active_decode - head
+    assert with_ced.active_prefill < without.active_prefill
+
+
+def test_sequences_fit():
+    c = preset("deepseek-v4.1-flash")
+    plan = make_plan(c, "v41", context=131072, hbm_gib=80)
+    per_seq = CacheLayout.from_config(c).sequence_bytes(131072)
+    assert plan["bytes_per_sequence"] == per_seq
+    assert plan["sequences_fit"] == 80 * 2**30 // per_seq
+    assert "sequences_fit" not in make_plan(c, "v41", context=131072)
+
+
+def test_mechanism_table_for_v41_flash():
+    plan = make_plan(preset("deepseek-v4.1-flash"), "v41", context=65536, hbm_gib=80)
+    rows = {r["variant"]: r for r in plan["mechanisms"]}
+    assert rows["as configured"]["hbm_bytes_per_token"] == 890
+    # bf16: 3 sources x (1024 + 256) / 2 + (1024 + 256)
+    assert rows["bf16 cache"]["hbm_bytes_per_token"] == 3200
+    # every encoder compressed layer (2..19) its own ratio-2 source, plus the CED stream
+    assert rows["no sharing"]["hbm_bytes_per_token"] == 18 * 356 / 2 + 356
+    # every compressed decoder layer (20..39) its own ratio-1 source
+    assert rows["no CED"]["hbm_bytes_per_token"] == 3 * 356 / 2 + 20 * 356
+    window = rows["window persisted"]
+    assert window["hbm_bytes_per_token"] == 890
+    assert window["persistent_bytes_per_token"] == 890 + 40 * 528
+    assert rows["all four off"]["persistent_bytes_per_token"] == (
+        18 * 1280 / 2 + 20 * 1280 + 40 * 1024
+    )
+    for r in plan["mechanisms"][1:]:
+        assert r["sequences_fit"] <= rows["as configured"]["sequences_fit"]
+        assert r["hbm_ratio"] >= 1 and r["persistent_ratio"] > 1
+
+
+def test_mechanisms_a_config_does_not_use_get_no_row():
+    c = preset("tiny").replace(
+        n_encoder_layers=0, kv_format="bf16", index_format="bf16", window_format="bf16"
+    )
+    variants = [r["variant"] for r in make_plan(c, "t")["mechanisms"]]
+    assert "no CED" not in variants and "bf16 cache" not in variants
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_plan_json_has_the_documented_keys(name, capsys):
+    assert main(["plan", "--preset", name, "--context", "4096", "--hbm-gib", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("bytes_per_token", "streams", "window_bytes_per_sequence", "params_total",
+                "params_active_decode", "params_active_prefill", "sequences_fit",
+                "mechanisms", "basis"):
+        assert key in out
+    assert "computed from the config" in out["basis"]
+
+
+def test_plan_table_for_v41_flash(capsys):
+    assert main(["plan", "--preset", "deepseek-v4.1-flash", "--hbm-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "890 bytes/token" in out
+    assert "computed from the config" in out
+    assert "551.6B total" in out and "16.5B active per decoded token" in out
+    for variant in ("bf16 cache", "no sharing", "no CED", "window persisted", "all four off"):
+        assert variant in out
+
+
+def test_plan_from_a_config_file(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    preset("tiny").to_json(path)
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_token"] == 52.5  # (18 + 17) / 2 + (18 + 17)
+    assert out["context"] == preset("tiny").max_seq_len
+
+
+def test_plan_errors_are_clear(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"dim": ')
+    assert main(["plan", "--config", str(bad)]) == 2
+    assert "config.json: not valid JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--preset", "tiny", "--context", "-5"])
+    assert "must be a positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--preset", "tiny", "--hbm-gib", "0"])
+    assert "must be a positive number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan"])
+    assert "one of the arguments --preset --config is required" in capsys.readouterr().err
+
+
+def test_the_kvstack_command_is_installed():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = Path(sys.executable).parent / "kvstack"
+    result = subprocess.run(
+        [str(command), "plan", "--preset", "deepseek-v4.1-flash", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    assert json.loads(result.stdout)["bytes_per_token"] == 890
