@@ -129,7 +129,7 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         "compressed layer its own kv source (Full), the CED decoder stream aside. no CED: "
         "every compressed decoder layer its own kv source. window persisted: no bounded "
         "replay, so the disk tier keeps every token's window entry in every layer. "
-        "HBM B/tok: stream bytes per token; cache/seq adds one sequence's window rings "
+        "HBM B/tok: stream bytes per token; MiB/seq adds one sequence's window rings "
         "and partial groups; disk B/tok: what a saved session keeps per token.[/dim]"
     )
 
