@@ -142,6 +142,11 @@ def dequantize(q: Quantized) -> torch.Tensor:
     return (values * scale.unsqueeze(-1)).reshape(*q.scales.shape[:-1], n_blocks * f.block)
 
 
+def fake_quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The float32 values a store of format fmt hands back for x."""
+    return dequantize(quantize(x, fmt))
+
+
 def pack_rows(q: Quantized) -> torch.Tensor:
     """One uint8 row per entry, [..., bytes_per_entry]: codes then scales."""
     return torch.cat((q.codes, q.scales), dim=-1)

@@ -22,9 +22,9 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "ffn_norm.weight"] = (c.dim,)
         if c.hc_mult > 1:
             for site in ("attn", "ffn"):
-                shapes[p + f"hc_{site}_fn"] = (n_mix, hc_dim)
-                shapes[p + f"hc_{site}_base"] = (n_mix,)
-                shapes[p + f"hc_{site}_scale"] = (3,)
+                shapes[p + f"hc_{site}.fn"] = (n_mix, hc_dim)
+                shapes[p + f"hc_{site}.base"] = (n_mix,)
+                shapes[p + f"hc_{site}.scale"] = (3,)
         a = p + "attn."
         shapes[a + "wq_a.weight"] = (c.q_lora_rank, c.dim)
         shapes[a + "q_norm.weight"] = (c.q_lora_rank,)
@@ -93,7 +93,7 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
     enc = config.n_encoder_layers
     stream_layer_prefixes = (
         f"layers.{enc}.attn_norm.",
-        f"layers.{enc}.hc_attn_",
+        f"layers.{enc}.hc_attn.",
         f"layers.{enc}.attn.compressor.",
     )
     total = 0

@@ -1,0 +1,156 @@
+"""A contiguous cache that stores the real bytes: one preallocated buffer per stream.
+
+Every stream of `CacheLayout` is a uint8 buffer [B, capacity, bytes_per_entry] of packed
+rows (codes then scales, `kvstack.formats`); every window ring a circular uint8 buffer
+[B, window_size, bytes_per_entry] in the window format. No float copy of past tokens is
+kept, except the partial groups (float32 by design: DESIGN.md section 4). The paged
+engine implements the same interface over blocks.
+"""
+
+import torch
+
+from kvstack.cache.layout import CacheLayout
+from kvstack.cache.store import KVStore
+from kvstack.config import ModelConfig
+from kvstack.formats import bytes_per_entry, dequantize, pack_rows, quantize, unpack_rows
+
+
+class _Rows:
+    """Packed rows of one format and width, quantised on write, dequantised on read."""
+
+    def __init__(self, fmt: str, width: int, shape: tuple[int, int], device: torch.device):
+        self.fmt, self.width = fmt, width
+        entry = bytes_per_entry(fmt, width)
+        # [B, slots, bytes_per_entry]
+        self.data = torch.zeros(*shape, entry, dtype=torch.uint8, device=device)
+
+    def write(self, slots: torch.Tensor | slice, values: torch.Tensor) -> torch.Tensor:
+        q = quantize(values, self.fmt)
+        self.data[:, slots] = pack_rows(q)
+        return dequantize(q)
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        return dequantize(unpack_rows(rows, self.fmt, self.width))
+
+
+class ContiguousCache(KVStore):
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int = 1,
+        max_tokens: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(config, batch_size, device)
+        self.max_tokens = config.max_seq_len if max_tokens is None else max_tokens
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        self.layout = CacheLayout.from_config(config)
+        b, dev = batch_size, self.device
+        self._ids = torch.zeros(b, self.max_tokens, dtype=torch.long, device=dev)
+        self._n_tokens = 0
+        self._kv: dict[int, _Rows] = {}
+        self._keys: dict[int, _Rows] = {}
+        self._len: dict[int, int] = {}
+        for s in self.layout.streams:
+            rows = _Rows(s.fmt, s.width, (b, s.entries(self.max_tokens)), dev)
+            (self._kv if s.kind == "kv" else self._keys)[s.layer] = rows
+            self._len[s.layer] = 0
+        w = config.window_size
+        self._rings = {
+            r.layer: _Rows(r.fmt, r.width, (b, w), dev) for r in self.layout.window_rings
+        }
+        # Position held by each ring slot (slot = position % window_size); -1 = empty.
+        self._ring_pos = {
+            r.layer: torch.full((w,), -1, dtype=torch.long, device=dev)
+            for r in self.layout.window_rings
+        }
+        self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- tokens ----------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return self._n_tokens
+
+    def token_ids(self) -> torch.Tensor:
+        return self._ids[:, : self._n_tokens]
+
+    def append_tokens(self, ids: torch.Tensor) -> None:
+        n = ids.shape[1]
+        if self._n_tokens + n > self.max_tokens:
+            raise ValueError(
+                f"cache full: {self._n_tokens} + {n} tokens exceed its capacity of "
+                f"{self.max_tokens} tokens"
+            )
+        self._ids[:, self._n_tokens : self._n_tokens + n] = ids
+        self._n_tokens += n
+
+    # ---- window rings ------------------------------------------------------------------
+    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = self._ring_pos[layer]
+        slots = torch.nonzero(pos >= 0).flatten()
+        slots = slots[torch.argsort(pos[slots])]
+        ring = self._rings[layer]
+        return ring.read(ring.data[:, slots]), pos[slots]
+
+    def write_window(self, layer: int, entries: torch.Tensor, start: int) -> torch.Tensor:
+        w = self.config.window_size
+        positions = torch.arange(start, start + entries.shape[1], device=self.device)[-w:]
+        q = quantize(entries, self.config.window_format)
+        # A chunk longer than the ring still hands back all its entries: its own queries
+        # attend to the ones the ring will not keep.
+        self._rings[layer].data[:, positions % w] = pack_rows(q)[:, -w:]
+        self._ring_pos[layer][positions % w] = positions
+        return dequantize(q)
+
+    # ---- streams -----------------------------------------------------------------------
+    def stream_len(self, source: int) -> int:
+        return self._len[source]
+
+    def append_stream(
+        self, source: int, kv: torch.Tensor, index_keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start, n = self._len[source], kv.shape[1]
+        capacity = self._kv[source].data.shape[1]
+        if start + n > capacity:
+            raise ValueError(
+                f"cache full: the stream of layer {source} holds {capacity} entries"
+            )
+        slots = slice(start, start + n)
+        stored = self._kv[source].write(slots, kv), self._keys[source].write(slots, index_keys)
+        self._len[source] = start + n
+        return stored
+
+    def index_keys(self, source: int, stop: int) -> torch.Tensor:
+        rows = self._keys[source]
+        return rows.read(rows.data[:, :stop])
+
+    def all_kv(self, source: int, stop: int) -> torch.Tensor:
+        rows = self._kv[source]
+        return rows.read(rows.data[:, :stop])
+
+    def gather_kv(self, source: int, entries: torch.Tensor) -> torch.Tensor:
+        rows = self._kv[source]
+        batch = torch.arange(entries.shape[0], device=self.device).view(-1, 1, 1)
+        # Only the selected rows are dequantised.
+        return rows.read(rows.data[batch, entries])  # [B, q, k, head_dim]
+
+    # ---- partial groups ----------------------------------------------------------------
+    def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if source not in self._partial:
+            empty = torch.zeros(self.batch_size, 0, self.config.head_dim, device=self.device)
+            return empty, empty
+        return self._partial[source]
+
+    def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
+        self._partial[source] = (values.detach().float(), gate_logits.detach().float())
+
+    def drop_window_state(self) -> None:
+        for pos in self._ring_pos.values():
+            pos.fill_(-1)
+        self._partial.clear()
+
+    # ---- accounting --------------------------------------------------------------------
+    def stream_bytes_allocated(self) -> int:
+        """Bytes of the stream buffers actually allocated."""
+        return sum(r.data.numel() for r in (*self._kv.values(), *self._keys.values()))

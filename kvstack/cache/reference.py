@@ -1,0 +1,102 @@
+"""The reference store: float tensors that keep the autograd graph.
+
+Used by the reference forward (training and tests). Values pass through the configured
+format's quantise -> dequantise, so the reference sees the same numbers as a cache that
+stores bytes; the gradient goes straight through the rounding (straight-through
+estimator), so training learns the FP4 noise.
+"""
+
+import torch
+
+from kvstack.cache.store import KVStore
+from kvstack.config import ModelConfig
+from kvstack.formats import fake_quantize
+
+
+def straight_through(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fake_quantize(x) in the forward, identity in the backward."""
+    rounded = fake_quantize(x.detach(), fmt).to(x.dtype)
+    return x + (rounded - x).detach()
+
+
+class ReferenceStore(KVStore):
+    def __init__(
+        self, config: ModelConfig, batch_size: int, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__(config, batch_size, device)
+        self._tokens: list[torch.Tensor] = []
+        self._window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kv: dict[int, torch.Tensor] = {}
+        self._keys: dict[int, torch.Tensor] = {}
+        self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._n_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._n_tokens
+
+    def token_ids(self) -> torch.Tensor:
+        if not self._tokens:
+            return torch.zeros(self.batch_size, 0, dtype=torch.long, device=self.device)
+        return torch.cat(self._tokens, dim=1)
+
+    def append_tokens(self, ids: torch.Tensor) -> None:
+        self._tokens.append(ids)
+        self._n_tokens += ids.shape[1]
+
+    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self._window:
+            empty = torch.zeros(self.batch_size, 0, self.config.head_dim, device=self.device)
+            return empty, torch.zeros(0, dtype=torch.long, device=self.device)
+        return self._window[layer]
+
+    def write_window(self, layer: int, entries: torch.Tensor, start: int) -> torch.Tensor:
+        stored = straight_through(entries, self.config.window_format)
+        positions = torch.arange(start, start + entries.shape[1], device=entries.device)
+        old, old_pos = self.window(layer)
+        keep = old_pos < start
+        values = torch.cat((old[:, keep], stored), dim=1)
+        positions = torch.cat((old_pos[keep], positions))
+        w = self.config.window_size
+        self._window[layer] = (values[:, -w:], positions[-w:])
+        return stored
+
+    def stream_len(self, source: int) -> int:
+        return self._kv[source].shape[1] if source in self._kv else 0
+
+    def append_stream(
+        self, source: int, kv: torch.Tensor, index_keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = straight_through(kv, self.config.kv_format)
+        index_keys = straight_through(index_keys, self.config.index_format)
+        if source in self._kv:
+            self._kv[source] = torch.cat((self._kv[source], kv), dim=1)
+            self._keys[source] = torch.cat((self._keys[source], index_keys), dim=1)
+        else:
+            self._kv[source], self._keys[source] = kv, index_keys
+        return kv, index_keys
+
+    def index_keys(self, source: int, stop: int) -> torch.Tensor:
+        return self._keys[source][:, :stop]
+
+    def all_kv(self, source: int, stop: int) -> torch.Tensor:
+        return self._kv[source][:, :stop]
+
+    def gather_kv(self, source: int, entries: torch.Tensor) -> torch.Tensor:
+        kv = self._kv[source]  # [B, N, head_dim]
+        b, q, k = entries.shape
+        flat = entries.reshape(b, q * k, 1).expand(-1, -1, kv.shape[-1])
+        return torch.gather(kv, 1, flat).reshape(b, q, k, kv.shape[-1])
+
+    def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if source not in self._partial:
+            empty = torch.zeros(self.batch_size, 0, self.config.head_dim, device=self.device)
+            return empty, empty
+        return self._partial[source]
+
+    def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
+        self._partial[source] = (values, gate_logits)
+
+    def drop_window_state(self) -> None:
+        self._window.clear()
+        self._partial.clear()

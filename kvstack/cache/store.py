@@ -1,0 +1,93 @@
+"""The storage interface between attention layers and their caches.
+
+Attention layers never hold tensors of past tokens: they read and write a `KVStore`.
+Per layer, a window ring (the last `window_size` window entries, never persisted); per kv
+source, a KV stream and an indexer-key stream (one entry per `ratio` tokens, persistent)
+and, for ratio > 1, the partial group of tokens whose group is not complete yet (never
+persisted). A store returns what it will hand back later for the values written to it,
+so the current chunk sees exactly what later chunks will read (the quantised values).
+
+Stores hold a batch of sequences of equal length. Implementations:
+`kvstack.cache.reference.ReferenceStore` (float tensors with autograd, for the reference
+forward and training) and `kvstack.cache.contiguous.ContiguousCache` (packed bytes).
+"""
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvstack.config import ModelConfig
+
+
+class KVStore(ABC):
+    def __init__(
+        self, config: ModelConfig, batch_size: int, device: torch.device | str = "cpu"
+    ) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.config = config
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+
+    # ---- token ids: what replay re-runs ----------------------------------------------
+    @property
+    @abstractmethod
+    def num_tokens(self) -> int:
+        """Tokens each sequence holds (positions 0..num_tokens-1)."""
+
+    @abstractmethod
+    def token_ids(self) -> torch.Tensor:
+        """[B, num_tokens] int64."""
+
+    @abstractmethod
+    def append_tokens(self, ids: torch.Tensor) -> None:
+        """Record ids [B, n] as positions num_tokens..num_tokens+n-1."""
+
+    # ---- window rings ------------------------------------------------------------------
+    @abstractmethod
+    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring of `layer`: entries [B, m, head_dim] and their positions [m] (int64,
+        ascending, m <= window_size). Positions that were never written are absent."""
+
+    @abstractmethod
+    def write_window(self, layer: int, entries: torch.Tensor, start: int) -> torch.Tensor:
+        """Write entries [B, n, head_dim] at positions start..start+n-1, keeping the last
+        window_size; return the stored values [B, n, head_dim]."""
+
+    # ---- compressed streams ------------------------------------------------------------
+    @abstractmethod
+    def stream_len(self, source: int) -> int:
+        """Entries in the stream of kv source `source`."""
+
+    @abstractmethod
+    def append_stream(
+        self, source: int, kv: torch.Tensor, index_keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append kv [B, n, head_dim] and index_keys [B, n, index_head_dim]; return the
+        stored values of both."""
+
+    @abstractmethod
+    def index_keys(self, source: int, stop: int) -> torch.Tensor:
+        """Indexer keys of entries 0..stop-1: [B, stop, index_head_dim] float32."""
+
+    @abstractmethod
+    def all_kv(self, source: int, stop: int) -> torch.Tensor:
+        """KV entries 0..stop-1: [B, stop, head_dim] float32."""
+
+    @abstractmethod
+    def gather_kv(self, source: int, entries: torch.Tensor) -> torch.Tensor:
+        """KV entries by index: entries [B, q, k] (int64, all valid) -> [B, q, k, head_dim]."""
+
+    # ---- partial groups of ratio > 1 sources -------------------------------------------
+    @abstractmethod
+    def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected values and gate logits [B, m, head_dim] of the tokens after the
+        stream's last complete group (m < ratio)."""
+
+    @abstractmethod
+    def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
+        """Replace the partial group."""
+
+    @abstractmethod
+    def drop_window_state(self) -> None:
+        """Forget what is never persisted: every window ring and partial group."""

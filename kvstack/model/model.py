@@ -1,0 +1,697 @@
+"""The DeepSeek-V4.1 model family, top to bottom (DESIGN.md section 2).
+
+Shapes: B batch, n new tokens in this call, H heads of head_dim D (rope on the last R
+dims), N entries in a compressed stream, Hi indexer heads of width Di, h = hc_mult.
+
+Every call runs layers over a chunk of new tokens at positions p0..p0+n-1 against a
+`KVStore`, which holds everything about earlier tokens. The reference forward is one chunk
+of the whole sequence over a `ReferenceStore`; prefill, decode and replay are chunks over
+any store (a `ContiguousCache` stores the real bytes). One code path, so the cache and the
+reference cannot drift apart.
+"""
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kvstack.cache.reference import ReferenceStore
+from kvstack.cache.store import KVStore
+from kvstack.config import LayerSpec, Mode, ModelConfig
+from kvstack.model.params import parameter_shapes
+
+QUERY_BLOCK = 256  # queries scored at once: bounds the [block, keys] score matrices
+REPLAY_MODES = ("bounded", "exact")
+
+
+# ---- small pieces ---------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).type_as(x)
+
+
+def rope_frequencies(config: ModelConfig, compressed: bool) -> torch.Tensor:
+    """Inverse frequencies [R/2] (float64). Layers with a compressed stream use
+    compress_rope_theta, with YaRN when rope_factor > 1; window-only layers rope_theta."""
+    dim = config.rope_head_dim
+    base = config.compress_rope_theta if compressed else config.rope_theta
+    freqs = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if compressed and config.rope_factor > 1:
+        def correction(rotations: float) -> float:
+            return (dim * math.log(config.original_seq_len / (rotations * 2 * math.pi))
+                    / (2 * math.log(base)))
+        low = max(math.floor(correction(config.beta_fast)), 0)
+        high = min(math.ceil(correction(config.beta_slow)), dim - 1)
+        ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        keep = 1 - ramp.clamp(0, 1)  # 1: high frequencies kept, 0: low ones scaled down
+        freqs = freqs / config.rope_factor * (1 - keep) + freqs * keep
+    return freqs
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+           inverse: bool = False) -> torch.Tensor:
+    """RoPE on the last len(freqs)*2 dims of x [B, n, ..., width], pairs interleaved;
+    positions [n]. Angles in float64 so a position rotates the same in any chunk."""
+    rd = freqs.shape[0] * 2
+    angles = positions.to(torch.float64)[:, None] * freqs.to(positions.device)[None]
+    cos, sin = angles.cos().float(), angles.sin().float()
+    if inverse:
+        sin = -sin
+    shape = (1, positions.shape[0]) + (1,) * (x.dim() - 3) + (rd // 2,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    rest, rot = x[..., :-rd], x[..., -rd:].float()
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return torch.cat((rest, rotated.flatten(-2).type_as(x)), dim=-1)
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+           limit: float) -> torch.Tensor:
+    gate, up = F.linear(x, w1), F.linear(x, w3)
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+class DenseFFN(nn.Module):
+    def __init__(self, dim: int, inter_dim: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.w1.weight, self.w2.weight, self.w3.weight, self.limit)
+
+
+class Gate(nn.Module):
+    """Routing: top-k experts per token by score + bias (the bias only selects), weights
+    from the scores, renormalised over the chosen experts and scaled by route_scale."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.dim))
+        # Balanced by a rule outside backprop (the training issue), so no gradient.
+        self.bias = nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        func = self.config.score_func
+        if func == "softmax":
+            scores = logits.softmax(-1)
+        elif func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        chosen = (scores + self.bias).topk(self.config.n_activated_experts, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True) * self.config.route_scale
+        return weights, chosen
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, d, i = config.n_routed_experts, config.dim, config.moe_inter_dim
+        self.limit = config.swiglu_limit
+        self.gate = Gate(config)
+        self.experts = nn.ParameterDict({
+            "w1": nn.Parameter(torch.empty(e, i, d)),
+            "w2": nn.Parameter(torch.empty(e, d, i)),
+            "w3": nn.Parameter(torch.empty(e, i, d)),
+        })
+        shared = config.n_shared_experts * config.moe_inter_dim
+        self.shared = DenseFFN(d, shared, self.limit) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = self.gate(x)  # [T, k] each
+        out = torch.zeros_like(x)
+        w = self.experts
+        for e in torch.unique(chosen).tolist():
+            token, slot = torch.nonzero(chosen == e, as_tuple=True)
+            y = swiglu(x[token], w["w1"][e], w["w2"][e], w["w3"][e], self.limit)
+            out.index_add_(0, token, y * weights[token, slot, None].type_as(y))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+
+# ---- hyper-connections ----------------------------------------------------------------
+
+
+def hc_weights(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """Mixing logits from the h residual copies x [B, n, h, dim]: RMS-normalised, then
+    projected by fn [m, h*dim] -> [B, n, m]."""
+    flat = x.flatten(2).float()
+    return F.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+
+
+class HyperConnection(nn.Module):
+    """One sublayer's hyper-connection: `pre` mixes the h copies into the sublayer input,
+    `post` spreads the output back, and a doubly stochastic `comb` mixes the copies."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hc_mult
+        self.h, self.config = h, config
+        self.fn = nn.Parameter(torch.empty((2 + h) * h, h * config.dim))
+        self.base = nn.Parameter(torch.zeros((2 + h) * h))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, c = self.h, self.config
+        mix = hc_weights(x, self.fn, c.norm_eps)
+        pre = torch.sigmoid(mix[..., :h] * self.scale[0] + self.base[:h]) + c.hc_eps
+        post = 2 * torch.sigmoid(mix[..., h : 2 * h] * self.scale[1] + self.base[h : 2 * h])
+        comb = mix[..., 2 * h :].unflatten(-1, (h, h)) * self.scale[2]
+        comb = (comb + self.base[2 * h :].view(h, h)).softmax(-1) + c.hc_eps
+        comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
+        for _ in range(c.hc_sinkhorn_iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + c.hc_eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
+        y = (pre.unsqueeze(-1) * x.float()).sum(2)
+        return y.type_as(x), post, comb
+
+    @staticmethod
+    def post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
+             comb: torch.Tensor) -> torch.Tensor:
+        # copy i <- post_i * out + sum_k comb[k, i] * copy k
+        mixed = torch.einsum("bnki,bnkd->bnid", comb, x.float())
+        return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).type_as(x)
+
+
+# ---- attention ------------------------------------------------------------------------
+
+
+@dataclass
+class StepContext:
+    """What layers of one call hand to later layers for the same queries."""
+
+    dense: bool = False  # attend to every visible compressed entry (training warm-up)
+    collect: bool = False  # keep indexer scores and attention targets (indexer loss)
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B,n,k]
+    pool: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> blocks [B,n,kb]
+    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N]
+    attention_targets: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N]
+
+
+class Compressor(nn.Module):
+    """A kv source's stream: ratio 1, c_t = norm(W x_t); ratio r, each group of r tokens
+    pooled by a per-channel softmax gate. Entry j becomes its index key (from the
+    pre-RoPE entry) and is rotated at position j*r."""
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec, freqs: torch.Tensor) -> None:
+        super().__init__()
+        self.layer, self.ratio, self.freqs = spec.index, spec.ratio, freqs
+        d = config.head_dim
+        self.wkv = nn.Linear(config.dim, d, bias=False)
+        self.wgate = nn.Linear(config.dim, d, bias=False) if spec.ratio > 1 else None
+        self.norm = RMSNorm(d, config.norm_eps)
+        self.wk_index = nn.Linear(d, config.index_head_dim, bias=False)
+        self.index_norm = RMSNorm(config.index_head_dim, config.norm_eps)
+
+    def forward(self, x: torch.Tensor, start: int, store: KVStore) -> None:
+        """Append the entries that tokens start..start+n-1 complete. Tokens the store
+        already covers (replay over persisted streams) are skipped."""
+        r = self.ratio
+        partial_values, partial_gates = store.partial(self.layer)
+        covered = store.stream_len(self.layer) * r + partial_values.shape[1]
+        if covered < start:
+            raise ValueError(
+                f"layer {self.layer}: its stream covers {covered} tokens but the chunk "
+                f"starts at position {start}"
+            )
+        x = x[:, covered - start :]
+        if x.shape[1] == 0:
+            return
+        values = torch.cat((partial_values.type_as(x), self.wkv(x)), dim=1)  # [B, m, D]
+        if r == 1:
+            pooled = values
+        else:
+            gates = torch.cat((partial_gates.type_as(x), self.wgate(x)), dim=1)
+            n_full = values.shape[1] // r
+            store.set_partial(self.layer, values[:, n_full * r :], gates[:, n_full * r :])
+            v = values[:, : n_full * r].unflatten(1, (n_full, r))
+            g = gates[:, : n_full * r].unflatten(1, (n_full, r)).float().softmax(dim=2)
+            pooled = (v * g.type_as(v)).sum(2)  # [B, n_full, D]
+            if n_full == 0:
+                return
+        first = store.stream_len(self.layer)
+        positions = (first + torch.arange(pooled.shape[1], device=x.device)) * r
+        entries = self.norm(pooled)
+        keys = rotate(self.index_norm(self.wk_index(entries)), positions, self.freqs)
+        store.append_stream(self.layer, rotate(entries, positions, self.freqs), keys)
+
+
+class Indexer(nn.Module):
+    """Scores every visible entry of the stream for each query; publishes a top-k."""
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec, freqs: torch.Tensor) -> None:
+        super().__init__()
+        self.config, self.spec, self.freqs = config, spec, freqs
+        hi, di = config.index_n_heads, config.index_head_dim
+        self.wq = nn.Linear(config.q_lora_rank, hi * di, bias=False)
+        self.wweights = nn.Linear(config.dim, hi, bias=False)
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
+               keys: torch.Tensor) -> torch.Tensor:
+        """score(t, j) = sum_h w_th relu(q_th . k_j), invisible entries -inf: [B, n, N]."""
+        c = self.config
+        hi, di = c.index_n_heads, c.index_head_dim
+        q = rotate(self.wq(qr).unflatten(-1, (hi, di)), positions, self.freqs)
+        w = self.wweights(x).float() * (di**-0.5 * hi**-0.5)  # [B, n, Hi]
+        s = torch.einsum("bnhd,bkd->bnhk", q.float(), keys.float()).relu()
+        s = torch.einsum("bnhk,bnh->bnk", s, w)
+        visible = torch.arange(keys.shape[1], device=x.device) < _visible(positions, self.spec)
+        return s.masked_fill(~visible, float("-inf"))
+
+
+def _visible(positions: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """Entries visible to each query [n, 1]: j < (t+1) // r, its group complete."""
+    return ((positions + 1) // spec.ratio)[:, None]
+
+
+def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, spec: LayerSpec,
+                     config: ModelConfig) -> torch.Tensor:
+    """Per query, its candidate pool as block indices: scores [B, q, N] -> [B, q, kb].
+    Blocks of candidate_block_size entries score their max; the block holding the newest
+    visible entry is always kept; the best candidate_topk_blocks blocks form the pool."""
+    bs = config.candidate_block_size
+    total = scores.shape[-1]
+    n_blocks = -(-total // bs)
+    padded = F.pad(scores, (0, n_blocks * bs - total), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (n_blocks, bs)).amax(-1)  # [B, q, blocks]
+    newest = _visible(positions, spec).squeeze(1) - 1  # [q]
+    has = newest >= 0
+    block_scores[:, has, newest[has] // bs] = float("inf")
+    keep = min(config.candidate_topk_blocks, n_blocks)
+    return torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[..., :keep]
+
+
+def pool_mask(blocks: torch.Tensor, total: int, config: ModelConfig) -> torch.Tensor:
+    """Block indices [B, q, kb] -> the entries they hold, bool [B, q, total]."""
+    bs = config.candidate_block_size
+    n_blocks = -(-total // bs)
+    in_pool = torch.zeros(*blocks.shape[:2], n_blocks, dtype=torch.bool, device=blocks.device)
+    in_pool.scatter_(-1, blocks, True)
+    return in_pool.repeat_interleave(bs, dim=-1)[..., :total]
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best entries per query in ascending position, -1 for missing ones (fewer
+    visible than k). Ties go to the earlier entry, so every chunking selects alike."""
+    k = min(k, scores.shape[-1])
+    values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    chosen = order[..., :k].masked_fill(values[..., :k] == float("-inf"), scores.shape[-1])
+    chosen = chosen.sort(dim=-1).values
+    return chosen.masked_fill(chosen == scores.shape[-1], -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        c = config
+        self.config, self.spec = c, spec
+        self.freqs = rope_frequencies(c, compressed=spec.ratio > 0)
+        self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.head_dim, bias=False)
+        self.wkv = nn.Linear(c.dim, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, c.norm_eps)
+        self.sink = nn.Parameter(torch.zeros(c.n_heads))
+        self.wo_a = nn.Linear(c.n_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank,
+                              bias=False)  # block-diagonal: one [o_lora, H/G * D] per group
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.dim, bias=False)
+        full = spec.mode is Mode.FULL
+        self.compressor = Compressor(c, spec, self.freqs) if full else None
+        own_index = spec.mode in (Mode.FULL, Mode.REINDEX)
+        self.indexer = Indexer(c, spec, self.freqs) if own_index else None
+
+    def forward(self, x: torch.Tensor, start: int, store: KVStore,
+                ctx: StepContext) -> torch.Tensor:
+        c, spec = self.config, self.spec
+        b, n, _ = x.shape
+        positions = torch.arange(start, start + n, device=x.device)
+        qr = self.q_norm(self.wq_a(x))
+        q = rotate(self.wq_b(qr).unflatten(-1, (c.n_heads, c.head_dim)), positions, self.freqs)
+        window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        past, past_positions = store.window(spec.index)
+        window = torch.cat((past.type_as(window), store.write_window(spec.index, window, start)), 1)
+        window_positions = torch.cat((past_positions, positions))
+
+        if self.compressor is not None:
+            self.compressor(x, start, store)
+        n_entries = store.stream_len(spec.kv_source) if spec.ratio else 0
+        keys = store.index_keys(spec.kv_source, n_entries) if self.indexer else None
+        all_kv = store.all_kv(spec.kv_source, n_entries) if spec.ratio and ctx.dense else None
+        # Query blocks end to end (score, pool, top-k, attend), so no [n, N] matrix is
+        # ever whole unless `collect` asks for the scores.
+        outs, topks, pools, scores = [], [], [], []
+        for i in range(0, n, QUERY_BLOCK):
+            block = slice(i, i + QUERY_BLOCK)
+            selected = None  # [B, q, k] entry indices, -1 for none; None = all visible
+            if self.indexer is not None:
+                s = self.indexer.scores(x[:, block], qr[:, block], positions[block], keys)
+                if spec.is_candidate_source:
+                    pools.append(candidate_blocks(s, positions[block], spec, c))
+                elif spec.uses_candidates:
+                    in_pool = pool_mask(ctx.pool[spec.kv_source][:, block], n_entries, c)
+                    s = s.masked_fill(~in_pool, float("-inf"))
+                scores.append(s)
+                topks.append(select_topk(s, c.index_topk))
+            if spec.ratio and not ctx.dense:
+                selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
+            outs.append(self._attend(q[:, block], positions[block], window, window_positions,
+                                     store, all_kv, selected, ctx, n_entries))
+        if topks:
+            ctx.topk[spec.index] = torch.cat(topks, dim=1)
+            if ctx.collect:
+                ctx.index_scores[spec.index] = torch.cat(scores, dim=1)
+        if pools:
+            ctx.pool[spec.kv_source] = torch.cat(pools, dim=1)
+        out = torch.cat(outs, dim=1)  # [B, n, H, D]
+        out = rotate(out, positions, self.freqs, inverse=True)
+        groups = out.reshape(b, n, c.o_groups, -1)
+        wo_a = self.wo_a.weight.unflatten(0, (c.o_groups, c.o_lora_rank))
+        return self.wo_b(torch.einsum("bngd,grd->bngr", groups, wo_a).flatten(2))
+
+    def _attend(self, q: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
+                window_positions: torch.Tensor, store: KVStore, all_kv: torch.Tensor | None,
+                selected: torch.Tensor | None, ctx: StepContext,
+                n_entries: int) -> torch.Tensor:
+        """One softmax, with the sink, over the window and the chosen compressed entries
+        for queries q [B, q, H, D] at `positions`."""
+        c, spec = self.config, self.spec
+        scale = c.head_dim**-0.5
+        t, s = positions[:, None], window_positions[None, :]
+        in_window = (s <= t) & (s > t - c.window_size)  # [q, m]
+        seen = torch.nonzero(in_window.any(0)).flatten()  # drop keys no query of the block sees
+        lo, hi = int(seen[0]), int(seen[-1]) + 1
+        window, in_window = window[:, lo:hi], in_window[:, lo:hi]
+        logits = [torch.einsum("bqhd,bkd->bhqk", q.float(), window.float()) * scale]
+        logits[0] = logits[0].masked_fill(~in_window, float("-inf"))
+        entries = None
+        if spec.ratio and all_kv is not None:
+            entries = all_kv  # [B, N, D]
+            visible = torch.arange(n_entries, device=q.device) < _visible(positions, spec)
+            logits.append(torch.einsum("bqhd,bkd->bhqk", q.float(), entries.float()) * scale)
+            logits[1] = logits[1].masked_fill(~visible, float("-inf"))
+        elif spec.ratio and selected is not None and selected.shape[-1]:
+            entries = store.gather_kv(spec.kv_source, selected.clamp(min=0))  # [B, q, k, D]
+            logits.append(torch.einsum("bqhd,bqkd->bhqk", q.float(), entries.float()) * scale)
+            logits[1] = logits[1].masked_fill((selected < 0)[:, None], float("-inf"))
+        sink = self.sink.float().view(1, -1, 1, 1).expand(*logits[0].shape[:3], 1)
+        probs = torch.cat([*logits, sink], dim=-1).softmax(-1)
+        m = window.shape[1]
+        out = torch.einsum("bhqk,bkd->bqhd", probs[..., :m], window.float())
+        if entries is not None:
+            p = probs[..., m:-1]
+            if entries.dim() == 3:
+                out = out + torch.einsum("bhqk,bkd->bqhd", p, entries.float())
+            else:
+                out = out + torch.einsum("bhqk,bqkd->bqhd", p, entries.float())
+            if ctx.collect and self.indexer is not None:
+                self._collect_target(p, selected, n_entries, ctx)
+        return out.type_as(q)
+
+    def _collect_target(self, p: torch.Tensor, selected: torch.Tensor | None,
+                        n_entries: int, ctx: StepContext) -> None:
+        """The attention distribution over compressed entries, summed over heads and
+        renormalised, without gradient: the indexer's training target [B, q, N]."""
+        p = p.detach().sum(1)  # [B, q, k]
+        if selected is not None:
+            full = p.new_zeros(*p.shape[:2], n_entries + 1)
+            index = selected.masked_fill(selected < 0, n_entries)
+            p = full.scatter_add_(-1, index, p)[..., :n_entries]
+        target = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
+        prev = ctx.attention_targets.get(self.spec.index)
+        ctx.attention_targets[self.spec.index] = (
+            target if prev is None else torch.cat((prev, target), dim=1)
+        )
+
+
+# ---- the stack ------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config, spec)
+        self.ffn = (MoE(config) if config.uses_moe
+                    else DenseFFN(config.dim, config.inter_dim, config.swiglu_limit))
+        self.hc_attn = HyperConnection(config) if config.hc_mult > 1 else None
+        self.hc_ffn = HyperConnection(config) if config.hc_mult > 1 else None
+
+    def forward(self, x: torch.Tensor, start: int, store: KVStore,
+                ctx: StepContext) -> torch.Tensor:
+        """x: [B, n, dim], or [B, n, h, dim] with hyper-connections."""
+        if self.hc_attn is None:
+            x = x + self.attn(self.attn_norm(x), start, store, ctx)
+            return x + self.ffn(self.ffn_norm(x))
+        y, post, comb = self.hc_attn.pre(x)
+        x = self.hc_attn.post(self.attn(self.attn_norm(y), start, store, ctx), x, post, comb)
+        y, post, comb = self.hc_ffn.pre(x)
+        return self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb)
+
+    def write_stream(self, x: torch.Tensor, start: int, store: KVStore) -> None:
+        """Only this layer's compressed stream, for tokens no later layer runs on (the
+        CED decoder's stream during prefill)."""
+        y = x if self.hc_attn is None else self.hc_attn.pre(x)[0]
+        self.attn.compressor(self.attn_norm(y), start, store)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, vocab]
+    index_scores: dict[int, torch.Tensor]  # index source layer -> [B, T, N] (collect=True)
+    attention_targets: dict[int, torch.Tensor]  # index source layer -> [B, T, N]
+
+
+class Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        self.embed = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(Block(c, spec) for spec in c.layers)
+        if c.hc_mult > 1:
+            self.hc_head_fn = nn.Parameter(torch.empty(c.hc_mult, c.hc_mult * c.dim))
+            self.hc_head_base = nn.Parameter(torch.zeros(c.hc_mult))
+            self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style: normal(0.02) weights, residual outputs scaled by 1/sqrt(2 L)."""
+        out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith(("norm.weight", "scale")):
+                    p.fill_(1.0)
+                elif name.endswith(("base", "sink", "gate.bias")):
+                    p.zero_()
+                else:
+                    residual_out = name.endswith(("wo_b.weight", "w2.weight", ".w2"))
+                    p.normal_(0.0, out_std if residual_out else 0.02)
+
+    # ---- running layers over a chunk ---------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        if self.config.hc_mult > 1:
+            x = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.hc_mult > 1:
+            mix = hc_weights(x, self.hc_head_fn, self.config.norm_eps)
+            pre = torch.sigmoid(mix * self.hc_head_scale + self.hc_head_base) + self.config.hc_eps
+            x = (pre.unsqueeze(-1) * x.float()).sum(2).type_as(x)
+        return self.head(self.norm(x)).float()
+
+    def _run(self, x: torch.Tensor, start: int, store: KVStore, layers: range,
+             ctx: StepContext | None = None) -> torch.Tensor:
+        ctx = ctx or StepContext()
+        for i in layers:
+            x = self.layers[i](x, start, store, ctx)
+        return x
+
+    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"token ids must be an integer tensor [batch, seq], got "
+                             f"{ids.dtype} {list(ids.shape)}")
+        if ids.shape[1] == 0:
+            raise ValueError("no tokens: the prompt is empty")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}, got "
+                             f"{int(ids.min())}..{int(ids.max())}")
+        return ids.long().to(self.embed.weight.device)
+
+    # ---- reference forward -------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, dense: bool = False,
+                collect: bool = False) -> ModelOutput:
+        """Every layer over every token. `dense`: attend to all visible compressed
+        entries (the warm-up); `collect`: also return indexer scores and targets."""
+        ids = self._check_ids(input_ids)
+        if ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"{ids.shape[1]} tokens exceed max_seq_len "
+                             f"{self.config.max_seq_len}")
+        store = ReferenceStore(self.config, ids.shape[0], ids.device)
+        ctx = StepContext(dense=dense, collect=collect)
+        x = self._run(self._embed(ids), 0, store, range(self.config.n_layers), ctx)
+        return ModelOutput(self._logits(x), ctx.index_scores, ctx.attention_targets)
+
+    # ---- incremental -------------------------------------------------------------------
+    def decoder_span(self, replay: str) -> int:
+        """Tokens the decoder re-runs: window (bounded) or L_dec (window-1) + 1 (exact)."""
+        _check_replay(replay)
+        w = self.config.window_size
+        return w if replay == "bounded" else self.config.n_decoder_layers * (w - 1) + 1
+
+    def encoder_span(self, replay: str) -> int:
+        """Tokens the layers that run over the whole prompt (the encoder; every layer
+        without CED) re-run to rebuild their rings and partial groups: window (bounded),
+        or, exact, enough for their own rings (L_enc (window-1) + 1) and for the exact
+        encoder output the decoder span reads (the decoder span - 1 more)."""
+        _check_replay(replay)
+        c, w = self.config, self.config.window_size
+        if replay == "bounded":
+            return w
+        head = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
+        tail = self.decoder_span(replay) - 1 if c.n_encoder_layers else 0
+        return head * (w - 1) + 1 + tail
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, cache: KVStore, replay: str = "bounded",
+                chunk_size: int = 512) -> torch.Tensor:
+        """CED prefill of input_ids [B, n] after what the cache holds; last logits [B, V].
+
+        The encoder runs over every token, the decoder's stream is written for every token,
+        and the decoder layers run over the last `decoder_span` tokens only. Without CED
+        every layer runs over every token."""
+        _check_replay(replay)
+        ids = self._check_ids(input_ids)
+        self._check_room(cache, ids)
+        c = self.config
+        start, n = cache.num_tokens, ids.shape[1]
+        cache.append_tokens(ids)
+        enc = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
+        span = min(self.decoder_span(replay), n) if c.n_encoder_layers else 0
+        tail = []  # encoder output of the decoder span
+        x = None
+        for i in range(0, n, chunk_size):
+            x = self._run(self._embed(ids[:, i : i + chunk_size]), start + i, cache, range(enc))
+            if c.n_encoder_layers:
+                self.layers[enc].write_stream(x, start + i, cache)
+                keep = max(0, n - span - i)
+                if keep < x.shape[1]:
+                    tail.append(x[:, keep:])
+        if c.n_encoder_layers:
+            x = self._run_chunked(torch.cat(tail, dim=1), start + n - span, cache,
+                                  range(enc, c.n_layers), chunk_size)
+        return self._logits(x[:, -1:])[:, 0]
+
+    @torch.no_grad()
+    def decode(self, token_ids: torch.Tensor, cache: KVStore) -> torch.Tensor:
+        """One new token per sequence, token_ids [B]; logits [B, V]."""
+        ids = self._check_ids(token_ids.reshape(-1, 1))
+        self._check_room(cache, ids)
+        start = cache.num_tokens
+        cache.append_tokens(ids)
+        x = self._run(self._embed(ids), start, cache, range(self.config.n_layers))
+        return self._logits(x)[:, 0]
+
+    @torch.no_grad()
+    def rebuild_window(self, cache: KVStore, replay: str = "bounded",
+                       chunk_size: int = 512) -> torch.Tensor:
+        """Rebuild every window ring and partial group from the persisted streams by
+        re-running the last tokens (nothing new is written to the streams); returns the
+        last position's logits [B, V]."""
+        c = self.config
+        n = cache.num_tokens
+        if n == 0:
+            raise ValueError("the cache holds no tokens to replay")
+        cache.drop_window_state()
+        enc = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
+        longest_partial = max((s.ratio - 1 for s in c.layers), default=0)
+        span = min(n, max(self.encoder_span(replay), longest_partial))
+        ids = cache.token_ids()[:, n - span :]
+        x = self._run_chunked(self._embed(ids), n - span, cache, range(enc), chunk_size)
+        if c.n_encoder_layers:
+            dec_span = min(self.decoder_span(replay), span)
+            x = self._run_chunked(x[:, span - dec_span :], n - dec_span, cache,
+                                  range(enc, c.n_layers), chunk_size)
+        return self._logits(x[:, -1:])[:, 0]
+
+    def _run_chunked(self, x: torch.Tensor, start: int, store: KVStore, layers: range,
+                     chunk_size: int) -> torch.Tensor:
+        return torch.cat([
+            self._run(x[:, i : i + chunk_size], start + i, store, layers)
+            for i in range(0, x.shape[1], chunk_size)
+        ], dim=1)
+
+    def _check_room(self, cache: KVStore, ids: torch.Tensor) -> None:
+        if cache.batch_size != ids.shape[0]:
+            raise ValueError(f"the cache holds {cache.batch_size} sequences, got a batch of "
+                             f"{ids.shape[0]}")
+        total = cache.num_tokens + ids.shape[1]
+        if total > self.config.max_seq_len:
+            raise ValueError(f"{total} tokens exceed max_seq_len {self.config.max_seq_len}")
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path) -> None:
+        """config.json + model.safetensors."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.to_json(directory / "config.json")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path,
+                        device: torch.device | str = "cpu") -> "Model":
+        directory = Path(directory)
+        config = ModelConfig.from_json(directory / "config.json")
+        weights = directory / "model.safetensors"
+        try:
+            state = load_file(str(weights), device=str(device))
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"checkpoint {weights}: cannot load ({e})") from e
+        expected = parameter_shapes(config)
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {weights} does not match {directory / 'config.json'}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, shape in expected.items():
+            if tuple(state[name].shape) != shape:
+                raise ValueError(f"checkpoint {weights}: {name} has shape "
+                                 f"{list(state[name].shape)}, the config needs {list(shape)}")
+        model = cls(config).to(device)
+        model.load_state_dict(state)
+        return model
+
+
+def _check_replay(replay: str) -> None:
+    if replay not in REPLAY_MODES:
+        raise ValueError(f"replay must be one of {', '.join(REPLAY_MODES)}, got {replay!r}")
