@@ -1,0 +1,361 @@
+"""The model: reference forward, CED prefill, decode, replay, layer modes, checkpoints."""
+
+import copy
+
+import pytest
+import torch
+
+from kvstack.cache.contiguous import ContiguousCache
+from kvstack.cache.layout import CacheLayout
+from kvstack.config import Mode, ModelConfig, preset
+from kvstack.model.model import Gate, Model, rope_frequencies
+from kvstack.model.params import count_parameters, parameter_shapes
+
+BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
+TOL = 2e-5  # float32 rounding across different chunkings; logits here are ~0.2 in scale
+
+
+def make_model(config: ModelConfig | None = None, seed: int = 0) -> Model:
+    torch.manual_seed(seed)
+    return Model(config or preset("tiny")).eval()
+
+
+def tokens(batch: int, n: int, seed: int = 1, vocab: int = 512) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = p_logits.detach().log_softmax(-1)
+    return float((p.exp() * (p - q_logits.detach().log_softmax(-1))).sum(-1).max())
+
+
+# ---- the parameter contract -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny", "v41-layout-small"])
+def test_parameters_are_exactly_the_contract(name):
+    c = preset(name)
+    model = Model(c)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == parameter_shapes(c)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(c).total
+
+
+def test_v41_flash_builds_with_the_planned_parameter_count():
+    c = preset("deepseek-v4.1-flash")
+    with torch.device("meta"):
+        model = Model(c)
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(c).total
+
+
+def test_layer_modes_own_what_they_should():
+    c = preset("tiny")
+    model = Model(c)
+    for spec, block in zip(c.layers, model.layers, strict=True):
+        attn = block.attn
+        names = {n for n, _ in attn.named_parameters()}
+        if spec.mode is Mode.FULL:
+            assert attn.compressor is not None and attn.indexer is not None
+        elif spec.mode is Mode.REINDEX:
+            assert attn.compressor is None and attn.indexer is not None
+            assert not any(n.startswith("compressor.") for n in names)
+        else:  # Reuse and window-only layers own no stream and no indexer
+            assert attn.compressor is None and attn.indexer is None
+            assert not any(n.startswith(("compressor.", "indexer.")) for n in names)
+
+
+# ---- the reference forward ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_causality(dense):
+    model = make_model()
+    ids = tokens(2, 64)
+    base = model(ids, dense=dense).logits
+    for t in (0, 5, 17, 40):
+        changed = ids.clone()
+        changed[:, t + 1 :] = tokens(2, 63 - t, seed=t + 7)
+        logits = model(changed, dense=dense).logits
+        assert torch.allclose(logits[:, : t + 1], base[:, : t + 1], atol=1e-6, rtol=0), t
+        assert not torch.allclose(logits[:, t + 1 :], base[:, t + 1 :], atol=1e-4)
+
+
+def test_compressed_entries_are_visible_only_once_their_group_is_complete():
+    model = make_model()
+    out = model(tokens(1, 48), dense=True, collect=True)
+    for layer in (1, 3, 4, 6):
+        ratio = preset("tiny").compress_ratios[layer]
+        scores, target = out.index_scores[layer][0], out.attention_targets[layer][0]
+        t = torch.arange(48)[:, None]
+        j = torch.arange(scores.shape[-1])[None, :]
+        visible = j < (t + 1) // ratio
+        assert torch.all(torch.isinf(scores[~visible]))
+        assert torch.all(target[~visible] == 0)
+        assert torch.all(target[visible] > 0)  # dense: every visible entry is attended
+    # Sparse attention respects the same rule.
+    target = model(tokens(1, 48), collect=True).attention_targets[1][0]
+    j = torch.arange(target.shape[-1])[None, :]
+    assert torch.all(target[j >= (torch.arange(48)[:, None] + 1) // 2] == 0)
+
+
+def test_sparse_attention_uses_at_most_index_topk_entries():
+    c = preset("tiny")
+    out = make_model(c)(tokens(1, 80), collect=True)
+    for layer, target in out.attention_targets.items():
+        assert int((target[0] > 0).sum(-1).max()) <= c.index_topk, layer
+
+
+def test_candidate_pool_restricts_later_index_sources(monkeypatch):
+    """Plant entry 30 as the best entry for layer 6 (which indexes inside the candidate
+    pool of layer 4) while layer 4 scores it lowest and favours entry 10: layer 6 must not
+    select entry 30 once its block is out of the pool, and must select a planted entry
+    that is in the pool."""
+    c = preset("tiny")  # pool: 2 blocks of 2 entries; layer 4 is the candidate source
+    model = make_model(c)
+    source, consumer = model.layers[4].attn.indexer, model.layers[6].attn.indexer
+
+    def planted(indexer, boosts):
+        original = indexer.scores
+
+        def scores(*args):
+            s = original(*args)
+            for entry, value in boosts.items():
+                s[..., entry] = torch.where(torch.isinf(s[..., entry]), s[..., entry], value)
+            return s
+
+        monkeypatch.setattr(indexer, "scores", scores)
+
+    planted(source, {10: 1e6, 30: -1e6})
+    planted(consumer, {30: 1e9})
+    target = model(tokens(1, 64), collect=True).attention_targets
+    # Queries from 32 on: entry 30's block is neither the best block nor the newest one.
+    assert torch.all(target[6][0, 32:, 30] == 0)
+    assert torch.all(target[6][0, 32:, 10] > 0)  # the pool's planted block is selected
+
+    monkeypatch.undo()
+    planted(source, {10: 1e6})
+    planted(consumer, {11: 1e9})  # entry 11 shares entry 10's block: in the pool
+    target = model(tokens(1, 64), collect=True).attention_targets
+    assert torch.all(target[6][0, 32:, 11] > 0)
+
+
+# ---- incremental = reference ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("formats", ["bf16", "fp4"])
+def test_prefill_then_decode_reproduces_the_reference(formats):
+    c = preset("tiny").replace(**BF16) if formats == "bf16" else preset("tiny")
+    model = make_model(c)
+    ids = tokens(2, 60)
+    reference = model(ids).logits
+    cache = ContiguousCache(c, batch_size=2, max_tokens=64)
+    logits = model.prefill(ids[:, :45], cache, replay="exact", chunk_size=16)
+    assert (logits - reference[:, 44]).abs().max() < TOL
+    for t in range(45, 60):
+        logits = model.decode(ids[:, t], cache)
+        assert (logits - reference[:, t]).abs().max() < TOL, t
+
+
+def test_quantised_formats_change_the_logits():
+    # The FP4 path is not the bf16 path in disguise.
+    ids = tokens(1, 40)
+    fp4 = make_model(preset("tiny"))(ids).logits
+    bf16 = make_model(preset("tiny").replace(**BF16))(ids).logits
+    assert (fp4 - bf16).abs().max() > 1e-3
+
+
+def test_chunked_prefill_continues_an_existing_cache():
+    model = make_model()
+    ids = tokens(1, 90)
+    reference = model(ids).logits
+    cache = ContiguousCache(model.config, max_tokens=90)
+    model.prefill(ids[:, :50], cache, replay="exact", chunk_size=13)
+    logits = model.prefill(ids[:, 50:], cache, replay="exact", chunk_size=13)
+    assert (logits - reference[:, -1]).abs().max() < TOL
+
+
+def test_exact_replay_prefill_equals_the_reference_far_beyond_its_span():
+    model = make_model()
+    n = 8 * model.decoder_span("exact")
+    ids = tokens(1, n)
+    reference = model(ids).logits[:, -1]
+    logits = model.prefill(ids, ContiguousCache(model.config, max_tokens=n), replay="exact")
+    assert (logits - reference).abs().max() < TOL
+
+
+def test_bounded_replay_differs_only_past_the_window():
+    model = make_model()
+    w = model.config.window_size
+    for n, differs in ((w, False), (w // 2, False), (12 * w, True)):
+        ids = tokens(1, n, seed=n)
+        reference = model(ids).logits[:, -1]
+        cache = ContiguousCache(model.config, max_tokens=n)
+        divergence = kl(reference, model.prefill(ids, cache, replay="bounded"))
+        if differs:
+            assert divergence > 1e-7, divergence
+        else:
+            assert divergence < 1e-9, divergence
+
+
+def test_replay_spans():
+    v41 = Model.__new__(Model)
+    v41.config = preset("deepseek-v4.1-flash")
+    assert v41.decoder_span("bounded") == 128
+    assert v41.decoder_span("exact") == 20 * 127 + 1
+    assert v41.encoder_span("bounded") == 128
+    assert v41.encoder_span("exact") == 20 * 127 + 1 + 20 * 127
+    with pytest.raises(ValueError, match="replay must be one of bounded, exact"):
+        v41.decoder_span("full")
+
+
+# ---- rebuilding the window state ------------------------------------------------------
+
+
+def stream_bytes(cache: ContiguousCache) -> dict[str, torch.Tensor]:
+    rows = {f"kv{k}": r.data.clone() for k, r in cache._kv.items()}
+    rows |= {f"keys{k}": r.data.clone() for k, r in cache._keys.items()}
+    return rows | {f"len{k}": torch.tensor(n) for k, n in cache._len.items()}
+
+
+def test_rebuild_window_exact_restores_the_next_token_logits():
+    model = make_model()
+    ids = tokens(2, 130)
+    cache = ContiguousCache(model.config, batch_size=2, max_tokens=140)
+    model.prefill(ids[:, :120], cache, replay="exact")
+    streams_before = stream_bytes(cache)
+
+    dropped = copy.deepcopy(cache)
+    dropped.drop_window_state()
+    stale = copy.deepcopy(dropped)
+    model.rebuild_window(dropped, replay="exact")
+    after = stream_bytes(dropped)  # replay wrote nothing to the streams
+    assert after.keys() == streams_before.keys()
+    assert all(torch.equal(after[k], streams_before[k]) for k in after)
+
+    for t in range(120, 125):
+        kept, rebuilt = model.decode(ids[:, t], cache), model.decode(ids[:, t], dropped)
+        assert (kept - rebuilt).abs().max() < TOL, t
+    # Without the rebuild, the dropped state does change the logits.
+    assert (model.decode(ids[:, 120], stale) - model(ids[:, :121]).logits[:, -1]).abs().max() > 1e-4
+
+
+def test_rebuild_window_bounded_is_close_but_approximate():
+    model = make_model()
+    ids = tokens(1, 200)
+    cache = ContiguousCache(model.config, max_tokens=200)
+    model.prefill(ids, cache, replay="exact")
+    reference = model(ids).logits[:, -1]
+    cache.drop_window_state()
+    divergence = kl(reference, model.rebuild_window(cache, replay="bounded"))
+    assert 1e-9 < divergence < 0.1
+
+
+# ---- the byte store -------------------------------------------------------------------
+
+
+def test_contiguous_cache_holds_bytes_not_floats():
+    c = preset("tiny")
+    model = make_model(c)
+    cache = ContiguousCache(c, max_tokens=100)
+    model.prefill(tokens(1, 99), cache)
+    layout = CacheLayout.from_config(c)
+    assert cache.stream_bytes_allocated() == layout.stream_bytes(100)
+    for rows in (*cache._kv.values(), *cache._keys.values(), *cache._rings.values()):
+        assert rows.data.dtype == torch.uint8
+    for values, gates in cache._partial.values():  # ratio 2: at most one pending token
+        assert values.shape[1] <= 1 and gates.shape[1] <= 1
+    assert cache.stream_len(1) == 49 and cache.stream_len(4) == 99
+
+
+# ---- pieces ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("func", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_gate_bias_selects_but_does_not_weigh(func):
+    c = preset("tiny").replace(score_func=func, route_scale=2.0)
+    gate = Gate(c)
+    torch.nn.init.normal_(gate.weight)
+    x = torch.randn(16, c.dim)
+    weights, _ = gate(x)
+    assert torch.allclose(weights.sum(-1), torch.full((16,), 2.0))
+    with torch.no_grad():
+        gate.bias[3] = 1e4
+    weights, chosen = gate(x)
+    assert torch.all((chosen == 3).any(-1))
+    logits = x @ gate.weight.T
+    scores = {"softmax": logits.softmax(-1), "sigmoid": logits.sigmoid(),
+              "sqrtsoftplus": torch.nn.functional.softplus(logits).sqrt()}[func]
+    picked = scores.gather(-1, chosen)
+    assert torch.allclose(weights, 2.0 * picked / picked.sum(-1, keepdim=True), atol=1e-6)
+
+
+def test_yarn_scales_only_the_low_frequencies():
+    c = preset("tiny")
+    plain = rope_frequencies(c.replace(rope_factor=1.0, original_seq_len=0), compressed=True)
+    yarn = rope_frequencies(c, compressed=True)
+    assert torch.allclose(yarn[0], plain[0])  # fastest rotation untouched
+    assert torch.allclose(yarn[-1], plain[-1] / c.rope_factor)
+    window_only = rope_frequencies(c, compressed=False)
+    assert torch.allclose(window_only, 1 / c.rope_theta ** (torch.arange(0, 8, 2) / 8).double())
+
+
+def test_hyper_connection_mixing_is_doubly_stochastic():
+    model = make_model()
+    x = torch.randn(1, 5, 2, model.config.dim)
+    _, post, comb = model.layers[0].hc_attn.pre(x)
+    assert torch.allclose(comb.sum(-1), torch.ones(1, 5, 2), atol=1e-3)
+    assert torch.allclose(comb.sum(-2), torch.ones(1, 5, 2), atol=1e-3)
+    assert torch.all((post > 0) & (post < 2))
+
+
+# ---- checkpoints and bad input --------------------------------------------------------
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = make_model()
+    model.save_pretrained(tmp_path)
+    loaded = Model.from_pretrained(tmp_path).eval()
+    ids = tokens(1, 20)
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_bad_checkpoints_are_refused_naming_the_file(tmp_path):
+    make_model().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[:8] = b"\xff" * 8
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model\.safetensors: cannot load"):
+        Model.from_pretrained(tmp_path)
+
+    make_model().save_pretrained(tmp_path)
+    preset("tiny").replace(dim=96).to_json(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"embed\.weight has shape \[512, 64\], the config needs"):
+        Model.from_pretrained(tmp_path)
+
+    preset("tiny").replace(n_routed_experts=0, n_activated_experts=0, inter_dim=32).to_json(
+        tmp_path / "config.json")
+    with pytest.raises(ValueError, match="does not match"):
+        Model.from_pretrained(tmp_path)
+
+
+def test_bad_input_is_refused_clearly():
+    model = make_model()
+    cache = ContiguousCache(model.config, max_tokens=16)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        model.prefill(torch.zeros(1, 0, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match=r"token ids must lie in 0\.\.511"):
+        model.prefill(torch.tensor([[1, 512]]), cache)
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="cache holds 1 sequences, got a batch of 2"):
+        model.prefill(tokens(2, 4), cache)
+    with pytest.raises(ValueError, match="replay must be one of"):
+        model.prefill(tokens(1, 4), cache, replay="full")
+    with pytest.raises(ValueError, match="cache full"):
+        model.prefill(tokens(1, 17), cache)
+    assert cache.num_tokens == 0  # nothing was half-written by the refusals
+    too_long = model.config.max_seq_len + 1
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        model(tokens(1, too_long))
+    with pytest.raises(ValueError, match="no tokens to replay"):
+        model.rebuild_window(cache)
