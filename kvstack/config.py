@@ -8,6 +8,7 @@ are resolved here, once, into `ModelConfig.layers`; nothing else re-derives them
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -95,6 +96,10 @@ class ModelConfig:
     kv_format: str = "fp4_e4m3_16"
     index_format: str = "fp4_ue8m0_32"
     window_format: str = "fp8_ue8m0_32"
+    # "v41", or "dense": the control, a plain decoder-only transformer whose every layer
+    # keeps its own GQA keys and values (n_kv_heads heads, kv_format) for every token.
+    arch: str = "v41"
+    n_kv_heads: int = 0
     layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +113,7 @@ class ModelConfig:
         if self.n_encoder_layers is None:
             object.__setattr__(self, "n_encoder_layers", _implied_encoder_layers(self))
         _validate_scalars(self)
+        _validate_arch(self)
         object.__setattr__(self, "layers", _resolve_layers(self))
 
     # ---- derived facts -------------------------------------------------------------
@@ -228,6 +234,22 @@ def _validate_scalars(c: ModelConfig) -> None:
             bytes_per_entry(getattr(c, key), width)
         except ValueError as e:
             raise ValueError(f"config key {key}: {e}") from e
+
+
+def _validate_arch(c: ModelConfig) -> None:
+    if c.arch == "v41":
+        if c.n_kv_heads:
+            raise ValueError("config key n_kv_heads: only the dense control (arch dense) has it")
+        return
+    if c.arch != "dense":
+        raise ValueError(f"config key arch = {c.arch!r}: must be v41 or dense")
+    if not 0 < c.n_kv_heads <= c.n_heads or c.n_heads % c.n_kv_heads:
+        raise ValueError(f"config key n_kv_heads = {c.n_kv_heads}: the dense control needs a "
+                         f"positive divisor of n_heads ({c.n_heads})")
+    compressed = [i for i, r in enumerate(c.compress_ratios) if r]
+    if compressed or c.kv_source_layers or c.index_source_layers or c.n_encoder_layers:
+        raise ValueError("config key arch = 'dense': the dense control has no compressed "
+                         "layers, kv or index sources, or CED split")
 
 
 def _resolve_layers(c: ModelConfig) -> tuple[LayerSpec, ...]:
@@ -376,16 +398,33 @@ _V41_LAYOUT_SMALL = {
     ),
 }
 
-_PRESETS: dict[str, dict[str, Any]] = {
-    "deepseek-v4.1-flash": _V41_FLASH,
-    "tiny": _TINY,
-    "v41-layout-small": _V41_LAYOUT_SMALL,
+def dense_control(config: ModelConfig) -> ModelConfig:
+    """The dense control of a model: same vocabulary, width, depth, heads and FFN, with
+    ordinary per-layer GQA keys and values in bf16 (one KV head per 8 query heads), full
+    RoPE, no compression, no CED, no hyper-connections."""
+    return config.replace(
+        arch="dense", n_kv_heads=max(1, config.n_heads // 8),
+        compress_ratios=[0] * config.n_layers, n_mtp_layers=0,
+        kv_source_layers=[], index_source_layers=[], candidate_source_layer=None,
+        n_encoder_layers=0, rope_head_dim=config.head_dim, index_head_dim=config.head_dim,
+        rope_factor=1.0, original_seq_len=0, hc_mult=1,
+        kv_format="bf16", index_format="bf16", window_format="bf16",
+    )
+
+
+_PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "deepseek-v4.1-flash": lambda: ModelConfig.from_dict(_V41_FLASH),
+    "tiny": lambda: ModelConfig.from_dict(_TINY),
+    "v41-layout-small": lambda: ModelConfig.from_dict(_V41_LAYOUT_SMALL),
+    "dense-v4.1-flash": lambda: dense_control(preset("deepseek-v4.1-flash")),
+    "dense-tiny": lambda: dense_control(preset("tiny")),
 }
 PRESETS = tuple(_PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
-    """A named config: deepseek-v4.1-flash, tiny, v41-layout-small."""
+    """A named config: deepseek-v4.1-flash, tiny, v41-layout-small, and the dense
+    controls dense-v4.1-flash and dense-tiny."""
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(_PRESETS)}")
-    return ModelConfig.from_dict(_PRESETS[name])
+    return _PRESETS[name]()

@@ -211,8 +211,8 @@ def test_replay_spans():
 
 
 def stream_bytes(cache: ContiguousCache) -> dict[str, torch.Tensor]:
-    rows = {f"kv{k}": r.data.clone() for k, r in cache._kv.items()}
-    rows |= {f"keys{k}": r.data.clone() for k, r in cache._keys.items()}
+    rows = {f"{layer}{kind}": r.data.clone()
+            for layer, streams in cache._streams.items() for kind, r in streams.items()}
     return rows | {f"len{k}": torch.tensor(n) for k, n in cache._len.items()}
 
 
@@ -259,7 +259,8 @@ def test_contiguous_cache_holds_bytes_not_floats():
     model.prefill(tokens(1, 99), cache)
     layout = CacheLayout.from_config(c)
     assert cache.stream_bytes_allocated() == layout.stream_bytes(100)
-    for rows in (*cache._kv.values(), *cache._keys.values(), *cache._rings.values()):
+    streams = [r for kinds in cache._streams.values() for r in kinds.values()]
+    for rows in (*streams, *cache._rings.values()):
         assert rows.data.dtype == torch.uint8
     for values, gates in cache._partial.values():  # ratio 2: at most one pending token
         assert values.shape[1] <= 1 and gates.shape[1] <= 1

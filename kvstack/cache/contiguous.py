@@ -2,7 +2,8 @@
 
 Every stream of `CacheLayout` is a uint8 buffer [B, capacity, bytes_per_entry] of packed
 rows (codes then scales, `kvstack.formats`); every window ring a circular uint8 buffer
-[B, window_size, bytes_per_entry] in the window format. No float copy of past tokens is
+[B, window_size, bytes_per_entry] in the window format. It serves the dense control too
+(its per-layer "k" and "v" streams, no rings). No float copy of past tokens is
 kept, except the partial groups (float32 by design: DESIGN.md section 4). The paged
 engine implements the same interface over blocks.
 """
@@ -10,12 +11,12 @@ engine implements the same interface over blocks.
 import torch
 
 from kvstack.cache.layout import CacheLayout
-from kvstack.cache.store import KVStore
+from kvstack.cache.store import KVStore, TokenLog
 from kvstack.config import ModelConfig
 from kvstack.formats import bytes_per_entry, dequantize, pack_rows, quantize, unpack_rows
 
 
-class _Rows:
+class PackedRows:
     """Packed rows of one format and width, quantised on write, dequantised on read."""
 
     def __init__(self, fmt: str, width: int, shape: tuple[int, int], device: torch.device):
@@ -43,22 +44,18 @@ class ContiguousCache(KVStore):
     ) -> None:
         super().__init__(config, batch_size, device)
         self.max_tokens = config.max_seq_len if max_tokens is None else max_tokens
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         self.layout = CacheLayout.from_config(config)
         b, dev = batch_size, self.device
-        self._ids = torch.zeros(b, self.max_tokens, dtype=torch.long, device=dev)
-        self._n_tokens = 0
-        self._kv: dict[int, _Rows] = {}
-        self._keys: dict[int, _Rows] = {}
+        self._tokens = TokenLog(b, self.max_tokens, dev)
+        self._streams: dict[int, dict[str, PackedRows]] = {}  # layer -> kind -> rows
         self._len: dict[int, int] = {}
         for s in self.layout.streams:
-            rows = _Rows(s.fmt, s.width, (b, s.entries(self.max_tokens)), dev)
-            (self._kv if s.kind == "kv" else self._keys)[s.layer] = rows
+            rows = PackedRows(s.fmt, s.width, (b, s.entries(self.max_tokens)), dev)
+            self._streams.setdefault(s.layer, {})[s.kind] = rows
             self._len[s.layer] = 0
         w = config.window_size
         self._rings = {
-            r.layer: _Rows(r.fmt, r.width, (b, w), dev) for r in self.layout.window_rings
+            r.layer: PackedRows(r.fmt, r.width, (b, w), dev) for r in self.layout.window_rings
         }
         # Position held by each ring slot (slot = position % window_size); -1 = empty.
         self._ring_pos = {
@@ -70,20 +67,13 @@ class ContiguousCache(KVStore):
     # ---- tokens ----------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return self._n_tokens
+        return self._tokens.count
 
     def token_ids(self) -> torch.Tensor:
-        return self._ids[:, : self._n_tokens]
+        return self._tokens.ids[:, : self._tokens.count]
 
     def append_tokens(self, ids: torch.Tensor) -> None:
-        n = ids.shape[1]
-        if self._n_tokens + n > self.max_tokens:
-            raise ValueError(
-                f"cache full: {self._n_tokens} + {n} tokens exceed its capacity of "
-                f"{self.max_tokens} tokens"
-            )
-        self._ids[:, self._n_tokens : self._n_tokens + n] = ids
-        self._n_tokens += n
+        self._tokens.append(ids)
 
     # ---- window rings ------------------------------------------------------------------
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,36 +94,32 @@ class ContiguousCache(KVStore):
         return dequantize(q)
 
     # ---- streams -----------------------------------------------------------------------
-    def stream_len(self, source: int) -> int:
-        return self._len[source]
+    def stream_len(self, layer: int) -> int:
+        return self._len[layer]
 
     def append_stream(
-        self, source: int, kv: torch.Tensor, index_keys: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        start, n = self._len[source], kv.shape[1]
-        capacity = self._kv[source].data.shape[1]
+        self, layer: int, entries: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        start = self._len[layer]
+        n = next(iter(entries.values())).shape[1]
+        streams = self._streams[layer]
+        capacity = next(iter(streams.values())).data.shape[1]
         if start + n > capacity:
-            raise ValueError(
-                f"cache full: the stream of layer {source} holds {capacity} entries"
-            )
-        slots = slice(start, start + n)
-        stored = self._kv[source].write(slots, kv), self._keys[source].write(slots, index_keys)
-        self._len[source] = start + n
+            raise ValueError(f"cache full: the streams of layer {layer} hold {capacity} entries")
+        stored = {kind: streams[kind].write(slice(start, start + n), x)
+                  for kind, x in entries.items()}
+        self._len[layer] = start + n
         return stored
 
-    def index_keys(self, source: int, stop: int) -> torch.Tensor:
-        rows = self._keys[source]
+    def read_stream(self, layer: int, kind: str, stop: int) -> torch.Tensor:
+        rows = self._streams[layer][kind]
         return rows.read(rows.data[:, :stop])
 
-    def all_kv(self, source: int, stop: int) -> torch.Tensor:
-        rows = self._kv[source]
-        return rows.read(rows.data[:, :stop])
-
-    def gather_kv(self, source: int, entries: torch.Tensor) -> torch.Tensor:
-        rows = self._kv[source]
+    def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
+        rows = self._streams[layer][kind]
         batch = torch.arange(entries.shape[0], device=self.device).view(-1, 1, 1)
         # Only the selected rows are dequantised.
-        return rows.read(rows.data[batch, entries])  # [B, q, k, head_dim]
+        return rows.read(rows.data[batch, entries])  # [B, q, k, width]
 
     # ---- partial groups ----------------------------------------------------------------
     def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,4 +139,4 @@ class ContiguousCache(KVStore):
     # ---- accounting --------------------------------------------------------------------
     def stream_bytes_allocated(self) -> int:
         """Bytes of the stream buffers actually allocated."""
-        return sum(r.data.numel() for r in (*self._kv.values(), *self._keys.values()))
+        return sum(r.data.numel() for streams in self._streams.values() for r in streams.values())

@@ -2,7 +2,8 @@
 
 DESIGN.md section 4. Per kv source, two persistent streams (the KV stream and the indexer
 keys), one entry per `ratio` tokens. Per sequence and never persisted: a window ring per
-layer, and each ratio>1 source's partial group. The planner prints this layout; the paged
+layer, and each ratio>1 source's partial group. The dense control has two streams per
+layer (keys and values of its KV heads) and nothing else. The planner prints this layout; the paged
 engine allocates its pools from it and measures what it allocated against it.
 """
 
@@ -20,7 +21,7 @@ PARTIAL_GROUP_ELEMENT_BYTES = 4
 @dataclass(frozen=True)
 class Stream:
     layer: int  # the kv source that writes it
-    kind: str  # "kv" | "index"
+    kind: str  # "kv" | "index"; the dense control's per-layer "k" | "v"
     fmt: str
     width: int
     ratio: int
@@ -69,6 +70,13 @@ class CacheLayout:
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> "CacheLayout":
+        if config.arch == "dense":
+            width = config.n_kv_heads * config.head_dim
+            return cls(
+                tuple(Stream(i, kind, config.kv_format, width, 1)
+                      for i in range(config.n_layers) for kind in ("k", "v")),
+                (), (),
+            )
         streams = []
         partial = []
         for spec in config.layers:

@@ -8,6 +8,7 @@ estimator), so training learns the FP4 noise.
 
 import torch
 
+from kvstack.cache.layout import CacheLayout
 from kvstack.cache.store import KVStore
 from kvstack.config import ModelConfig
 from kvstack.formats import fake_quantize
@@ -26,8 +27,8 @@ class ReferenceStore(KVStore):
         super().__init__(config, batch_size, device)
         self._tokens: list[torch.Tensor] = []
         self._window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._kv: dict[int, torch.Tensor] = {}
-        self._keys: dict[int, torch.Tensor] = {}
+        self._streams: dict[int, dict[str, torch.Tensor]] = {}  # layer -> kind -> [B, N, w]
+        self._formats = {(s.layer, s.kind): s.fmt for s in CacheLayout.from_config(config).streams}
         self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._n_tokens = 0
 
@@ -61,32 +62,28 @@ class ReferenceStore(KVStore):
         self._window[layer] = (values[:, -w:], positions[-w:])
         return stored
 
-    def stream_len(self, source: int) -> int:
-        return self._kv[source].shape[1] if source in self._kv else 0
+    def stream_len(self, layer: int) -> int:
+        streams = self._streams.get(layer)
+        return next(iter(streams.values())).shape[1] if streams else 0
 
     def append_stream(
-        self, source: int, kv: torch.Tensor, index_keys: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = straight_through(kv, self.config.kv_format)
-        index_keys = straight_through(index_keys, self.config.index_format)
-        if source in self._kv:
-            self._kv[source] = torch.cat((self._kv[source], kv), dim=1)
-            self._keys[source] = torch.cat((self._keys[source], index_keys), dim=1)
-        else:
-            self._kv[source], self._keys[source] = kv, index_keys
-        return kv, index_keys
+        self, layer: int, entries: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        stored = {kind: straight_through(x, self._formats[layer, kind])
+                  for kind, x in entries.items()}
+        streams = self._streams.setdefault(layer, {})
+        for kind, x in stored.items():
+            streams[kind] = torch.cat((streams[kind], x), dim=1) if kind in streams else x
+        return stored
 
-    def index_keys(self, source: int, stop: int) -> torch.Tensor:
-        return self._keys[source][:, :stop]
+    def read_stream(self, layer: int, kind: str, stop: int) -> torch.Tensor:
+        return self._streams[layer][kind][:, :stop]
 
-    def all_kv(self, source: int, stop: int) -> torch.Tensor:
-        return self._kv[source][:, :stop]
-
-    def gather_kv(self, source: int, entries: torch.Tensor) -> torch.Tensor:
-        kv = self._kv[source]  # [B, N, head_dim]
+    def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
+        stream = self._streams[layer][kind]  # [B, N, width]
         b, q, k = entries.shape
-        flat = entries.reshape(b, q * k, 1).expand(-1, -1, kv.shape[-1])
-        return torch.gather(kv, 1, flat).reshape(b, q, k, kv.shape[-1])
+        flat = entries.reshape(b, q * k, 1).expand(-1, -1, stream.shape[-1])
+        return torch.gather(stream, 1, flat).reshape(b, q, k, stream.shape[-1])
 
     def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
         if source not in self._partial:

@@ -7,7 +7,8 @@ and, for ratio > 1, the partial group of tokens whose group is not complete yet 
 persisted). A store returns what it will hand back later for the values written to it,
 so the current chunk sees exactly what later chunks will read (the quantised values).
 
-Stores hold a batch of sequences of equal length. Implementations:
+Stores hold a batch of sequences of equal length; formats and widths come from
+`CacheLayout`. Implementations:
 `kvstack.cache.reference.ReferenceStore` (float tensors with autograd, for the reference
 forward and training) and `kvstack.cache.contiguous.ContiguousCache` (packed bytes).
 """
@@ -54,29 +55,28 @@ class KVStore(ABC):
         """Write entries [B, n, head_dim] at positions start..start+n-1, keeping the last
         window_size; return the stored values [B, n, head_dim]."""
 
-    # ---- compressed streams ------------------------------------------------------------
+    # ---- streams (persistent, one entry per `ratio` tokens) ---------------------------
+    # A layer's streams are the kinds of CacheLayout.streams for that layer: "kv" and
+    # "index" for a kv source, "k" and "v" for each layer of the dense control. They grow
+    # together, one entry of each kind at a time.
     @abstractmethod
-    def stream_len(self, source: int) -> int:
-        """Entries in the stream of kv source `source`."""
+    def stream_len(self, layer: int) -> int:
+        """Entries in the streams of `layer`."""
 
     @abstractmethod
     def append_stream(
-        self, source: int, kv: torch.Tensor, index_keys: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append kv [B, n, head_dim] and index_keys [B, n, index_head_dim]; return the
-        stored values of both."""
+        self, layer: int, entries: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Append entries [B, n, width] to each stream of `layer` (by kind); return the
+        stored values of each."""
 
     @abstractmethod
-    def index_keys(self, source: int, stop: int) -> torch.Tensor:
-        """Indexer keys of entries 0..stop-1: [B, stop, index_head_dim] float32."""
+    def read_stream(self, layer: int, kind: str, stop: int) -> torch.Tensor:
+        """Entries 0..stop-1 of one stream: [B, stop, width] float32."""
 
     @abstractmethod
-    def all_kv(self, source: int, stop: int) -> torch.Tensor:
-        """KV entries 0..stop-1: [B, stop, head_dim] float32."""
-
-    @abstractmethod
-    def gather_kv(self, source: int, entries: torch.Tensor) -> torch.Tensor:
-        """KV entries by index: entries [B, q, k] (int64, all valid) -> [B, q, k, head_dim]."""
+    def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
+        """Entries by index: entries [B, q, k] (int64, all valid) -> [B, q, k, width]."""
 
     # ---- partial groups of ratio > 1 sources -------------------------------------------
     @abstractmethod
@@ -91,3 +91,23 @@ class KVStore(ABC):
     @abstractmethod
     def drop_window_state(self) -> None:
         """Forget what is never persisted: every window ring and partial group."""
+
+
+class TokenLog:
+    """The token ids of a batch of sequences, in a preallocated buffer."""
+
+    def __init__(self, batch_size: int, max_tokens: int, device: torch.device) -> None:
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        self.ids = torch.zeros(batch_size, max_tokens, dtype=torch.long, device=device)
+        self.count = 0
+
+    def append(self, ids: torch.Tensor) -> None:
+        n = ids.shape[1]
+        if self.count + n > self.ids.shape[1]:
+            raise ValueError(
+                f"cache full: {self.count} + {n} tokens exceed its capacity of "
+                f"{self.ids.shape[1]} tokens"
+            )
+        self.ids[:, self.count : self.count + n] = ids
+        self.count += n

@@ -258,7 +258,8 @@ class Compressor(nn.Module):
         positions = (first + torch.arange(pooled.shape[1], device=x.device)) * r
         entries = self.norm(pooled)
         keys = rotate(self.index_norm(self.wk_index(entries)), positions, self.freqs)
-        store.append_stream(self.layer, rotate(entries, positions, self.freqs), keys)
+        store.append_stream(self.layer, {"kv": rotate(entries, positions, self.freqs),
+                                         "index": keys})
 
 
 class Indexer(nn.Module):
@@ -360,8 +361,9 @@ class Attention(nn.Module):
         if self.compressor is not None:
             self.compressor(x, start, store)
         n_entries = store.stream_len(spec.kv_source) if spec.ratio else 0
-        keys = store.index_keys(spec.kv_source, n_entries) if self.indexer else None
-        all_kv = store.all_kv(spec.kv_source, n_entries) if spec.ratio and ctx.dense else None
+        keys = store.read_stream(spec.kv_source, "index", n_entries) if self.indexer else None
+        all_kv = (store.read_stream(spec.kv_source, "kv", n_entries)
+                  if spec.ratio and ctx.dense else None)
         # Query blocks end to end (score, pool, top-k, attend), so no [n, N] matrix is
         # ever whole unless `collect` asks for the scores.
         outs, topks, pools, scores = [], [], [], []
@@ -415,7 +417,7 @@ class Attention(nn.Module):
             logits.append(torch.einsum("bqhd,bkd->bhqk", q.float(), entries.float()) * scale)
             logits[1] = logits[1].masked_fill(~visible, float("-inf"))
         elif spec.ratio and selected is not None and selected.shape[-1]:
-            entries = store.gather_kv(spec.kv_source, selected.clamp(min=0))  # [B, q, k, D]
+            entries = store.gather_stream(spec.kv_source, "kv", selected.clamp(min=0))
             logits.append(torch.einsum("bqhd,bqkd->bhqk", q.float(), entries.float()) * scale)
             logits[1] = logits[1].masked_fill((selected < 0)[:, None], float("-inf"))
         sink = self.sink.float().view(1, -1, 1, 1).expand(*logits[0].shape[:3], 1)

@@ -8,7 +8,7 @@ This is the model's parameter contract (DESIGN.md section 2): the module tree of
 import math
 from dataclasses import dataclass
 
-from kvstack.config import ModelConfig
+from kvstack.config import LayerSpec, ModelConfig
 
 
 def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -26,26 +26,14 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[p + f"hc_{site}.base"] = (n_mix,)
                 shapes[p + f"hc_{site}.scale"] = (3,)
         a = p + "attn."
-        shapes[a + "wq_a.weight"] = (c.q_lora_rank, c.dim)
-        shapes[a + "q_norm.weight"] = (c.q_lora_rank,)
-        shapes[a + "wq_b.weight"] = (c.n_heads * c.head_dim, c.q_lora_rank)
-        shapes[a + "wkv.weight"] = (c.head_dim, c.dim)
-        shapes[a + "kv_norm.weight"] = (c.head_dim,)
-        shapes[a + "sink"] = (c.n_heads,)
-        group_width = c.n_heads * c.head_dim // c.o_groups
-        shapes[a + "wo_a.weight"] = (c.o_groups * c.o_lora_rank, group_width)
-        shapes[a + "wo_b.weight"] = (c.dim, c.o_groups * c.o_lora_rank)
-        if spec.kv_source == spec.index:
-            k = a + "compressor."
-            shapes[k + "wkv.weight"] = (c.head_dim, c.dim)
-            if spec.ratio > 1:
-                shapes[k + "wgate.weight"] = (c.head_dim, c.dim)
-            shapes[k + "norm.weight"] = (c.head_dim,)
-            shapes[k + "wk_index.weight"] = (c.index_head_dim, c.head_dim)
-            shapes[k + "index_norm.weight"] = (c.index_head_dim,)
-        if spec.index_source == spec.index:
-            shapes[a + "indexer.wq.weight"] = (c.index_n_heads * c.index_head_dim, c.q_lora_rank)
-            shapes[a + "indexer.wweights.weight"] = (c.index_n_heads, c.dim)
+        if c.arch == "dense":
+            kv_width = c.n_kv_heads * c.head_dim
+            shapes[a + "wq.weight"] = (c.n_heads * c.head_dim, c.dim)
+            shapes[a + "wk.weight"] = (kv_width, c.dim)
+            shapes[a + "wv.weight"] = (kv_width, c.dim)
+            shapes[a + "wo.weight"] = (c.dim, c.n_heads * c.head_dim)
+        else:
+            _v41_attention_shapes(c, spec, a, shapes)
         f = p + "ffn."
         if c.uses_moe:
             shapes[f + "gate.weight"] = (c.n_routed_experts, c.dim)
@@ -69,6 +57,30 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["norm.weight"] = (c.dim,)
     shapes["head.weight"] = (c.vocab_size, c.dim)
     return shapes
+
+
+def _v41_attention_shapes(c: ModelConfig, spec: LayerSpec, a: str,
+                          shapes: dict[str, tuple[int, ...]]) -> None:
+    shapes[a + "wq_a.weight"] = (c.q_lora_rank, c.dim)
+    shapes[a + "q_norm.weight"] = (c.q_lora_rank,)
+    shapes[a + "wq_b.weight"] = (c.n_heads * c.head_dim, c.q_lora_rank)
+    shapes[a + "wkv.weight"] = (c.head_dim, c.dim)
+    shapes[a + "kv_norm.weight"] = (c.head_dim,)
+    shapes[a + "sink"] = (c.n_heads,)
+    group_width = c.n_heads * c.head_dim // c.o_groups
+    shapes[a + "wo_a.weight"] = (c.o_groups * c.o_lora_rank, group_width)
+    shapes[a + "wo_b.weight"] = (c.dim, c.o_groups * c.o_lora_rank)
+    if spec.kv_source == spec.index:
+        k = a + "compressor."
+        shapes[k + "wkv.weight"] = (c.head_dim, c.dim)
+        if spec.ratio > 1:
+            shapes[k + "wgate.weight"] = (c.head_dim, c.dim)
+        shapes[k + "norm.weight"] = (c.head_dim,)
+        shapes[k + "wk_index.weight"] = (c.index_head_dim, c.head_dim)
+        shapes[k + "index_norm.weight"] = (c.index_head_dim,)
+    if spec.index_source == spec.index:
+        shapes[a + "indexer.wq.weight"] = (c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+        shapes[a + "indexer.wweights.weight"] = (c.index_n_heads, c.dim)
 
 
 @dataclass(frozen=True)
