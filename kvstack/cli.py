@@ -57,30 +57,32 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
     layout.add_row("total", "", "", "", "", "", f"[bold]{plan['bytes_per_token']:g}[/bold]")
     console.print(layout)
 
-    w = plan["window"]
-    console.print(
-        f"Persistent cache: [bold]{plan['bytes_per_token']:g} bytes/token[/bold]\n"
-        f"Per sequence, never persisted: window rings {w['layers']} layers × {w['slots']} × "
-        f"{w['format']}[{w['width']}] = {plan['window_bytes_per_sequence']:,} B "
-        f"({_bytes(plan['window_bytes_per_sequence'])}); partial compressor groups "
-        f"{plan['partial_group_bytes_per_sequence']:,} B"
-    )
+    console.print(f"Persistent cache: [bold]{plan['bytes_per_token']:g} bytes/token[/bold]")
     layers = plan["layers"]
-    by_mode = {m: [x["layer"] for x in layers if x["mode"] == m] for m in
-               ("window", "full", "reindex", "reuse")}
     enc = plan["n_encoder_layers"]
-    split = (
-        f"encoder {_ranges(list(range(enc)))}, decoder {_ranges(list(range(enc, len(layers))))}"
-        if enc
-        else "decoder-only (no CED)"
-    )
-    cand = [x["layer"] for x in layers if x["candidate_source"]]
-    console.print(
-        f"Layers: {split}; window-only {_ranges(by_mode['window'])}; Full "
-        f"{_ranges(by_mode['full'])}; Reindex {_ranges(by_mode['reindex'])}; Reuse "
-        f"{_ranges(by_mode['reuse'])}; candidate pool from layer "
-        f"{cand[0] if cand else 'none'}"
-    )
+    if plan["arch"] == "dense":
+        console.print(f"Layers: {len(layers)} dense attention layers, each keeping its own "
+                      "keys and values for every token (the dense control)")
+    else:
+        w = plan["window"]
+        console.print(
+            f"Per sequence, never persisted: window rings {w['layers']} layers × "
+            f"{w['slots']} × {w['format']}[{w['width']}] = "
+            f"{plan['window_bytes_per_sequence']:,} B "
+            f"({_bytes(plan['window_bytes_per_sequence'])}); partial compressor groups "
+            f"{plan['partial_group_bytes_per_sequence']:,} B"
+        )
+        by_mode = {m: [x["layer"] for x in layers if x["mode"] == m]
+                   for m in ("window", "full", "reindex", "reuse")}
+        split = (f"encoder {_ranges(list(range(enc)))}, decoder "
+                 f"{_ranges(list(range(enc, len(layers))))}" if enc else "decoder-only (no CED)")
+        cand = [x["layer"] for x in layers if x["candidate_source"]]
+        console.print(
+            f"Layers: {split}; window-only {_ranges(by_mode['window'])}; Full "
+            f"{_ranges(by_mode['full'])}; Reindex {_ranges(by_mode['reindex'])}; Reuse "
+            f"{_ranges(by_mode['reuse'])}; candidate pool from layer "
+            f"{cand[0] if cand else 'none'}"
+        )
     drafts = plan["draft_layers_excluded"]
     console.print(
         f"Parameters: {_params(plan['params_total'])} total"
@@ -100,6 +102,11 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         f"sequence{fit}\n"
     )
 
+    if len(plan["mechanisms"]) > 1:
+        _print_mechanisms(plan, console)
+
+
+def _print_mechanisms(plan: dict[str, Any], console: Console) -> None:
     title = f"What each mechanism buys (at {plan['context']:,} tokens"
     title += f", {plan['hbm_gib']:g} GiB)" if "hbm_gib" in plan else ")"
     mech = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -128,7 +135,9 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         "[dim]bf16 cache: every cache in bf16 instead of FP4/FP8. no sharing: every "
         "compressed layer its own kv source (Full), the CED decoder stream aside. no CED: "
         "every compressed decoder layer its own kv source. window persisted: no bounded "
-        "replay, so the disk tier keeps every token's window entry in every layer. "
+        "replay, so the disk tier keeps every token's window entry in every layer. dense "
+        "control: the same model as a plain transformer with per-layer GQA keys and values "
+        "in bf16. "
         "HBM B/tok: stream bytes per token; MiB/seq adds one sequence's window rings "
         "and partial groups; disk B/tok: what a saved session keeps per token.[/dim]"
     )

@@ -7,7 +7,7 @@ from fractions import Fraction
 from typing import Any
 
 from kvstack.cache.layout import CacheLayout
-from kvstack.config import ModelConfig
+from kvstack.config import ModelConfig, dense_control
 from kvstack.model.params import count_parameters
 
 BASIS = "computed from the config (a plan; the engine measures what it allocates)"
@@ -60,8 +60,10 @@ def _bf16(config: ModelConfig) -> ModelConfig:
 def mechanism_variants(config: ModelConfig) -> list[Variant]:
     """The config, then the same model with each mechanism turned off in turn, then with
     all of them off. A mechanism the config does not use gets no row."""
-    no_sharing = _no_sharing(config)
     variants = [Variant("as configured", config)]
+    if config.arch == "dense":
+        return variants
+    no_sharing = _no_sharing(config)
     if (config.kv_format, config.index_format, config.window_format) != ("bf16",) * 3:
         variants.append(Variant("bf16 cache", _bf16(config)))
     if no_sharing != config:
@@ -71,6 +73,7 @@ def mechanism_variants(config: ModelConfig) -> list[Variant]:
     variants.append(Variant("window persisted", config, True))
     all_off = _bf16(_no_ced(no_sharing) if config.n_encoder_layers else no_sharing)
     variants.append(Variant("all four off", all_off, True))
+    variants.append(Variant("dense control", dense_control(config)))
     return variants
 
 
@@ -97,6 +100,7 @@ def make_plan(
     plan: dict[str, Any] = {
         "basis": BASIS,
         "model": name,
+        "arch": config.arch,
         "bytes_per_token": _number(layout.bytes_per_token),
         "streams": [
             {

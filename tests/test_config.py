@@ -160,6 +160,11 @@ def tiny_with(**changes) -> dict:
         (dict(compress_ratios=[0, 2, 2, 2, 1, 1, 1, -1]), "layer 7 has negative ratio"),
         (dict(kv_source_layers="1,4"), "kv_source_layers: expected a list of integers"),
         (dict(rope_factor=4.0, original_seq_len=0), "original_seq_len = 0"),
+        (dict(n_kv_heads=2), "n_kv_heads: only the dense control"),
+        (dict(arch="gpt"), "arch = 'gpt': must be v41 or dense"),
+        (dict(arch="dense", n_kv_heads=3), "n_kv_heads = 3: the dense control needs a positive "
+                                           "divisor of n_heads"),
+        (dict(arch="dense", n_kv_heads=2), "the dense control has no compressed layers"),
     ],
 )
 def test_invalid_configs_are_refused_naming_key_and_layer(changes, message):
@@ -197,6 +202,16 @@ def test_unreadable_and_corrupt_files_name_the_file(tmp_path):
     bad.write_text(json.dumps(tiny_with(head_dim=33)))
     with pytest.raises(ValueError, match=r"bad\.json: config key head_dim"):
         ModelConfig.from_json(bad)
+
+
+def test_dense_control_keeps_width_depth_and_ffn():
+    for name in ("tiny", "deepseek-v4.1-flash"):
+        c, d = preset(name), preset(f"dense-{name}" if name == "tiny" else "dense-v4.1-flash")
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "n_routed_experts",
+                    "n_activated_experts", "moe_inter_dim", "inter_dim"):
+            assert getattr(d, key) == getattr(c, key), key
+        assert d.arch == "dense" and d.kv_format == "bf16" and d.n_encoder_layers == 0
+        assert all(s.mode is Mode.WINDOW for s in d.layers)
 
 
 def test_unknown_preset():

@@ -32,7 +32,7 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 # ---- the parameter contract -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny", "v41-layout-small"])
+@pytest.mark.parametrize("name", ["tiny", "v41-layout-small", "dense-tiny"])
 def test_parameters_are_exactly_the_contract(name):
     c = preset(name)
     model = Model(c)
@@ -153,6 +153,21 @@ def test_prefill_then_decode_reproduces_the_reference(formats):
     for t in range(45, 60):
         logits = model.decode(ids[:, t], cache)
         assert (logits - reference[:, t]).abs().max() < TOL, t
+
+
+def test_dense_control_prefill_then_decode_reproduces_its_reference():
+    c = preset("dense-tiny")
+    model = make_model(c)
+    ids = tokens(2, 50)
+    reference = model(ids).logits
+    cache = ContiguousCache(c, batch_size=2, max_tokens=50)
+    assert (model.prefill(ids[:, :40], cache, chunk_size=16) - reference[:, 39]).abs().max() < TOL
+    for t in range(40, 50):
+        assert (model.decode(ids[:, t], cache) - reference[:, t]).abs().max() < TOL
+    # Its cache is every layer's keys and values for every token, in bf16.
+    assert cache.stream_bytes_allocated() == 2 * 50 * c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
+    with pytest.raises(ValueError, match="no window state to rebuild"):
+        model.rebuild_window(cache)
 
 
 def test_quantised_formats_change_the_logits():

@@ -99,9 +99,22 @@ def test_mechanism_table_for_v41_flash():
     assert rows["all four off"]["persistent_bytes_per_token"] == (
         18 * 1280 / 2 + 20 * 1280 + 40 * 1024
     )
+    # the dense control: 40 layers x (k + v) x 8 KV heads x 512 x 2 bytes
+    assert rows["dense control"]["hbm_bytes_per_token"] == 40 * 2 * 8 * 512 * 2
     for r in plan["mechanisms"][1:]:
         assert r["sequences_fit"] <= rows["as configured"]["sequences_fit"]
         assert r["hbm_ratio"] >= 1 and r["persistent_ratio"] > 1
+
+
+def test_dense_control_plan(capsys):
+    assert main(["plan", "--preset", "dense-tiny", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["arch"] == "dense" and out["bytes_per_token"] == 8 * 2 * 32 * 2
+    assert [r["variant"] for r in out["mechanisms"]] == ["as configured"]
+    assert {s["kind"] for s in out["streams"]} == {"k", "v"}
+    assert out["window_bytes_per_sequence"] == 0
+    assert main(["plan", "--preset", "dense-tiny"]) == 0
+    assert "dense attention layers" in capsys.readouterr().out
 
 
 def test_mechanisms_a_config_does_not_use_get_no_row():

@@ -450,6 +450,45 @@ class Attention(nn.Module):
         )
 
 
+class DenseAttention(nn.Module):
+    """The dense control's attention: causal GQA over every earlier token's keys and
+    values of this layer (its "k" and "v" streams), RoPE on the whole head, no sink."""
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        c = config
+        self.config, self.layer = c, spec.index
+        self.freqs = rope_frequencies(c, compressed=False)
+        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, start: int, store: KVStore,
+                ctx: StepContext) -> torch.Tensor:
+        c = self.config
+        positions = torch.arange(start, start + x.shape[1], device=x.device)
+        q = rotate(self.wq(x).unflatten(-1, (c.n_heads, c.head_dim)), positions, self.freqs)
+        k = rotate(self.wk(x).unflatten(-1, (c.n_kv_heads, c.head_dim)), positions, self.freqs)
+        store.append_stream(self.layer, {"k": k.flatten(2), "v": self.wv(x)})
+        total = store.stream_len(self.layer)
+        group = c.n_heads // c.n_kv_heads
+
+        def heads(kind: str) -> torch.Tensor:  # [B, H, total, D]
+            kv = store.read_stream(self.layer, kind, total).unflatten(-1, (c.n_kv_heads, -1))
+            return kv.transpose(1, 2).repeat_interleave(group, dim=1).type_as(q)
+
+        keys, values = heads("k"), heads("v")
+        q = q.transpose(1, 2)  # [B, H, n, D]
+        outs = []
+        for i in range(0, q.shape[2], QUERY_BLOCK):
+            block = positions[i : i + QUERY_BLOCK]
+            causal = torch.arange(total, device=x.device)[None, :] <= block[:, None]
+            outs.append(F.scaled_dot_product_attention(q[:, :, i : i + QUERY_BLOCK], keys,
+                                                       values, attn_mask=causal))
+        return self.wo(torch.cat(outs, dim=2).transpose(1, 2).flatten(2))
+
+
 # ---- the stack ------------------------------------------------------------------------
 
 
@@ -459,7 +498,8 @@ class Block(nn.Module):
         self.spec = spec
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attn = Attention(config, spec)
+        self.attn = (Attention(config, spec) if config.arch == "v41"
+                     else DenseAttention(config, spec))
         self.ffn = (MoE(config) if config.uses_moe
                     else DenseFFN(config.dim, config.inter_dim, config.swiglu_limit))
         self.hc_attn = HyperConnection(config) if config.hc_mult > 1 else None
@@ -514,7 +554,7 @@ class Model(nn.Module):
                 elif name.endswith(("base", "sink", "gate.bias")):
                     p.zero_()
                 else:
-                    residual_out = name.endswith(("wo_b.weight", "w2.weight", ".w2"))
+                    residual_out = name.endswith(("wo_b.weight", "wo.weight", "w2.weight", ".w2"))
                     p.normal_(0.0, out_std if residual_out else 0.02)
 
     # ---- running layers over a chunk ---------------------------------------------------
@@ -631,6 +671,9 @@ class Model(nn.Module):
         last position's logits [B, V]."""
         c = self.config
         n = cache.num_tokens
+        if c.arch == "dense":
+            raise ValueError("the dense control keeps every token's keys and values: it has "
+                             "no window state to rebuild")
         if n == 0:
             raise ValueError("the cache holds no tokens to replay")
         cache.drop_window_state()
