@@ -375,3 +375,34 @@ def test_bad_input_is_refused_clearly():
         model(tokens(1, too_long))
     with pytest.raises(ValueError, match="no tokens to replay"):
         model.rebuild_window(cache)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_training_signals_reach_every_parameter(dense):
+    """Cross-entropy trains everything but the indexer (its top-k is a selection); the
+    indexer loss (KL to the attention targets) trains the indexer and its keys. The
+    cached values pass through FP4 rounding with a straight-through gradient."""
+    model = make_model().train()
+    ids = tokens(2, 40)
+    out = model(ids, dense=dense, collect=True)
+    ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    ce.backward(retain_graph=True)
+    indexer_only = ("indexer.", "wk_index", "index_norm")
+    for name, p in model.named_parameters():
+        if name.endswith("gate.bias"):
+            assert p.grad is None
+        elif any(k in name for k in indexer_only):
+            assert p.grad is None or not p.grad.any(), name
+        elif "experts.w" not in name:  # an expert no token chose gets no gradient
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    model.zero_grad()
+    loss = sum(
+        torch.nn.functional.kl_div(
+            out.index_scores[i].clamp(min=-1e4).log_softmax(-1), out.attention_targets[i],
+            reduction="sum")
+        for i in out.index_scores
+    )
+    loss.backward()
+    for name, p in model.named_parameters():
+        if any(k in name for k in indexer_only):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
