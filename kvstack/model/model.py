@@ -377,7 +377,8 @@ class Attention(nn.Module):
                 elif spec.uses_candidates:
                     in_pool = pool_mask(ctx.pool[spec.kv_source][:, block], n_entries, c)
                     s = s.masked_fill(~in_pool, float("-inf"))
-                scores.append(s)
+                if ctx.collect:
+                    scores.append(s)
                 topks.append(select_topk(s, c.index_topk))
             if spec.ratio and not ctx.dense:
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
@@ -632,6 +633,8 @@ class Model(nn.Module):
         and the decoder layers run over the last `decoder_span` tokens only. Without CED
         every layer runs over every token."""
         _check_replay(replay)
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         ids = self._check_ids(input_ids)
         self._check_room(cache, ids)
         c = self.config
