@@ -62,7 +62,6 @@ class ContiguousCache(KVStore):
             r.layer: torch.full((w,), -1, dtype=torch.long, device=dev)
             for r in self.layout.window_rings
         }
-        self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- tokens ----------------------------------------------------------------------
     @property
@@ -122,14 +121,8 @@ class ContiguousCache(KVStore):
         return rows.read(rows.data[batch, entries])  # [B, q, k, width]
 
     # ---- partial groups ----------------------------------------------------------------
-    def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if source not in self._partial:
-            empty = torch.zeros(self.batch_size, 0, self.config.head_dim, device=self.device)
-            return empty, empty
-        return self._partial[source]
-
     def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
-        self._partial[source] = (values.detach().float(), gate_logits.detach().float())
+        super().set_partial(source, values.detach().float(), gate_logits.detach().float())
 
     def drop_window_state(self) -> None:
         for pos in self._ring_pos.values():

@@ -29,7 +29,6 @@ class ReferenceStore(KVStore):
         self._window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._streams: dict[int, dict[str, torch.Tensor]] = {}  # layer -> kind -> [B, N, w]
         self._formats = {(s.layer, s.kind): s.fmt for s in CacheLayout.from_config(config).streams}
-        self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._n_tokens = 0
 
     @property
@@ -84,15 +83,6 @@ class ReferenceStore(KVStore):
         b, q, k = entries.shape
         flat = entries.reshape(b, q * k, 1).expand(-1, -1, stream.shape[-1])
         return torch.gather(stream, 1, flat).reshape(b, q, k, stream.shape[-1])
-
-    def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if source not in self._partial:
-            empty = torch.zeros(self.batch_size, 0, self.config.head_dim, device=self.device)
-            return empty, empty
-        return self._partial[source]
-
-    def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
-        self._partial[source] = (values, gate_logits)
 
     def drop_window_state(self) -> None:
         self._window.clear()

@@ -29,6 +29,7 @@ class KVStore(ABC):
         self.config = config
         self.batch_size = batch_size
         self.device = torch.device(device)
+        self._partial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- token ids: what replay re-runs ----------------------------------------------
     @property
@@ -79,14 +80,17 @@ class KVStore(ABC):
         """Entries by index: entries [B, q, k] (int64, all valid) -> [B, q, k, width]."""
 
     # ---- partial groups of ratio > 1 sources -------------------------------------------
-    @abstractmethod
     def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Projected values and gate logits [B, m, head_dim] of the tokens after the
         stream's last complete group (m < ratio)."""
+        if source not in self._partial:
+            empty = torch.zeros(self.batch_size, 0, self.config.head_dim, device=self.device)
+            return empty, empty
+        return self._partial[source]
 
-    @abstractmethod
     def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
         """Replace the partial group."""
+        self._partial[source] = (values, gate_logits)
 
     @abstractmethod
     def drop_window_state(self) -> None:
