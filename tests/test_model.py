@@ -275,7 +275,7 @@ def test_contiguous_cache_holds_bytes_not_floats():
     layout = CacheLayout.from_config(c)
     assert cache.stream_bytes_allocated() == layout.stream_bytes(100)
     streams = [r for kinds in cache._streams.values() for r in kinds.values()]
-    for rows in (*streams, *cache._rings.values()):
+    for rows in (*streams, *cache._rings.rows.values()):
         assert rows.data.dtype == torch.uint8
     for values, gates in cache._partial.values():  # ratio 2: at most one pending token
         assert values.shape[1] <= 1 and gates.shape[1] <= 1

@@ -11,27 +11,9 @@ engine implements the same interface over blocks.
 import torch
 
 from kvstack.cache.layout import CacheLayout
+from kvstack.cache.rows import PackedRows, WindowRings
 from kvstack.cache.store import KVStore, TokenLog
 from kvstack.config import ModelConfig
-from kvstack.formats import bytes_per_entry, dequantize, pack_rows, quantize, unpack_rows
-
-
-class PackedRows:
-    """Packed rows of one format and width, quantised on write, dequantised on read."""
-
-    def __init__(self, fmt: str, width: int, shape: tuple[int, int], device: torch.device):
-        self.fmt, self.width = fmt, width
-        entry = bytes_per_entry(fmt, width)
-        # [B, slots, bytes_per_entry]
-        self.data = torch.zeros(*shape, entry, dtype=torch.uint8, device=device)
-
-    def write(self, slots: torch.Tensor | slice, values: torch.Tensor) -> torch.Tensor:
-        q = quantize(values, self.fmt)
-        self.data[:, slots] = pack_rows(q)
-        return dequantize(q)
-
-    def read(self, rows: torch.Tensor) -> torch.Tensor:
-        return dequantize(unpack_rows(rows, self.fmt, self.width))
 
 
 class ContiguousCache(KVStore):
@@ -53,15 +35,7 @@ class ContiguousCache(KVStore):
             rows = PackedRows(s.fmt, s.width, (b, s.entries(self.max_tokens)), dev)
             self._streams.setdefault(s.layer, {})[s.kind] = rows
             self._len[s.layer] = 0
-        w = config.window_size
-        self._rings = {
-            r.layer: PackedRows(r.fmt, r.width, (b, w), dev) for r in self.layout.window_rings
-        }
-        # Position held by each ring slot (slot = position % window_size); -1 = empty.
-        self._ring_pos = {
-            r.layer: torch.full((w,), -1, dtype=torch.long, device=dev)
-            for r in self.layout.window_rings
-        }
+        self._rings = WindowRings(self.layout, config.window_size, b, dev)
 
     # ---- tokens ----------------------------------------------------------------------
     @property
@@ -76,21 +50,10 @@ class ContiguousCache(KVStore):
 
     # ---- window rings ------------------------------------------------------------------
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = self._ring_pos[layer]
-        slots = torch.nonzero(pos >= 0).flatten()
-        slots = slots[torch.argsort(pos[slots])]
-        ring = self._rings[layer]
-        return ring.read(ring.data[:, slots]), pos[slots]
+        return self._rings.read(layer)
 
     def write_window(self, layer: int, entries: torch.Tensor, start: int) -> torch.Tensor:
-        w = self.config.window_size
-        positions = torch.arange(start, start + entries.shape[1], device=self.device)[-w:]
-        q = quantize(entries, self.config.window_format)
-        # A chunk longer than the ring still hands back all its entries: its own queries
-        # attend to the ones the ring will not keep.
-        self._rings[layer].data[:, positions % w] = pack_rows(q)[:, -w:]
-        self._ring_pos[layer][positions % w] = positions
-        return dequantize(q)
+        return self._rings.write(layer, entries, start)
 
     # ---- streams -----------------------------------------------------------------------
     def stream_len(self, layer: int) -> int:
@@ -105,8 +68,10 @@ class ContiguousCache(KVStore):
         capacity = next(iter(streams.values())).data.shape[1]
         if start + n > capacity:
             raise ValueError(f"cache full: the streams of layer {layer} hold {capacity} entries")
-        stored = {kind: streams[kind].write(slice(start, start + n), x)
-                  for kind, x in entries.items()}
+        stored = {}
+        for kind, x in entries.items():
+            rows, stored[kind] = streams[kind].pack(x)
+            streams[kind].data[:, start : start + n] = rows
         self._len[layer] = start + n
         return stored
 
@@ -125,11 +90,10 @@ class ContiguousCache(KVStore):
         super().set_partial(source, values.detach().float(), gate_logits.detach().float())
 
     def drop_window_state(self) -> None:
-        for pos in self._ring_pos.values():
-            pos.fill_(-1)
+        self._rings.drop()
         self._partial.clear()
 
     # ---- accounting --------------------------------------------------------------------
     def stream_bytes_allocated(self) -> int:
         """Bytes of the stream buffers actually allocated."""
-        return sum(r.data.numel() for streams in self._streams.values() for r in streams.values())
+        return sum(r.nbytes for streams in self._streams.values() for r in streams.values())
