@@ -1,0 +1,248 @@
+"""Paged storage for the engine (DESIGN.md section 5).
+
+One pool per stream of the `CacheLayout`, each a uint8 buffer of packed rows
+[n_blocks, block_tokens // ratio, bytes_per_entry]; a block is `block_tokens` tokens of
+every stream at once, so one block table per sequence serves all its streams. The
+`BlockManager` hands out block ids with reference counts. A `PagedSequenceStore` is one
+sequence's view: its block table, its token ids, and a window-ring slot (rings and
+partial groups are per sequence and never paged: they are not persisted).
+"""
+
+import math
+from collections import deque
+
+import torch
+
+from kvstack.cache.layout import CacheLayout
+from kvstack.cache.rows import PackedRows, WindowRings
+from kvstack.cache.store import KVStore
+from kvstack.config import ModelConfig
+
+
+def check_block_tokens(config: ModelConfig, block_tokens: int) -> None:
+    """A block must end on a group boundary of every stream and on a candidate block."""
+    ratios = {s.ratio for s in config.layers if s.ratio}
+    need = math.lcm(*ratios, config.candidate_block_size) if ratios else 1
+    if block_tokens <= 0 or block_tokens % need:
+        raise ValueError(f"block_tokens must be a positive multiple of {need} (every "
+                         f"compress ratio and candidate_block_size), got {block_tokens}")
+
+
+def block_bytes(layout: CacheLayout, block_tokens: int) -> int:
+    """Bytes one block takes across all pools."""
+    return sum(block_tokens // s.ratio * s.entry_bytes for s in layout.streams)
+
+
+class BlockManager:
+    """Free list and reference counts of the blocks shared by every stream pool."""
+
+    def __init__(self, n_blocks: int) -> None:
+        self.n_blocks = n_blocks
+        self.ref_counts = [0] * n_blocks
+        self.free_ids: deque[int] = deque(range(n_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_ids):
+            raise ValueError(f"{n} blocks requested, {len(self.free_ids)} free")
+        blocks = [self.free_ids.popleft() for _ in range(n)]
+        for b in blocks:
+            self.ref_counts[b] = 1
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_ids.append(b)
+
+
+class BlockPools:
+    """The stream pools: rows of (layer, kind) live at [block, offset in block]."""
+
+    def __init__(self, layout: CacheLayout, n_blocks: int, block_tokens: int,
+                 device: torch.device) -> None:
+        self.layout, self.block_tokens, self.n_blocks = layout, block_tokens, n_blocks
+        self.device = device
+        self.rows = {(s.layer, s.kind): PackedRows(s.fmt, s.width,
+                                                   (n_blocks, block_tokens // s.ratio), device)
+                     for s in layout.streams}
+        self.entries_per_block = {(s.layer, s.kind): block_tokens // s.ratio
+                                  for s in layout.streams}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rows.values())
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.n_blocks * self.block_tokens
+
+
+class PagedSequenceStore(KVStore):
+    """One sequence's store over the shared pools."""
+
+    def __init__(self, config: ModelConfig, pools: BlockPools, manager: BlockManager,
+                 rings: WindowRings, max_tokens: int) -> None:
+        super().__init__(config, 1, pools.device)
+        self.pools, self.manager, self.rings = pools, manager, rings
+        self.block_table: list[int] = []
+        self._table = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._tokens: list[int] = []
+        self.max_tokens = max_tokens
+        self._len = {s.layer: 0 for s in pools.layout.streams}
+        rings.drop()
+
+    # ---- blocks ------------------------------------------------------------------------
+    def blocks_needed(self, n_tokens: int) -> int:
+        """Further blocks to hold n_tokens tokens in all."""
+        return max(0, -(-n_tokens // self.pools.block_tokens) - len(self.block_table))
+
+    def reserve(self, n_tokens: int) -> bool:
+        """Make room for n_tokens tokens in all; False (and nothing taken) if the pools
+        lack the blocks."""
+        need = self.blocks_needed(n_tokens)
+        if need > self.manager.num_free:
+            return False
+        if need:
+            self.block_table += self.manager.allocate(need)
+            self._table = torch.tensor(self.block_table, dtype=torch.long, device=self.device)
+        return True
+
+    def release(self) -> None:
+        """Give every block back (the sequence finished or was preempted)."""
+        self.manager.release(self.block_table)
+        self.block_table = []
+        self._table = self._table[:0]
+
+    def _slots(self, layer: int, kind: str,
+               entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        per_block = self.pools.entries_per_block[layer, kind]
+        return self._table[entries // per_block], entries % per_block
+
+    # ---- tokens ----------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    def token_ids(self) -> torch.Tensor:
+        return torch.tensor([self._tokens], dtype=torch.long, device=self.device)
+
+    def append_tokens(self, ids: torch.Tensor) -> None:
+        total = len(self._tokens) + ids.shape[1]
+        if total > self.max_tokens or self.blocks_needed(total):
+            raise ValueError(f"no room reserved for {ids.shape[1]} more tokens")
+        self._tokens += ids[0].tolist()
+
+    # ---- window rings ------------------------------------------------------------------
+    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rings.read(layer)
+
+    def write_window(self, layer: int, entries: torch.Tensor, start: int) -> torch.Tensor:
+        return self.rings.write(layer, entries, start)
+
+    # ---- streams -----------------------------------------------------------------------
+    def stream_len(self, layer: int) -> int:
+        return self._len[layer]
+
+    def append_stream(
+        self, layer: int, entries: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        start = self._len[layer]
+        n = next(iter(entries.values())).shape[1]
+        index = torch.arange(start, start + n, device=self.device)
+        stored = {}
+        for kind, x in entries.items():
+            pool = self.pools.rows[layer, kind]
+            rows, stored[kind] = pool.pack(x[0])
+            pool.data[self._slots(layer, kind, index)] = rows
+            stored[kind] = stored[kind].unsqueeze(0)
+        self._len[layer] = start + n
+        return stored
+
+    def read_stream(self, layer: int, kind: str, stop: int) -> torch.Tensor:
+        pool = self.pools.rows[layer, kind]
+        rows = pool.data[self._slots(layer, kind, torch.arange(stop, device=self.device))]
+        return pool.read(rows).unsqueeze(0)  # [1, stop, width]
+
+    def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
+        pool = self.pools.rows[layer, kind]
+        # Only the selected rows are read and dequantised.
+        return pool.read(pool.data[self._slots(layer, kind, entries)])  # [1, q, k, width]
+
+    def drop_window_state(self) -> None:
+        self.rings.drop()
+        self._partial.clear()
+
+
+def parse_bytes(budget: int | str) -> int:
+    """4096, "4GiB", "512MiB", "1.5GB" -> bytes."""
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        value = budget
+    elif isinstance(budget, str):
+        units = {"gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "gb": 10**9, "mb": 10**6,
+                 "kb": 10**3, "b": 1}
+        text = budget.strip().lower().replace(" ", "")
+        unit = next((u for u in units if text.endswith(u)), "b")
+        try:
+            value = int(float(text[: len(text) - len(unit)] if text.endswith(unit) else text)
+                        * units[unit])
+        except ValueError:
+            raise ValueError(f"kv_budget {budget!r}: not a size like 4GiB or 512MiB") from None
+    else:
+        raise ValueError(f"kv_budget must be a byte count or a size like '4GiB', got {budget!r}")
+    if value <= 0:
+        raise ValueError(f"kv_budget must be positive, got {budget!r}")
+    return value
+
+
+class PagedCache:
+    """Everything the engine allocates for the cache, from one byte budget: the stream
+    pools (paged), and one window-ring slot per sequence that may run at once (rings are
+    per sequence, not per token)."""
+
+    def __init__(self, config: ModelConfig, kv_budget: int | str, block_tokens: int,
+                 max_num_seqs: int, device: torch.device | str = "cpu") -> None:
+        check_block_tokens(config, block_tokens)
+        if max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+        self.config, self.block_tokens = config, block_tokens
+        self.layout = CacheLayout.from_config(config)
+        device = torch.device(device)
+        budget = parse_bytes(kv_budget)
+        ring_bytes = self.layout.window_bytes_per_sequence
+        per_block = block_bytes(self.layout, block_tokens)
+        n_blocks = (budget - max_num_seqs * ring_bytes) // per_block if per_block else 0
+        if n_blocks < 1:
+            raise ValueError(
+                f"kv_budget of {budget:,} bytes is too small: {max_num_seqs} window-ring "
+                f"slots take {max_num_seqs * ring_bytes:,} bytes and one block of "
+                f"{block_tokens} tokens {per_block:,}"
+            )
+        self.budget = budget
+        self.pools = BlockPools(self.layout, n_blocks, block_tokens, device)
+        self.manager = BlockManager(n_blocks)
+        self.ring_slots = [WindowRings(self.layout, config.window_size, 1, device)
+                           for _ in range(max_num_seqs)]
+        self._free_slots = list(range(max_num_seqs))
+        self._slot_of: dict[int, int] = {}
+
+    def open_sequence(self) -> PagedSequenceStore:
+        if not self._free_slots:
+            raise ValueError("no free window-ring slot: max_num_seqs sequences are running")
+        slot = self._free_slots.pop()
+        store = PagedSequenceStore(self.config, self.pools, self.manager,
+                                   self.ring_slots[slot], self.config.max_seq_len)
+        self._slot_of[id(store)] = slot
+        return store
+
+    def close_sequence(self, store: PagedSequenceStore) -> None:
+        store.release()
+        self._free_slots.append(self._slot_of.pop(id(store)))
+
+    @property
+    def ring_bytes(self) -> int:
+        return sum(r.nbytes for r in self.ring_slots)

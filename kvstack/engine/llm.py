@@ -1,0 +1,266 @@
+"""`kvstack.LLM`: the engine's front door, with vLLM's names.
+
+LLM(model, kv_budget="1GiB") loads a model directory (config.json, model.safetensors,
+tokenizer.json) or, with random_init=True, a preset with a byte tokenizer; sizes the paged
+cache from the byte budget; and serves requests with continuous batching.
+"""
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstack.cache.paged import PagedCache, block_bytes
+from kvstack.config import preset
+from kvstack.engine.runner import ModelRunner
+from kvstack.engine.sampling import SamplingParams
+from kvstack.engine.scheduler import Scheduler
+from kvstack.engine.sequence import RequestOutput, Sequence, Status
+from kvstack.engine.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
+from kvstack.model import Model
+
+log = logging.getLogger("kvstack")
+
+Prompt = str | list[int]
+
+
+def _load(model: str | Path, random_init: bool, seed: int,
+          device: torch.device) -> tuple[Model, Tokenizer]:
+    if random_init:
+        torch.manual_seed(seed)
+        loaded, tokenizer = Model(preset(str(model))), ByteTokenizer()
+    elif str(model) == "default":
+        raise ValueError("no bundled default model yet: pass a model directory, or a preset "
+                         "name with random_init=True")
+    else:
+        directory = Path(model)
+        if not directory.is_dir():
+            raise ValueError(f"model {directory}: not a directory (nor random_init=True with "
+                             "a preset name)")
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            if not (directory / name).is_file():
+                raise ValueError(f"model {directory}: {name} is missing")
+        loaded = Model.from_pretrained(directory)
+        tokenizer = JsonTokenizer(directory / "tokenizer.json")
+    if tokenizer.vocab_size > loaded.config.vocab_size:
+        raise ValueError(f"model {model}: the tokenizer has {tokenizer.vocab_size} tokens, the "
+                         f"model's vocabulary only {loaded.config.vocab_size}")
+    return loaded.to(device).eval(), tokenizer
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path = "default",
+        kv_budget: int | str = "1GiB",
+        replay: str = "bounded",
+        random_init: bool = False,
+        seed: int = 0,
+        block_tokens: int = 64,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 16384,
+        chunk_size: int = 512,
+        device: str | None = None,
+    ) -> None:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model, self.tokenizer = _load(model, random_init, seed, device)
+        self.model.decoder_span(replay)  # refuses an unknown replay mode now, not later
+        self.config = self.model.config
+        self.cache = PagedCache(self.config, kv_budget, block_tokens, max_num_seqs, device)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, replay, chunk_size)
+        self.replay = replay
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        report = self.memory_report()
+        log.info(
+            "kvstack cache: %d blocks of %d tokens = %d tokens; measured %.1f B/token "
+            "(planned %.1f); window rings %d B per sequence x %d; %d sequences of %d tokens fit",
+            report["blocks_total"], block_tokens, report["capacity_tokens"],
+            report["bytes_per_token"], report["planned_bytes_per_token"],
+            report["window_bytes_per_sequence"], max_num_seqs, report["sequences_fit"],
+            report["context"],
+        )
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; it joins the running batch at the next step. Bad input raises
+        ValueError here, before anything is queued."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        ids = self._encode(prompt)
+        limit = self.config.max_seq_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_seq_len "
+                             f"{limit}")
+        capacity = self.cache.pools.capacity_tokens
+        if len(ids) + 1 > capacity:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the cache pool of "
+                             f"{capacity} tokens (kv_budget {self.cache.budget:,} bytes)")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, prompt if isinstance(prompt, str) else None,
+                       generator=generator)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list | tuple) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            ids = list(prompt)
+            bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary "
+                                 f"0..{self.config.vocab_size - 1}")
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        seq = self._requests.get(request_id)
+        if seq is not None and seq.status is not Status.FINISHED:
+            self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- stepping ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step: prefill the admitted sequences or decode the running ones.
+        Returns the state of every sequence that moved."""
+        seqs, is_prefill = self.scheduler.schedule()
+        for seq in seqs:
+            try:
+                token = self.runner.prefill(seq) if is_prefill else self.runner.decode(seq)
+            except (ValueError, RuntimeError) as e:  # one request must not stop the others
+                log.error("request %s failed: %s", seq.request_id, e)
+                seq.error = str(e)
+                self._finish(seq, "error")
+                continue
+            self._append(seq, token)
+        return [RequestOutput.of(s) for s in seqs]
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        seq.text = self.tokenizer.decode(seq.output_ids)
+        stops = [seq.text.find(s) for s in seq.params.stop if s in seq.text]
+        if not seq.params.ignore_eos and token == self.tokenizer.eos_id:
+            self._finish(seq, "stop")
+        elif stops:
+            seq.text = seq.text[: min(stops)]
+            self._finish(seq, "stop")
+        elif (len(seq.output_ids) >= seq.params.max_tokens
+              or seq.num_tokens >= self.config.max_seq_len):
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = time.perf_counter()
+
+    # ---- the vLLM-style calls ----------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in the order of the prompts."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompts)} "
+                                 "prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        while any(self._requests[i].status is not Status.FINISHED for i in ids):
+            self.step()
+        return [RequestOutput.of(self._requests.pop(i)) for i in ids]
+
+    def stream(self, prompt: Prompt,
+               sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output each time it grows, until it finishes; requests
+        added meanwhile keep running alongside."""
+        request_id = self.add_request(prompt, sampling_params)
+        seq = self._requests[request_id]
+        try:
+            while seq.status is not Status.FINISHED:
+                if any(out.request_id == request_id for out in self.step()):
+                    yield RequestOutput.of(seq)
+        finally:
+            self.abort(request_id)
+            self._requests.pop(request_id, None)
+
+    # ---- memory ------------------------------------------------------------------------
+    def memory_report(self, context: int | None = None) -> dict[str, Any]:
+        """Bytes per token and capacity, measured from the storage actually allocated,
+        with the plan (computed from the config) beside every figure."""
+        cache, pools = self.cache, self.cache.pools
+        layout = cache.layout
+        capacity = pools.capacity_tokens
+        streams, warnings = [], []
+        for s in layout.streams:
+            rows = pools.rows[s.layer, s.kind]
+            entry = rows.data.shape[-1] * rows.data.element_size()
+            measured, planned = rows.nbytes / capacity, float(s.bytes_per_token)
+            streams.append({"layer": s.layer, "kind": s.kind, "format": s.fmt, "width": s.width,
+                            "ratio": s.ratio, "bytes_per_entry": entry,
+                            "bytes_per_token": measured, "planned_bytes_per_token": planned})
+            if not math.isclose(measured, planned):
+                warnings.append(f"layer {s.layer} {s.kind} stream stores {entry} B per entry, "
+                                f"the plan for {s.fmt}[{s.width}] is {s.entry_bytes}: it is "
+                                "not in its configured format")
+        ring = cache.ring_slots[0].nbytes if cache.ring_slots else 0
+        if ring != layout.window_bytes_per_sequence:
+            warnings.append(f"window rings take {ring} B per sequence, the plan "
+                            f"{layout.window_bytes_per_sequence}")
+        for w in warnings:
+            log.warning("kvstack cache MISMATCH: %s", w)
+        running = [s for s in self.scheduler.running if s.store is not None]
+        tokens = sum(s.store.num_tokens for s in running)
+        blocks_used = pools.n_blocks - cache.manager.num_free
+        context = context or self.config.max_seq_len
+        per_seq = -(-context // pools.block_tokens)
+        measured_total = sum(r["bytes_per_token"] for r in streams)
+        return {
+            "basis": "measured from the allocated pools and rings",
+            "bytes_per_token": measured_total,
+            "planned_bytes_per_token": float(layout.bytes_per_token),
+            "streams": streams,
+            "tokens_in_use": tokens,
+            "in_use_bytes_per_token": (
+                blocks_used * block_bytes(layout, pools.block_tokens) / tokens if tokens
+                else None),
+            "blocks_total": pools.n_blocks,
+            "blocks_in_use": blocks_used,
+            "block_tokens": pools.block_tokens,
+            "capacity_tokens": capacity,
+            "window_bytes_per_sequence": ring,
+            "planned_window_bytes_per_sequence": layout.window_bytes_per_sequence,
+            "allocated_bytes": pools.nbytes + cache.ring_bytes,
+            "kv_budget": cache.budget,
+            "context": context,
+            "sequences_fit": min(pools.n_blocks // per_seq, len(cache.ring_slots)),
+            "warnings": warnings,
+        }

@@ -1,0 +1,28 @@
+"""Runs the model for the sequences a step scheduled, and samples their next tokens."""
+
+import torch
+
+from kvstack.engine.sampling import sample
+from kvstack.engine.sequence import Sequence
+from kvstack.model import Model
+
+
+class ModelRunner:
+    def __init__(self, model: Model, replay: str, chunk_size: int) -> None:
+        self.model, self.replay, self.chunk_size = model, replay, chunk_size
+        self.device = model.embed.weight.device
+
+    @torch.no_grad()
+    def prefill(self, seq: Sequence) -> int:
+        """Feed every token of the sequence (its prompt, and what it generated before a
+        preemption) through CED prefill; the next token."""
+        ids = torch.tensor([seq.all_ids], dtype=torch.long, device=self.device)
+        logits = self.model.prefill(ids, seq.store, replay=self.replay,
+                                    chunk_size=self.chunk_size)
+        return sample(logits[0], seq.params, seq.generator)
+
+    @torch.no_grad()
+    def decode(self, seq: Sequence) -> int:
+        """Feed the last sampled token; the next one."""
+        ids = torch.tensor([seq.output_ids[-1]], dtype=torch.long, device=self.device)
+        return sample(self.model.decode(ids, seq.store)[0], seq.params, seq.generator)

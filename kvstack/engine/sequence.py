@@ -1,0 +1,69 @@
+"""A request as the engine tracks it, and what the caller gets back."""
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from kvstack.cache.paged import PagedSequenceStore
+from kvstack.engine.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    store: PagedSequenceStore | None = None  # while it holds cache
+    generator: torch.Generator | None = None
+    preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    finished: bool
+    error: str | None
+    metrics: dict[str, float]
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        metrics: dict[str, float] = {"preemptions": seq.preemptions}
+        if seq.first_token_time is not None:
+            metrics["time_to_first_token_s"] = seq.first_token_time - seq.arrival_time
+            end = seq.finish_time or time.perf_counter()
+            if len(seq.output_ids) > 1 and end > seq.first_token_time:
+                metrics["decode_tokens_per_s"] = (len(seq.output_ids) - 1) / (
+                    end - seq.first_token_time)
+        return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), seq.text,
+                   list(seq.output_ids), seq.finish_reason,
+                   seq.status is Status.FINISHED, seq.error, metrics)
