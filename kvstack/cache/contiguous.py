@@ -75,9 +75,9 @@ class ContiguousCache(KVStore):
         self._len[layer] = start + n
         return stored
 
-    def read_stream(self, layer: int, kind: str, stop: int) -> torch.Tensor:
+    def read_stream(self, layer: int, kind: str, start: int, stop: int) -> torch.Tensor:
         rows = self._streams[layer][kind]
-        return rows.read(rows.data[:, :stop])
+        return rows.read(rows.data[:, start:stop])
 
     def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
         rows = self._streams[layer][kind]

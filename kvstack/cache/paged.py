@@ -163,10 +163,11 @@ class PagedSequenceStore(KVStore):
         self._len[layer] = start + n
         return stored
 
-    def read_stream(self, layer: int, kind: str, stop: int) -> torch.Tensor:
+    def read_stream(self, layer: int, kind: str, start: int, stop: int) -> torch.Tensor:
         pool = self.pools.rows[layer, kind]
-        rows = pool.data[self._slots(layer, kind, torch.arange(stop, device=self.device))]
-        return pool.read(rows).unsqueeze(0)  # [1, stop, width]
+        entries = torch.arange(start, stop, device=self.device)
+        rows = pool.data[self._slots(layer, kind, entries)]
+        return pool.read(rows).unsqueeze(0)  # [1, stop - start, width]
 
     def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
         pool = self.pools.rows[layer, kind]

@@ -75,8 +75,8 @@ class ReferenceStore(KVStore):
             streams[kind] = torch.cat((streams[kind], x), dim=1) if kind in streams else x
         return stored
 
-    def read_stream(self, layer: int, kind: str, stop: int) -> torch.Tensor:
-        return self._streams[layer][kind][:, :stop]
+    def read_stream(self, layer: int, kind: str, start: int, stop: int) -> torch.Tensor:
+        return self._streams[layer][kind][:, start:stop]
 
     def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
         stream = self._streams[layer][kind]  # [B, N, width]

@@ -72,8 +72,8 @@ class KVStore(ABC):
         stored values of each."""
 
     @abstractmethod
-    def read_stream(self, layer: int, kind: str, stop: int) -> torch.Tensor:
-        """Entries 0..stop-1 of one stream: [B, stop, width] float32."""
+    def read_stream(self, layer: int, kind: str, start: int, stop: int) -> torch.Tensor:
+        """Entries start..stop-1 of one stream: [B, stop-start, width] float32."""
 
     @abstractmethod
     def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """`kvstack.LLM`: the engine's front door, with vLLM's names.
 
 LLM(model, kv_budget="1GiB") loads a model directory (config.json, model.safetensors,
-tokenizer.json) or, with random_init=True, a preset with a byte tokenizer; sizes the paged
-cache from the byte budget; and serves requests with continuous batching.
+tokenizer.json) or, with random_init=True, a preset name or a ModelConfig with random
+weights and a byte tokenizer; sizes the paged cache from the byte budget; and serves
+requests with continuous batching.
 """
 
 import itertools
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from kvstack.cache.paged import PagedCache, block_bytes
-from kvstack.config import preset
+from kvstack.config import ModelConfig, preset
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.scheduler import Scheduler
@@ -29,11 +30,12 @@ log = logging.getLogger("kvstack")
 Prompt = str | list[int]
 
 
-def _load(model: str | Path, random_init: bool, seed: int,
+def _load(model: str | Path | ModelConfig, random_init: bool, seed: int,
           device: torch.device) -> tuple[Model, Tokenizer]:
     if random_init:
         torch.manual_seed(seed)
-        loaded, tokenizer = Model(preset(str(model))), ByteTokenizer()
+        config = model if isinstance(model, ModelConfig) else preset(str(model))
+        loaded, tokenizer = Model(config), ByteTokenizer()
     elif str(model) == "default":
         raise ValueError("no bundled default model yet: pass a model directory, or a preset "
                          "name with random_init=True")
@@ -56,7 +58,7 @@ def _load(model: str | Path, random_init: bool, seed: int,
 class LLM:
     def __init__(
         self,
-        model: str | Path = "default",
+        model: str | Path | ModelConfig = "default",
         kv_budget: int | str = "1GiB",
         replay: str = "bounded",
         random_init: bool = False,

@@ -48,6 +48,18 @@ def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     return _E2M1_TABLE.to(code.device)[(code & 0x0F).long()]
 
 
+# Both elements of every packed byte: row b is (value of the low nibble, of the high one).
+_E2M1_PAIRS = torch.stack(
+    (_E2M1_TABLE[torch.arange(256) & 15], _E2M1_TABLE[torch.arange(256) >> 4]), dim=-1
+)
+
+
+def e2m1_decode_packed(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 bytes [..., n] to float32 [..., 2n] (element 2i from the low nibble),
+    with one table lookup per byte."""
+    return _E2M1_PAIRS.to(packed.device)[packed.long()].flatten(-2)
+
+
 def float32_exponent(x: torch.Tensor) -> torch.Tensor:
     """Unbiased exponent field of positive normal float32 values (int32)."""
     return ((x.view(torch.int32) >> 23) & 0xFF) - 127

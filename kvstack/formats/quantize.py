@@ -15,7 +15,7 @@ from kvstack.formats.codecs import (
     E2M1_MAX,
     E4M3_MAX,
     ceil_log2_ratio,
-    e2m1_decode,
+    e2m1_decode_packed,
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
@@ -132,10 +132,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
     f = get_format(q.fmt)
     if f.element == "bf16":
         return q.codes.contiguous().view(torch.bfloat16).to(torch.float32)
-    if f.element == "e2m1":
-        values = torch.stack((e2m1_decode(q.codes), e2m1_decode(q.codes >> 4)), dim=-1)
-    else:
-        values = e4m3_decode(q.codes)
+    values = e2m1_decode_packed(q.codes) if f.element == "e2m1" else e4m3_decode(q.codes)
     n_blocks = q.scales.shape[-1]
     values = values.reshape(*q.scales.shape, f.block)
     scale = e4m3_decode(q.scales) if f.scale == "e4m3" else ue8m0_decode(q.scales)

@@ -26,6 +26,7 @@ from kvstack.config import LayerSpec, Mode, ModelConfig
 from kvstack.model.params import parameter_shapes
 
 QUERY_BLOCK = 256  # queries scored at once: bounds the [block, keys] score matrices
+KEY_CHUNK = 4096  # indexer keys dequantised at once: no float copy of a whole stream
 REPLAY_MODES = ("bounded", "exact")
 
 
@@ -273,15 +274,21 @@ class Indexer(nn.Module):
         self.wweights = nn.Linear(config.dim, hi, bias=False)
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
-               keys: torch.Tensor) -> torch.Tensor:
-        """score(t, j) = sum_h w_th relu(q_th . k_j), invisible entries -inf: [B, n, N]."""
+               store: KVStore, n_entries: int) -> torch.Tensor:
+        """score(t, j) = sum_h w_th relu(q_th . k_j), invisible entries -inf: [B, n, N].
+        The keys are read from the store KEY_CHUNK entries at a time."""
         c = self.config
         hi, di = c.index_n_heads, c.index_head_dim
-        q = rotate(self.wq(qr).unflatten(-1, (hi, di)), positions, self.freqs)
+        q = rotate(self.wq(qr).unflatten(-1, (hi, di)), positions, self.freqs).float()
         w = self.wweights(x).float() * (di**-0.5 * hi**-0.5)  # [B, n, Hi]
-        s = torch.einsum("bnhd,bkd->bnhk", q.float(), keys.float()).relu()
-        s = torch.einsum("bnhk,bnh->bnk", s, w)
-        visible = torch.arange(keys.shape[1], device=x.device) < _visible(positions, self.spec)
+        chunks = []
+        for start in range(0, n_entries, KEY_CHUNK):
+            keys = store.read_stream(self.spec.kv_source, "index", start,
+                                     min(start + KEY_CHUNK, n_entries))
+            s = torch.einsum("bnhd,bkd->bnhk", q, keys.float()).relu()
+            chunks.append(torch.einsum("bnhk,bnh->bnk", s, w))
+        s = torch.cat(chunks, dim=-1) if chunks else w.new_zeros(*w.shape[:2], 0)
+        visible = torch.arange(n_entries, device=x.device) < _visible(positions, self.spec)
         return s.masked_fill(~visible, float("-inf"))
 
 
@@ -361,8 +368,7 @@ class Attention(nn.Module):
         if self.compressor is not None:
             self.compressor(x, start, store)
         n_entries = store.stream_len(spec.kv_source) if spec.ratio else 0
-        keys = store.read_stream(spec.kv_source, "index", n_entries) if self.indexer else None
-        all_kv = (store.read_stream(spec.kv_source, "kv", n_entries)
+        all_kv = (store.read_stream(spec.kv_source, "kv", 0, n_entries)
                   if spec.ratio and ctx.dense else None)
         # Query blocks end to end (score, pool, top-k, attend), so no [n, N] matrix is
         # ever whole unless `collect` asks for the scores.
@@ -371,7 +377,8 @@ class Attention(nn.Module):
             block = slice(i, i + QUERY_BLOCK)
             selected = None  # [B, q, k] entry indices, -1 for none; None = all visible
             if self.indexer is not None:
-                s = self.indexer.scores(x[:, block], qr[:, block], positions[block], keys)
+                s = self.indexer.scores(x[:, block], qr[:, block], positions[block], store,
+                                        n_entries)
                 if spec.is_candidate_source:
                     pools.append(candidate_blocks(s, positions[block], spec, c))
                 elif spec.uses_candidates:
@@ -412,14 +419,28 @@ class Attention(nn.Module):
         logits = [torch.einsum("bqhd,bkd->bhqk", q.float(), window.float()) * scale]
         logits[0] = logits[0].masked_fill(~in_window, float("-inf"))
         entries = None
+        columns = None  # per query, the column of each selected entry in `entries`
         if spec.ratio and all_kv is not None:
             entries = all_kv  # [B, N, D]
             visible = torch.arange(n_entries, device=q.device) < _visible(positions, spec)
             logits.append(torch.einsum("bqhd,bkd->bhqk", q.float(), entries.float()) * scale)
             logits[1] = logits[1].masked_fill(~visible, float("-inf"))
         elif spec.ratio and selected is not None and selected.shape[-1]:
-            entries = store.gather_stream(spec.kv_source, "kv", selected.clamp(min=0))
-            logits.append(torch.einsum("bqhd,bqkd->bhqk", q.float(), entries.float()) * scale)
+            chosen = selected.clamp(min=0)
+            distinct = torch.unique(chosen)
+            b, h = q.shape[0], q.shape[2]
+            # Read each selected row once: the rows the block's queries share [B, u, D],
+            # scored with one matmul, unless per-query gathers are smaller.
+            if distinct.numel() * h <= chosen.shape[-1] * c.head_dim:
+                entries = store.gather_stream(spec.kv_source, "kv",
+                                              distinct.view(1, 1, -1).expand(b, 1, -1))[:, 0]
+                columns = torch.searchsorted(distinct, chosen)[:, None].expand(-1, h, -1, -1)
+                scores = torch.einsum("bqhd,bud->bhqu", q.float(), entries.float())
+                logits.append(scores.gather(-1, columns) * scale)
+            else:
+                entries = store.gather_stream(spec.kv_source, "kv", chosen)  # [B, q, k, D]
+                logits.append(torch.einsum("bqhd,bqkd->bhqk", q.float(), entries.float())
+                              * scale)
             logits[1] = logits[1].masked_fill((selected < 0)[:, None], float("-inf"))
         sink = self.sink.float().view(1, -1, 1, 1).expand(*logits[0].shape[:3], 1)
         probs = torch.cat([*logits, sink], dim=-1).softmax(-1)
@@ -427,7 +448,10 @@ class Attention(nn.Module):
         out = torch.einsum("bhqk,bkd->bqhd", probs[..., :m], window.float())
         if entries is not None:
             p = probs[..., m:-1]
-            if entries.dim() == 3:
+            if columns is not None:
+                spread = p.new_zeros(*p.shape[:3], entries.shape[1]).scatter_add_(-1, columns, p)
+                out = out + torch.einsum("bhqu,bud->bqhd", spread, entries.float())
+            elif entries.dim() == 3:
                 out = out + torch.einsum("bhqk,bkd->bqhd", p, entries.float())
             else:
                 out = out + torch.einsum("bhqk,bqkd->bqhd", p, entries.float())
@@ -476,7 +500,7 @@ class DenseAttention(nn.Module):
         group = c.n_heads // c.n_kv_heads
 
         def heads(kind: str) -> torch.Tensor:  # [B, H, total, D]
-            kv = store.read_stream(self.layer, kind, total).unflatten(-1, (c.n_kv_heads, -1))
+            kv = store.read_stream(self.layer, kind, 0, total).unflatten(-1, (c.n_kv_heads, -1))
             return kv.transpose(1, 2).repeat_interleave(group, dim=1).type_as(q)
 
         keys, values = heads("k"), heads("v")
