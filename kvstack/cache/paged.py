@@ -229,7 +229,7 @@ class PagedCache:
         self.ring_slots = [WindowRings(self.layout, config.window_size, 1, device)
                            for _ in range(max_num_seqs)]
         self._free_slots = list(range(max_num_seqs))
-        self._slot_of: dict[int, int] = {}
+        self.open: dict[int, tuple[PagedSequenceStore, int]] = {}  # id(store) -> (store, slot)
 
     def open_sequence(self) -> PagedSequenceStore:
         if not self._free_slots:
@@ -237,12 +237,16 @@ class PagedCache:
         slot = self._free_slots.pop()
         store = PagedSequenceStore(self.config, self.pools, self.manager,
                                    self.ring_slots[slot], self.config.max_seq_len)
-        self._slot_of[id(store)] = slot
+        self.open[id(store)] = (store, slot)
         return store
 
     def close_sequence(self, store: PagedSequenceStore) -> None:
         store.release()
-        self._free_slots.append(self._slot_of.pop(id(store)))
+        self._free_slots.append(self.open.pop(id(store))[1])
+
+    @property
+    def tokens_in_use(self) -> int:
+        return sum(store.num_tokens for store, _ in self.open.values())
 
     @property
     def ring_bytes(self) -> int:

@@ -239,8 +239,7 @@ class LLM:
                             f"{layout.window_bytes_per_sequence}")
         for w in warnings:
             log.warning("kvstack cache MISMATCH: %s", w)
-        running = [s for s in self.scheduler.running if s.store is not None]
-        tokens = sum(s.store.num_tokens for s in running)
+        tokens = cache.tokens_in_use
         blocks_used = pools.n_blocks - cache.manager.num_free
         context = context or self.config.max_seq_len
         per_seq = -(-context // pools.block_tokens)

@@ -1,0 +1,239 @@
+"""The engine: paged cache, continuous batching, preemption, the LLM API, measured bytes."""
+
+import logging
+
+import pytest
+import torch
+
+from kvstack import LLM, SamplingParams
+from kvstack.cache.paged import PagedCache, parse_bytes
+from kvstack.cache.rows import PackedRows
+from kvstack.config import preset
+from kvstack.engine.sequence import Sequence
+from kvstack.model.model import KEY_CHUNK
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by the reference forward, every token recomputed from scratch."""
+    ids, out = list(prompt), []
+    for _ in range(n):
+        token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(token)
+        ids.append(token)
+    return out
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("formats", ["bf16", "fp4"])
+def test_greedy_output_equals_the_reference_with_requests_joining_mid_run(formats):
+    config = preset("tiny").replace(**BF16) if formats == "bf16" else preset("tiny")
+    llm = LLM(config, random_init=True, kv_budget="2MiB", replay="exact", block_tokens=16)
+    first, late = prompts([5, 37]), prompts([70, 12], seed=1)
+    ids = [llm.add_request(p, GREEDY) for p in first]
+    for _ in range(4):
+        llm.step()
+    ids += [llm.add_request(p, GREEDY) for p in late]  # join a running batch
+    outputs = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    for request_id, prompt in zip(ids, first + late, strict=True):
+        out = outputs[request_id]
+        assert out.finish_reason == "length"
+        assert out.token_ids == reference_greedy(llm.model, prompt, 10), request_id
+
+
+def test_preemption_finishes_every_request_with_the_roomy_output():
+    work = prompts([40, 33, 50, 20], seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    roomy = LLM("tiny", random_init=True, kv_budget="4MiB", replay="exact", block_tokens=16)
+    expected = [o.token_ids for o in roomy.generate(work, params)]
+    # Room for about two of the four sequences at full length.
+    ring_bytes = roomy.cache.layout.window_bytes_per_sequence
+    block = 16 * roomy.memory_report()["bytes_per_token"]
+    tight = LLM("tiny", random_init=True, kv_budget=int(4 * ring_bytes + 10 * block),
+                replay="exact", block_tokens=16, max_num_seqs=4)
+    assert tight.memory_report()["blocks_total"] == 10
+    outputs = tight.generate(work, params)
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert sum(o.metrics["preemptions"] for o in outputs) > 0
+    assert tight.cache.manager.num_free == 10  # everything given back
+
+
+def fill(store, n_tokens: int, config, seed: int = 0) -> None:
+    """Write n_tokens of context into a sequence's store through its real write path
+    (quantise, pack, place in its blocks) without running the model."""
+    g = torch.Generator().manual_seed(seed)
+    assert store.reserve(n_tokens + 1)
+    store.append_tokens(torch.randint(0, 256, (1, n_tokens), generator=g))
+    for layer in {s.layer for s in store.pools.layout.streams}:
+        ratio = config.compress_ratios[layer]
+        store.append_stream(layer, {
+            "kv": torch.randn(1, n_tokens // ratio, config.head_dim, generator=g),
+            "index": torch.randn(1, n_tokens // ratio, config.index_head_dim, generator=g)})
+
+
+def test_v41_layout_small_measures_890_bytes_per_token():
+    llm = LLM("v41-layout-small", random_init=True, kv_budget="64MiB", max_num_seqs=2)
+    report = llm.memory_report()
+    assert report["bytes_per_token"] == 890 and report["planned_bytes_per_token"] == 890
+    assert "measured" in report["basis"]
+    rows = {(s["layer"], s["kind"]): s for s in report["streams"]}
+    assert rows[20, "kv"]["bytes_per_token"] == 288 and rows[2, "index"]["bytes_per_token"] == 34
+    assert report["window_bytes_per_sequence"] == 40 * 128 * 528 == (
+        report["planned_window_bytes_per_sequence"])
+    assert report["warnings"] == []
+    # A real request through the engine lands in the pools it measures.
+    prompt = prompts([2000])[0]
+    llm.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    llm.step()
+    report = llm.memory_report()
+    assert report["tokens_in_use"] == len(prompt)
+    assert report["blocks_in_use"] == -(-len(prompt) // 64)
+    # 16K tokens more: whole blocks are allocated, so the in-use figure is 890 plus at most
+    # one block's padding per sequence.
+    fill(llm.cache.open_sequence(), 16 * 1024 + 40, llm.config)
+    report = llm.memory_report()
+    assert report["tokens_in_use"] == len(prompt) + 16 * 1024 + 40
+    assert 890 <= report["in_use_bytes_per_token"] <= 890 * (1 + 2 * 64 / (16 * 1024))
+
+
+def test_a_stream_stored_wider_than_planned_is_reported_loudly(caplog):
+    llm = LLM("tiny", random_init=True, kv_budget="1MiB", block_tokens=16)
+    pool = llm.cache.pools.rows[4, "kv"]
+    pool.data = torch.zeros(*pool.data.shape[:-1], 2 * pool.data.shape[-1], dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, logger="kvstack"):
+        report = llm.memory_report()
+    assert report["bytes_per_token"] > report["planned_bytes_per_token"]
+    assert any("layer 4 kv stream stores 36 B per entry" in w for w in report["warnings"])
+    assert "MISMATCH" in caplog.text
+
+
+def test_decode_at_32k_reads_no_float_copy_of_the_context(monkeypatch):
+    """One decode step at 32K tokens of context dequantises window rows, indexer keys
+    KEY_CHUNK at a time, and only the selected KV rows: never a [context, head_dim]
+    float tensor."""
+    config = preset("tiny").replace(max_seq_len=40_000)
+    llm = LLM(config, random_init=True, kv_budget="64MiB", block_tokens=64, max_num_seqs=1)
+    context = 32 * 1024
+    store = llm.cache.open_sequence()
+    fill(store, context, config)
+    seq = Sequence("probe", [1] * context, GREEDY, output_ids=[7], store=store)
+
+    largest = []
+    original = PackedRows.read
+
+    def counting_read(self, rows):
+        largest.append(rows[..., 0].numel())
+        return original(self, rows)
+
+    monkeypatch.setattr(PackedRows, "read", counting_read)
+    token = llm.runner.decode(seq)
+    assert 0 <= token < config.vocab_size
+    assert store.num_tokens == context + 1
+    assert max(largest) <= KEY_CHUNK < context
+
+
+def test_sampling_controls():
+    llm = LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=11,
+                            ignore_eos=True)
+    a, b = llm.generate(["same prompt", "same prompt"], seeded)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+    greedy = llm.generate("abc", GREEDY)[0]
+    stop_at = llm.tokenizer.decode(greedy.token_ids[3:5])
+    if stop_at:
+        stopped = llm.generate("abc", SamplingParams(max_tokens=10, temperature=0,
+                                                     ignore_eos=True, stop=[stop_at]))[0]
+        assert stopped.finish_reason == "stop" and stop_at not in stopped.text
+    eos = llm.tokenizer.eos_id
+    llm.model.head.register_forward_hook(
+        lambda module, args, out: out.index_fill(-1, torch.tensor([eos]), 1e4))
+    out = llm.generate("x", SamplingParams(max_tokens=5, temperature=0))[0]
+    assert out.finish_reason == "stop" and out.token_ids == [eos] and out.text == ""
+    out = llm.generate("x", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.token_ids == [eos] * 5
+
+
+def test_stream_yields_growing_outputs_and_abort_frees_blocks():
+    llm = LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16)
+    seen = [out.token_ids for out in llm.stream("hello", GREEDY)]
+    assert [len(t) for t in seen] == list(range(1, 11))
+    request = llm.add_request("a long running request", SamplingParams(max_tokens=50))
+    llm.step()
+    assert llm.cache.manager.num_free < llm.cache.manager.n_blocks
+    llm.abort(request)
+    assert not llm.has_unfinished_requests()
+    assert llm.cache.manager.num_free == llm.cache.manager.n_blocks
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving():
+    llm = LLM("tiny", random_init=True, kv_budget="1MiB", block_tokens=16)
+    good = llm.add_request("still served", GREEDY)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.add_request("", GREEDY)
+    with pytest.raises(ValueError, match=r"outside the vocabulary 0\.\.511"):
+        llm.add_request([1, 2, 999], GREEDY)
+    with pytest.raises(ValueError, match="leaves no room under max_seq_len 512"):
+        llm.add_request([1] * 512, GREEDY)
+    with pytest.raises(ValueError, match="a prompt is a string or a list of token ids"):
+        llm.add_request(3.5, GREEDY)
+    small = LLM(preset("tiny").replace(max_seq_len=4096), random_init=True, kv_budget="40KiB",
+                block_tokens=16, max_num_seqs=1)
+    capacity = small.memory_report()["capacity_tokens"]
+    with pytest.raises(ValueError, match=f"does not fit the cache pool of {capacity} tokens"):
+        small.add_request([1] * capacity, GREEDY)
+    out = llm.generate("after the refusals", GREEDY)[0]
+    assert len(out.token_ids) == 10
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm._requests[good].finish_reason == "length"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(max_tokens=0), "max_tokens must be an integer from 1"),
+    (dict(temperature=-1), "temperature must be between 0 and 100"),
+    (dict(temperature=float("nan")), "temperature must be between 0 and 100"),
+    (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-3), "top_k must be a non-negative integer"),
+    (dict(stop=[""]), "stop must be non-empty strings"),
+])
+def test_absurd_sampling_values_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_model_directories_with_missing_or_mismatched_files(tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        LLM(tmp_path / "nothing")
+    model = LLM("tiny", random_init=True, kv_budget="1MiB", block_tokens=16).model
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"tokenizer\.json is missing"):
+        LLM(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json: cannot load"):
+        LLM(tmp_path, kv_budget="1MiB", block_tokens=16)
+    with pytest.raises(ValueError, match="no bundled default model yet"):
+        LLM("default")
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        LLM("huge", random_init=True)
+
+
+def test_budget_and_block_size_are_checked():
+    config = preset("tiny")
+    with pytest.raises(ValueError, match="kv_budget of 1,000 bytes is too small"):
+        PagedCache(config, 1000, 16, 8)
+    with pytest.raises(ValueError, match="block_tokens must be a positive multiple of 2"):
+        PagedCache(config, "1MiB", 15, 8)
+    with pytest.raises(ValueError, match="not a size like 4GiB"):
+        parse_bytes("four gigs")
+    assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("1.5 MB") == 1_500_000
