@@ -237,3 +237,37 @@ def test_budget_and_block_size_are_checked():
     with pytest.raises(ValueError, match="not a size like 4GiB"):
         parse_bytes("four gigs")
     assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("1.5 MB") == 1_500_000
+
+
+def test_a_kept_conversation_continues_without_recomputing_it(monkeypatch):
+    llm = LLM("tiny", random_init=True, kv_budget="2MiB", replay="exact", block_tokens=16)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = list(llm.stream("first turn", params, keep_cache=True))[-1]
+    assert first.finished and llm.memory_report()["tokens_in_use"] > 0  # the cache stays
+    fed = []
+    original = llm.runner.prefill
+
+    def counting_prefill(seq):
+        fed.append(seq.num_tokens - seq.store.num_tokens)
+        return original(seq)
+
+    monkeypatch.setattr(llm.runner, "prefill", counting_prefill)
+    second = list(llm.stream(" and a second", params, continue_from=first.request_id))[-1]
+    assert fed == [1 + len(" and a second")]  # the last answer token and the new turn only
+    # The same as one request over the whole conversation, from scratch.
+    whole = first.prompt_token_ids + first.token_ids + list(b" and a second")
+    fresh = LLM("tiny", random_init=True, kv_budget="2MiB", replay="exact", block_tokens=16)
+    assert second.token_ids == fresh.generate(whole, params)[0].token_ids
+    assert llm.memory_report()["tokens_in_use"] == 0  # not kept this time
+    with pytest.raises(ValueError, match="not a finished request to continue"):
+        llm.add_request("more", params, continue_from=first.request_id)
+
+
+def test_kept_caches_yield_their_room_to_new_requests():
+    llm = LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16, max_num_seqs=1)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    kept = list(llm.stream("keep me", params, keep_cache=True))[-1]
+    # The only ring slot is kept; a new request evicts it instead of waiting forever.
+    assert len(llm.generate("another", params)[0].token_ids) == 4
+    again = list(llm.stream(" more", params, continue_from=kept.request_id))[-1]
+    assert len(again.token_ids) == 4  # recomputed from its token ids

@@ -231,6 +231,10 @@ class PagedCache:
         self._free_slots = list(range(max_num_seqs))
         self.open: dict[int, tuple[PagedSequenceStore, int]] = {}  # id(store) -> (store, slot)
 
+    @property
+    def has_free_slot(self) -> bool:
+        return bool(self._free_slots)
+
     def open_sequence(self) -> PagedSequenceStore:
         if not self._free_slots:
             raise ValueError("no free window-ring slot: max_num_seqs sequences are running")

@@ -91,13 +91,25 @@ class LLM:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, continue_from: str | None = None,
+                    keep_cache: bool = False) -> str:
         """Queue a request; it joins the running batch at the next step. Bad input raises
-        ValueError here, before anything is queued."""
+        ValueError here, before anything is queued.
+
+        continue_from: a finished request that kept its cache (keep_cache=True); the new
+        prompt follows its tokens and only the new tokens are prefilled (multi-turn chat).
+        """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         ids = self._encode(prompt)
+        previous = None
+        if continue_from is not None:
+            previous = self._requests.get(continue_from)
+            if previous is None or previous.status is not Status.FINISHED:
+                raise ValueError(f"request {continue_from!r} is not a finished request to "
+                                 "continue")
+            ids = previous.all_ids + ids
         limit = self.config.max_seq_len
         if len(ids) >= limit:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_seq_len "
@@ -113,10 +125,21 @@ class LLM:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, prompt if isinstance(prompt, str) else None,
-                       generator=generator)
+                       generator=generator, keep_cache=keep_cache)
+        if previous is not None:
+            # The kept store (if not evicted for room meanwhile) moves to the new request.
+            if self.scheduler.take_kept(continue_from) is not None:
+                seq.store, previous.store = previous.store, None
+            self._requests.pop(continue_from)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def release(self, request_id: str) -> None:
+        """Drop the cache a finished request kept for a follow-up turn."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.release(seq)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -175,7 +198,8 @@ class LLM:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
+        keep = seq.keep_cache and reason in ("stop", "length")
+        self.scheduler.finish(seq, reason, keep_cache=keep)
         seq.finish_time = time.perf_counter()
 
     # ---- the vLLM-style calls ----------------------------------------------------------
@@ -200,11 +224,14 @@ class LLM:
             self.step()
         return [RequestOutput.of(self._requests.pop(i)) for i in ids]
 
-    def stream(self, prompt: Prompt,
-               sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               continue_from: str | None = None,
+               keep_cache: bool = False) -> Iterator[RequestOutput]:
         """Yield the request's output each time it grows, until it finishes; requests
-        added meanwhile keep running alongside."""
-        request_id = self.add_request(prompt, sampling_params)
+        added meanwhile keep running alongside. With keep_cache the finished request can
+        be continued (continue_from=its request_id) without recomputing it."""
+        request_id = self.add_request(prompt, sampling_params, continue_from=continue_from,
+                                      keep_cache=keep_cache)
         seq = self._requests[request_id]
         try:
             while seq.status is not Status.FINISHED:
@@ -212,7 +239,8 @@ class LLM:
                     yield RequestOutput.of(seq)
         finally:
             self.abort(request_id)
-            self._requests.pop(request_id, None)
+            if seq.store is None:
+                self._requests.pop(request_id, None)
 
     # ---- memory ------------------------------------------------------------------------
     def memory_report(self, context: int | None = None) -> dict[str, Any]:

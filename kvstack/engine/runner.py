@@ -14,9 +14,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def prefill(self, seq: Sequence) -> int:
-        """Feed every token of the sequence (its prompt, and what it generated before a
-        preemption) through CED prefill; the next token."""
-        ids = torch.tensor([seq.all_ids], dtype=torch.long, device=self.device)
+        """Feed the sequence's tokens its store does not hold yet (the prompt, what it
+        generated before a preemption, or a follow-up turn) through CED prefill; the
+        next token."""
+        fresh = seq.all_ids[seq.store.num_tokens :]
+        ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
         logits = self.model.prefill(ids, seq.store, replay=self.replay,
                                     chunk_size=self.chunk_size)
         return sample(logits[0], seq.params, seq.generator)

@@ -1,12 +1,13 @@
 """Continuous batching: who runs in the next step.
 
-A step either prefills waiting sequences (FIFO, up to max_num_seqs running and a token
-budget per step) or decodes every running one. When the pool runs out of blocks, the
-newest running sequence is preempted: its blocks are freed and it goes back to the front
-of the queue, to be recomputed later. The caller never sees an exception for it.
+A step either prefills waiting sequences (FIFO, up to max_num_seqs holding cache and a
+token budget per step) or decodes every running one. When blocks or window-ring slots run
+out, the caches kept for a follow-up turn go first (oldest first), then the newest running
+sequence is preempted: its blocks are freed and it goes back to the front of the queue, to
+be recomputed later. The caller never sees an exception for it.
 """
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from kvstack.cache.paged import PagedCache
 from kvstack.engine.sequence import Sequence, Status
@@ -22,6 +23,8 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Finished sequences whose cache is kept for a follow-up turn, oldest first.
+        self.kept: OrderedDict[str, Sequence] = OrderedDict()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -36,16 +39,15 @@ class Scheduler:
         tokens = 0
         while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
-            if batch and tokens + seq.num_tokens > self.max_num_batched_tokens:
+            new = seq.num_tokens - (seq.store.num_tokens if seq.store else 0)
+            if batch and tokens + new > self.max_num_batched_tokens:
                 break
-            store = self.cache.open_sequence()
-            if not store.reserve(seq.num_tokens):
-                self.cache.close_sequence(store)
+            if not self._admit(seq):
                 break
-            seq.store, seq.status = store, Status.RUNNING
+            seq.status = Status.RUNNING
             self.waiting.popleft()
             batch.append(seq)
-            tokens += seq.num_tokens
+            tokens += new
         if batch:
             self.running += batch
             return batch, True
@@ -54,7 +56,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted below by an older sequence
-            while not seq.store.reserve(seq.num_tokens):
+            while not self._reserve(seq):
                 victim = self.running[-1]  # the newest yields first
                 if victim is seq and len(self.running) == 1:
                     self.finish(seq, "length")  # alone and still no room: the pool's limit
@@ -66,17 +68,62 @@ class Scheduler:
                 decoding.append(seq)
         return decoding, False
 
+    def _admit(self, seq: Sequence) -> bool:
+        """Give a waiting sequence a store with room for all its tokens."""
+        if seq.store is None:
+            while not self.cache.has_free_slot and self._evict_kept():
+                pass
+            if not self.cache.has_free_slot:
+                return False
+            seq.store = self.cache.open_sequence()
+        if self._reserve(seq):
+            return True
+        if not seq.store.num_tokens:  # nothing cached yet: give the slot back meanwhile
+            self.cache.close_sequence(seq.store)
+            seq.store = None
+        return False
+
+    def _reserve(self, seq: Sequence) -> bool:
+        while not seq.store.reserve(seq.num_tokens):
+            if not self._evict_kept():
+                return False
+        return True
+
+    def _evict_kept(self) -> bool:
+        if not self.kept:
+            return False
+        _, seq = self.kept.popitem(last=False)
+        self._release(seq)
+        return True
+
+    def keep(self, seq: Sequence) -> None:
+        self.kept[seq.request_id] = seq
+
+    def take_kept(self, request_id: str) -> Sequence | None:
+        return self.kept.pop(request_id, None)
+
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        self._release(seq)
+    def finish(self, seq: Sequence, reason: str, keep_cache: bool = False) -> None:
+        """End a sequence; with keep_cache its store stays for a follow-up turn (until
+        evicted for room)."""
+        if seq in self.running:
+            self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if keep_cache and seq.store is not None:
+            self.keep(seq)
+        else:
+            self._release(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def release(self, seq: Sequence) -> None:
+        self.kept.pop(seq.request_id, None)
+        self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq.store is not None:

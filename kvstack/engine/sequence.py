@@ -29,6 +29,7 @@ class Sequence:
     error: str | None = None
     store: PagedSequenceStore | None = None  # while it holds cache
     generator: torch.Generator | None = None
+    keep_cache: bool = False  # keep the store after finishing, for a follow-up turn
     preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
