@@ -2,8 +2,11 @@
 
 import argparse
 import json
+import logging
 import sys
-from typing import Any
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
@@ -11,6 +14,9 @@ from rich.table import Table
 
 from kvstack.config import PRESETS, ModelConfig, preset
 from kvstack.plan import make_plan
+
+if TYPE_CHECKING:  # the engine pulls in the model; `kvstack plan` does not need it
+    from kvstack.engine import LLM, SamplingParams
 
 
 def _ranges(layers: list[int]) -> str:
@@ -171,6 +177,134 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- generate and chat ----------------------------------------------------------------
+
+
+def _load_llm(args: argparse.Namespace) -> "LLM":
+    from kvstack.engine import LLM
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    return LLM(args.model, kv_budget=args.kv_budget, replay=args.replay,
+               random_init=args.random_init, seed=args.init_seed, device=args.device)
+
+
+def _sampling(args: argparse.Namespace) -> "SamplingParams":
+    from kvstack.engine import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            return Path(args.prompt_file).read_text()
+        except OSError as e:
+            raise ValueError(f"prompt file {args.prompt_file}: cannot read ({e.strerror})") from e
+    if not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise ValueError("no prompt: pass --prompt, --prompt-file, or pipe text on stdin")
+
+
+def _cache_line(llm: "LLM") -> str:
+    report = llm.memory_report()
+    tokens, per_token = report["tokens_in_use"], report["in_use_bytes_per_token"] or 0
+    held = tokens * per_token + report["window_bytes_per_sequence"]
+    return (f"cache {_bytes(held)} for {tokens:,} tokens ({report['bytes_per_token']:g} "
+            f"B/token measured, plan {report['planned_bytes_per_token']:g})")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    llm = _load_llm(args)
+    params = _sampling(args)
+    start = time.perf_counter()
+    if args.json:
+        out = llm.generate(prompt, params)[0]
+        print(json.dumps({
+            "text": out.text, "token_ids": out.token_ids,
+            "prompt_token_ids": out.prompt_token_ids, "finish_reason": out.finish_reason,
+            "timings": {**out.metrics, "total_s": time.perf_counter() - start},
+            "memory": llm.memory_report(),
+        }))
+        return 0
+    shown, out = "", None
+    for out in llm.stream(prompt, params, keep_cache=True):
+        print(out.text[len(shown):], end="", flush=True)
+        shown = out.text
+    rate = out.metrics.get("decode_tokens_per_s", 0.0)
+    print(f"\n[{len(out.token_ids)} tokens, {out.finish_reason}; first token after "
+          f"{out.metrics['time_to_first_token_s']:.2f} s; {rate:.1f} tokens/s; "
+          f"{_cache_line(llm)}]", file=sys.stderr)
+    return 0
+
+
+CHAT_HELP = "/reset starts a new conversation, /stats shows the cache, /exit leaves"
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    llm = _load_llm(args)
+    params = _sampling(args)
+    console = Console(stderr=True)
+    console.print(f"[dim]kvstack chat · {CHAT_HELP}[/dim]")
+    previous = None
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        command = line.strip()
+        if command == "/exit":
+            return 0
+        if command == "/reset":
+            if previous is not None:
+                llm.release(previous)
+            previous = None
+            console.print("[dim]new conversation[/dim]")
+            continue
+        if command == "/stats":
+            console.print_json(json.dumps(llm.memory_report()))
+            continue
+        if command.startswith("/"):
+            console.print(f"[red]unknown command {command}[/red]; {CHAT_HELP}")
+            continue
+        shown, out = "", None
+        try:
+            for out in llm.stream(line + "\n", params, continue_from=previous,
+                                  keep_cache=True):
+                print(out.text[len(shown):], end="", flush=True)
+                shown = out.text
+        except ValueError as e:  # a turn too long for the pool or the model: say so, go on
+            console.print(f"[red]{e}[/red]")
+            continue
+        previous = out.request_id
+        rate = out.metrics.get("decode_tokens_per_s", 0.0)
+        console.print(f"\n[dim][{rate:.1f} tokens/s · {_cache_line(llm)}][/dim]")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="a model directory, or a preset name with --random-init "
+                        "(default: the bundled model)")
+    p.add_argument("--random-init", action="store_true",
+                   help="random weights and a byte tokenizer (tests, benchmarks)")
+    p.add_argument("--init-seed", type=int, default=0, help="seed of --random-init")
+    p.add_argument("--kv-budget", default="1GiB", help="bytes for the cache, e.g. 4GiB")
+    p.add_argument("--replay", choices=("bounded", "exact"), default="bounded",
+                   help="decoder replay span of CED prefill")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-tokens", type=_positive_int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstack",
@@ -193,6 +327,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=_cmd_plan)
+
+    generate = sub.add_parser("generate", help="generate a continuation of a prompt")
+    _add_engine_args(generate)
+    prompt = generate.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a file")
+    generate.add_argument("--json", action="store_true",
+                          help="print text, token ids, timings and the memory report as JSON")
+    generate.set_defaults(run=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="a conversation kept in the cache across turns")
+    _add_engine_args(chat)
+    chat.set_defaults(run=_cmd_chat)
     return parser
 
 
