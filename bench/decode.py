@@ -220,19 +220,21 @@ def measure_hf(model: Any, context: int, steps: int, repeat: int) -> Measured:
 def row(context: int, a: Measured, b: Measured, c: Measured | None) -> Row:
     return Row(
         context=context,
-        stack_tok_s=a.tok_s, dense_tok_s=b.tok_s, hf_tok_s=c and c.tok_s,
+        stack_tok_s=a.tok_s, dense_tok_s=b.tok_s, hf_tok_s=None if c is None else c.tok_s,
         stack_bytes_per_token=a.bytes_per_token, dense_bytes_per_token=b.bytes_per_token,
-        hf_bytes_per_token=c and c.bytes_per_token,
+        hf_bytes_per_token=None if c is None else c.bytes_per_token,
         speedup_vs_dense=a.tok_s / b.tok_s,
-        speedup_vs_hf=c and a.tok_s / c.tok_s,
+        speedup_vs_hf=None if c is None else a.tok_s / c.tok_s,
         bytes_saving_vs_dense=b.bytes_per_token / a.bytes_per_token,
-        bytes_saving_vs_hf=c and c.bytes_per_token / a.bytes_per_token,
+        bytes_saving_vs_hf=None if c is None else c.bytes_per_token / a.bytes_per_token,
     )
 
 
-def render(console: Console, r: Row, caption: str) -> None:
-    table = Table(title=f"decode at {r.context:,} tokens of context", caption=caption)
-    for name in ("system", "tok/s", "B/token", "(a) ×tok/s", "÷B/token"):
+def render(console: Console, r: Row) -> None:
+    table = Table(title=f"decode at {r.context:,} tokens of context")
+    table.add_column("system", no_wrap=True)
+    # Short headers, explained in the caption printed after the tables.
+    for name in ("tok/s", "B/token", "(a) ×tok/s", "÷B/token"):
         table.add_column(name, justify="right", no_wrap=True)
     table.add_row("(a) kvstack stack", f"{r.stack_tok_s:.1f}",
                   f"{r.stack_bytes_per_token:,.1f}", "", "")
@@ -324,13 +326,15 @@ def main() -> None:
     console = Console()
     caption = (
         f"dim {config.dim}, {config.n_layers} layers, {config.n_heads} heads of "
-        f"{config.head_dim}, dense/HF {dense.n_kv_heads} KV head(s); batch 1, best of "
-        f"{args.repeat} × {args.steps} steps, synthetic context; ×tok/s = (a) / system, "
-        f"÷B/token = system / (a); torch {torch.__version__}, "
+        f"{config.head_dim}; (b) and (c) {dense.n_kv_heads} KV head(s); batch 1, best of "
+        f"{args.repeat} × {args.steps} steps after {WARMUP_STEPS} warm-up; synthetic "
+        "context (random cache). (a) ×tok/s = (a)'s tokens/s over the row's; ÷B/token = "
+        f"the row's bytes/token over (a)'s. torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
     for r in rows:
-        render(console, r, caption)
+        render(console, r)
+    console.print(caption)
     for line in skipped:
         console.print(line)
     if plot_path is not None:

@@ -406,3 +406,28 @@ def test_training_signals_reach_every_parameter(dense):
     for name, p in model.named_parameters():
         if any(k in name for k in indexer_only):
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_selected_entries_read_in_pieces_equal_a_plain_gather(monkeypatch, shared):
+    import kvstack.model.model as model_module
+    from kvstack.model.model import SelectedEntries
+
+    monkeypatch.setattr(model_module, "KEY_CHUNK", 5)  # several pieces
+    monkeypatch.setattr(model_module, "GATHER_FLOATS", 3 * 4 * 32)  # several gathers
+    c = preset("tiny")
+    cache = ContiguousCache(c, max_tokens=64)
+    g = torch.Generator().manual_seed(0)
+    cache.append_stream(4, {"kv": torch.randn(1, 40, 32, generator=g),
+                            "index": torch.randn(1, 40, 32, generator=g)})
+    selected = torch.randint(0, 40, (1, 7, 4), generator=g)
+    selected[0, 2, 3] = -1  # a missing entry
+    q = torch.randn(1, 7, 4, 32, generator=g)
+    p = torch.rand(1, 4, 7, 4, generator=g)
+    entries = SelectedEntries(cache, 4, selected, heads=4, head_dim=32)
+    entries.shared = shared
+    rows = cache.gather_stream(4, "kv", selected.clamp(min=0))  # [1, 7, 4, 32]
+    assert torch.allclose(entries.logits(q), torch.einsum("bqhd,bqkd->bhqk", q, rows),
+                          atol=1e-5)
+    assert torch.allclose(entries.weighted_sum(p), torch.einsum("bhqk,bqkd->bqhd", p, rows),
+                          atol=1e-5)

@@ -11,6 +11,7 @@ reference cannot drift apart.
 """
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from kvstack.config import LayerSpec, Mode, ModelConfig
 from kvstack.model.params import parameter_shapes
 
 QUERY_BLOCK = 256  # queries scored at once: bounds the [block, keys] score matrices
-KEY_CHUNK = 4096  # indexer keys dequantised at once: no float copy of a whole stream
+KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
+GATHER_FLOATS = 1 << 22  # per-query gathers of selected rows: floats held at once
 REPLAY_MODES = ("bounded", "exact")
 
 
@@ -333,6 +335,72 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return chosen.masked_fill(chosen == scores.shape[-1], -1)
 
 
+class SelectedEntries:
+    """The compressed entries a block of queries selected ([B, q, k], -1 for none), read
+    from the store in bounded pieces and never as a float copy of the whole stream.
+
+    With few heads, the distinct rows the block shares are read KEY_CHUNK at a time and
+    scored with matmuls (each row dequantised once per pass); with many heads, each query's
+    own k rows are gathered, a few queries at a time. Logits and the weighted sum are two
+    passes, so a piece is never kept."""
+
+    def __init__(self, store: KVStore, source: int, selected: torch.Tensor, heads: int,
+                 head_dim: int) -> None:
+        self.store, self.source = store, source
+        self.chosen = selected.clamp(min=0)
+        self.distinct = torch.unique(self.chosen)
+        k = self.chosen.shape[-1]
+        self.shared = self.distinct.numel() * heads <= k * head_dim
+        self.columns = torch.searchsorted(self.distinct, self.chosen)  # [B, q, k]
+        self.queries_per_gather = max(1, GATHER_FLOATS // (k * head_dim))
+
+    def _pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
+        b = self.chosen.shape[0]
+        for start in range(0, self.distinct.numel(), KEY_CHUNK):
+            rows = self.distinct[start : start + KEY_CHUNK].view(1, 1, -1).expand(b, 1, -1)
+            yield start, self.store.gather_stream(self.source, "kv", rows)[:, 0].float()
+
+    def _in_piece(self, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        local = self.columns - start
+        inside = (local >= 0) & (local < size)
+        return local.clamp(0, size - 1)[:, None], inside[:, None]  # [B, 1, q, k]
+
+    def logits(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, q, H, D] -> q . entry for every selected entry: [B, H, q, k]."""
+        if not self.shared:
+            return torch.cat([
+                torch.einsum("bqhd,bqkd->bhqk", q[:, i : i + self.queries_per_gather],
+                             self._gather(i))
+                for i in range(0, q.shape[1], self.queries_per_gather)], dim=2)
+        out = q.new_zeros(q.shape[0], q.shape[2], *self.chosen.shape[1:])
+        for start, rows in self._pieces():
+            local, inside = self._in_piece(start, rows.shape[1])
+            scores = torch.einsum("bqhd,bud->bhqu", q, rows)
+            picked = scores.gather(-1, local.expand(-1, q.shape[2], -1, -1))
+            out = torch.where(inside, picked, out)
+        return out
+
+    def weighted_sum(self, p: torch.Tensor) -> torch.Tensor:
+        """p [B, H, q, k] -> sum_k p * entry: [B, q, H, D]."""
+        if not self.shared:
+            return torch.cat([
+                torch.einsum("bhqk,bqkd->bqhd", p[:, :, i : i + self.queries_per_gather],
+                             self._gather(i))
+                for i in range(0, p.shape[2], self.queries_per_gather)], dim=1)
+        out = None
+        for start, rows in self._pieces():
+            local, inside = self._in_piece(start, rows.shape[1])
+            spread = p.new_zeros(*p.shape[:3], rows.shape[1]).scatter_add_(
+                -1, local.expand(-1, p.shape[1], -1, -1), p * inside)
+            part = torch.einsum("bhqu,bud->bqhd", spread, rows)
+            out = part if out is None else out + part
+        return out
+
+    def _gather(self, first: int) -> torch.Tensor:
+        chosen = self.chosen[:, first : first + self.queries_per_gather]
+        return self.store.gather_stream(self.source, "kv", chosen).float()  # [B, q', k, D]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
@@ -419,28 +487,14 @@ class Attention(nn.Module):
         logits = [torch.einsum("bqhd,bkd->bhqk", q.float(), window.float()) * scale]
         logits[0] = logits[0].masked_fill(~in_window, float("-inf"))
         entries = None
-        columns = None  # per query, the column of each selected entry in `entries`
         if spec.ratio and all_kv is not None:
             entries = all_kv  # [B, N, D]
             visible = torch.arange(n_entries, device=q.device) < _visible(positions, spec)
             logits.append(torch.einsum("bqhd,bkd->bhqk", q.float(), entries.float()) * scale)
             logits[1] = logits[1].masked_fill(~visible, float("-inf"))
         elif spec.ratio and selected is not None and selected.shape[-1]:
-            chosen = selected.clamp(min=0)
-            distinct = torch.unique(chosen)
-            b, h = q.shape[0], q.shape[2]
-            # Read each selected row once: the rows the block's queries share [B, u, D],
-            # scored with one matmul, unless per-query gathers are smaller.
-            if distinct.numel() * h <= chosen.shape[-1] * c.head_dim:
-                entries = store.gather_stream(spec.kv_source, "kv",
-                                              distinct.view(1, 1, -1).expand(b, 1, -1))[:, 0]
-                columns = torch.searchsorted(distinct, chosen)[:, None].expand(-1, h, -1, -1)
-                scores = torch.einsum("bqhd,bud->bhqu", q.float(), entries.float())
-                logits.append(scores.gather(-1, columns) * scale)
-            else:
-                entries = store.gather_stream(spec.kv_source, "kv", chosen)  # [B, q, k, D]
-                logits.append(torch.einsum("bqhd,bqkd->bhqk", q.float(), entries.float())
-                              * scale)
+            entries = SelectedEntries(store, spec.kv_source, selected, q.shape[2], c.head_dim)
+            logits.append(entries.logits(q.float()) * scale)
             logits[1] = logits[1].masked_fill((selected < 0)[:, None], float("-inf"))
         sink = self.sink.float().view(1, -1, 1, 1).expand(*logits[0].shape[:3], 1)
         probs = torch.cat([*logits, sink], dim=-1).softmax(-1)
@@ -448,13 +502,10 @@ class Attention(nn.Module):
         out = torch.einsum("bhqk,bkd->bqhd", probs[..., :m], window.float())
         if entries is not None:
             p = probs[..., m:-1]
-            if columns is not None:
-                spread = p.new_zeros(*p.shape[:3], entries.shape[1]).scatter_add_(-1, columns, p)
-                out = out + torch.einsum("bhqu,bud->bqhd", spread, entries.float())
-            elif entries.dim() == 3:
-                out = out + torch.einsum("bhqk,bkd->bqhd", p, entries.float())
+            if isinstance(entries, SelectedEntries):
+                out = out + entries.weighted_sum(p)
             else:
-                out = out + torch.einsum("bhqk,bqkd->bqhd", p, entries.float())
+                out = out + torch.einsum("bhqk,bkd->bqhd", p, entries.float())
             if ctx.collect and self.indexer is not None:
                 self._collect_target(p, selected, n_entries, ctx)
         return out.type_as(q)
