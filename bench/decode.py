@@ -23,6 +23,7 @@ matplotlib come with the `bench` extra; without transformers, (c) is skipped.
 
 import argparse
 import importlib.util
+import inspect
 import json
 import time
 from collections.abc import Callable
@@ -184,8 +185,6 @@ def hf_model(config: ModelConfig, max_tokens: int) -> Any:
 
 
 def measure_hf(model: Any, context: int, steps: int, repeat: int) -> Measured:
-    import inspect
-
     from transformers import DynamicCache
 
     hf = model.config
@@ -336,7 +335,7 @@ def main() -> None:
         render(console, r)
     console.print(caption)
     for line in skipped:
-        console.print(line)
+        console.print(line, markup=False)  # "[bench]" is not rich markup
     if plot_path is not None:
         console.print(f"plot: {plot_path}")
 
