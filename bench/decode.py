@@ -158,7 +158,7 @@ def measure_engine(llm: LLM, context: int, steps: int, repeat: int) -> Measured:
         def step() -> None:
             if not store.reserve(seq.num_tokens):
                 raise RuntimeError("the cache pools are full")
-            seq.output_ids.append(llm.runner.decode(seq))
+            seq.output_ids.append(llm.runner.decode([seq])[0])
 
         tok_s = time_decode(step, steps, repeat)
     finally:

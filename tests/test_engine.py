@@ -137,7 +137,7 @@ def test_decode_at_32k_reads_no_float_copy_of_the_context(monkeypatch):
         return original(self, rows)
 
     monkeypatch.setattr(PackedRows, "read", counting_read)
-    token = llm.runner.decode(seq)
+    token = llm.runner.decode([seq])[0]
     assert 0 <= token < config.vocab_size
     assert store.num_tokens == context + 1
     assert max(largest) <= KEY_CHUNK < context
@@ -271,3 +271,41 @@ def test_kept_caches_yield_their_room_to_new_requests():
     assert len(llm.generate("another", params)[0].token_ids) == 4
     again = list(llm.stream(" more", params, continue_from=kept.request_id))[-1]
     assert len(again.token_ids) == 4  # recomputed from its token ids
+
+
+@pytest.mark.parametrize("name", ["tiny", "dense-tiny"])
+def test_one_batched_decode_equals_decoding_each_sequence_alone(name):
+    """Sequences at different positions (different stream lengths, ring fill and partial
+    groups) decode together in one model call, as each would alone."""
+    from kvstack.cache.batched import BatchedStore
+    from kvstack.cache.contiguous import ContiguousCache
+    from kvstack.model import Model
+
+    torch.manual_seed(0)
+    model = Model(preset(name)).eval()
+    lengths = [3, 17, 40]  # 17: a ratio-2 group left open; 3: shorter than the window
+    alone, together = [], []
+    for ids in prompts(lengths, seed=5):
+        for caches in (alone, together):
+            cache = ContiguousCache(model.config, max_tokens=64)
+            model.prefill(torch.tensor([ids]), cache, replay="exact")
+            caches.append(cache)
+    nxt = torch.tensor([11, 22, 33])
+    for _ in range(3):
+        expected = torch.cat([model.decode(nxt[i : i + 1], c) for i, c in enumerate(alone)])
+        got = model.decode(nxt, BatchedStore(together))
+        assert (got - expected).abs().max() < 2e-5
+        nxt = expected.argmax(-1)
+
+
+def test_a_decode_step_is_one_model_call(monkeypatch):
+    llm = LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16)
+    for p in prompts([5, 9, 30]):
+        llm.add_request(p, GREEDY)
+    llm.step()  # prefill all three
+    calls = []
+    original = llm.model.decode
+    monkeypatch.setattr(llm.model, "decode",
+                        lambda ids, cache: calls.append(ids.shape[0]) or original(ids, cache))
+    outs = llm.step()
+    assert calls == [3] and len(outs) == 3

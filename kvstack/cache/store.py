@@ -45,16 +45,27 @@ class KVStore(ABC):
     def append_tokens(self, ids: torch.Tensor) -> None:
         """Record ids [B, n] as positions num_tokens..num_tokens+n-1."""
 
+    def start_positions(self) -> int | torch.Tensor:
+        """Position of the next token: one for the whole batch, or one per sequence [B]
+        when the sequences are at different positions."""
+        return self.num_tokens
+
+    def sequences(self) -> list[tuple[slice, "KVStore"]]:
+        """Batch rows and a store for each group of sequences at the same position."""
+        return [(slice(None), self)]
+
     # ---- window rings ------------------------------------------------------------------
     @abstractmethod
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ring of `layer`: entries [B, m, head_dim] and their positions [m] (int64,
-        ascending, m <= window_size). Positions that were never written are absent."""
+        """The ring of `layer`: entries [B, m, head_dim] and their positions, [m] or, for
+        sequences at different positions, [B, m] (int64, m <= window_size). Positions
+        never written are absent (or, per sequence, far below any window)."""
 
     @abstractmethod
-    def write_window(self, layer: int, entries: torch.Tensor, start: int) -> torch.Tensor:
-        """Write entries [B, n, head_dim] at positions start..start+n-1, keeping the last
-        window_size; return the stored values [B, n, head_dim]."""
+    def write_window(self, layer: int, entries: torch.Tensor,
+                     start: int | torch.Tensor) -> torch.Tensor:
+        """Write entries [B, n, head_dim] at positions start..start+n-1 (start per sequence
+        when it is a tensor [B]), keeping the last window_size; return the stored values."""
 
     # ---- streams (persistent, one entry per `ratio` tokens) ---------------------------
     # A layer's streams are the kinds of CacheLayout.streams for that layer: "kv" and

@@ -171,9 +171,19 @@ class LLM:
         """One scheduler step: prefill the admitted sequences or decode the running ones.
         Returns the state of every sequence that moved."""
         seqs, is_prefill = self.scheduler.schedule()
+        if seqs and not is_prefill:
+            try:
+                tokens = self.runner.decode(seqs)
+            except (ValueError, RuntimeError):  # find the failing request: one at a time
+                tokens = None
+            if tokens is not None:
+                for seq, token in zip(seqs, tokens, strict=True):
+                    self._append(seq, token)
+                return [RequestOutput.of(s) for s in seqs]
         for seq in seqs:
             try:
-                token = self.runner.prefill(seq) if is_prefill else self.runner.decode(seq)
+                token = (self.runner.prefill(seq) if is_prefill
+                         else self.runner.decode([seq])[0])
             except (ValueError, RuntimeError) as e:  # one request must not stop the others
                 log.error("request %s failed: %s", seq.request_id, e)
                 seq.error = str(e)

@@ -2,6 +2,7 @@
 
 import torch
 
+from kvstack.cache.batched import BatchedStore
 from kvstack.engine.sampling import sample
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
@@ -24,7 +25,11 @@ class ModelRunner:
         return sample(logits[0], seq.params, seq.generator)
 
     @torch.no_grad()
-    def decode(self, seq: Sequence) -> int:
-        """Feed the last sampled token; the next one."""
-        ids = torch.tensor([seq.output_ids[-1]], dtype=torch.long, device=self.device)
-        return sample(self.model.decode(ids, seq.store)[0], seq.params, seq.generator)
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """Feed each sequence's last sampled token, all in one batch whatever their
+        positions; their next tokens."""
+        ids = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long,
+                           device=self.device)
+        store = seqs[0].store if len(seqs) == 1 else BatchedStore([s.store for s in seqs])
+        logits = self.model.decode(ids, store)
+        return [sample(logits[i], s.params, s.generator) for i, s in enumerate(seqs)]

@@ -68,18 +68,28 @@ def rope_frequencies(config: ModelConfig, compressed: bool) -> torch.Tensor:
 def rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
            inverse: bool = False) -> torch.Tensor:
     """RoPE on the last len(freqs)*2 dims of x [B, n, ..., width], pairs interleaved;
-    positions [n]. Angles in float64 so a position rotates the same in any chunk."""
+    positions [P, n] with P = 1 or B. Angles in float64, so a position rotates the same in
+    any chunk."""
     rd = freqs.shape[0] * 2
-    angles = positions.to(torch.float64)[:, None] * freqs.to(positions.device)[None]
+    angles = positions.to(torch.float64)[..., None] * freqs.to(positions.device)
     cos, sin = angles.cos().float(), angles.sin().float()
     if inverse:
         sin = -sin
-    shape = (1, positions.shape[0]) + (1,) * (x.dim() - 3) + (rd // 2,)
+    shape = (*positions.shape, *(1,) * (x.dim() - 3), rd // 2)
     cos, sin = cos.view(shape), sin.view(shape)
     rest, rot = x[..., :-rd], x[..., -rd:].float()
     even, odd = rot[..., 0::2], rot[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return torch.cat((rest, rotated.flatten(-2).type_as(x)), dim=-1)
+
+
+def token_positions(start: int | torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """Positions of n new tokens: [1, n] from one start shared by the batch, [B, n] from
+    per-sequence starts [B]."""
+    steps = torch.arange(n, device=device)
+    if isinstance(start, torch.Tensor):
+        return start.to(device)[:, None] + steps
+    return (start + steps)[None]
 
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
@@ -231,9 +241,15 @@ class Compressor(nn.Module):
         self.wk_index = nn.Linear(d, config.index_head_dim, bias=False)
         self.index_norm = RMSNorm(config.index_head_dim, config.norm_eps)
 
-    def forward(self, x: torch.Tensor, start: int, store: KVStore) -> None:
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor, store: KVStore) -> None:
         """Append the entries that tokens start..start+n-1 complete. Tokens the store
-        already covers (replay over persisted streams) are skipped."""
+        already covers (replay over persisted streams) are skipped. Sequences at different
+        positions complete groups at different tokens: each is compressed on its own."""
+        for rows, view in store.sequences():
+            first = int(start[rows][0]) if isinstance(start, torch.Tensor) else start
+            self._compress(x[rows], first, view)
+
+    def _compress(self, x: torch.Tensor, start: int, store: KVStore) -> None:
         r = self.ratio
         partial_values, partial_gates = store.partial(self.layer)
         covered = store.stream_len(self.layer) * r + partial_values.shape[1]
@@ -258,7 +274,7 @@ class Compressor(nn.Module):
             if n_full == 0:
                 return
         first = store.stream_len(self.layer)
-        positions = (first + torch.arange(pooled.shape[1], device=x.device)) * r
+        positions = ((first + torch.arange(pooled.shape[1], device=x.device)) * r)[None]
         entries = self.norm(pooled)
         keys = rotate(self.index_norm(self.wk_index(entries)), positions, self.freqs)
         store.append_stream(self.layer, {"kv": rotate(entries, positions, self.freqs),
@@ -295,8 +311,8 @@ class Indexer(nn.Module):
 
 
 def _visible(positions: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
-    """Entries visible to each query [n, 1]: j < (t+1) // r, its group complete."""
-    return ((positions + 1) // spec.ratio)[:, None]
+    """Entries visible to each query [P, n, 1]: j < (t+1) // r, its group complete."""
+    return ((positions + 1) // spec.ratio)[..., None]
 
 
 def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, spec: LayerSpec,
@@ -309,9 +325,10 @@ def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, spec: LayerS
     n_blocks = -(-total // bs)
     padded = F.pad(scores, (0, n_blocks * bs - total), value=float("-inf"))
     block_scores = padded.unflatten(-1, (n_blocks, bs)).amax(-1)  # [B, q, blocks]
-    newest = _visible(positions, spec).squeeze(1) - 1  # [q]
-    has = newest >= 0
-    block_scores[:, has, newest[has] // bs] = float("inf")
+    newest = (_visible(positions, spec) - 1).expand(block_scores.shape[0], -1, -1)  # [B, q, 1]
+    newest_block = newest.clamp(min=0) // bs
+    kept = torch.where(newest >= 0, float("inf"), block_scores.gather(-1, newest_block))
+    block_scores.scatter_(-1, newest_block, kept)
     keep = min(config.candidate_topk_blocks, n_blocks)
     return torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[..., :keep]
 
@@ -425,13 +442,14 @@ class Attention(nn.Module):
                 ctx: StepContext) -> torch.Tensor:
         c, spec = self.config, self.spec
         b, n, _ = x.shape
-        positions = torch.arange(start, start + n, device=x.device)
+        positions = token_positions(start, n, x.device)  # [1 or B, n]
         qr = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(qr).unflatten(-1, (c.n_heads, c.head_dim)), positions, self.freqs)
         window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
         past, past_positions = store.window(spec.index)
         window = torch.cat((past.type_as(window), store.write_window(spec.index, window, start)), 1)
-        window_positions = torch.cat((past_positions, positions))
+        window_positions = torch.cat((past_positions.expand(b, -1), positions.expand(b, -1)),
+                                     dim=1)  # [B, m + n]
 
         if self.compressor is not None:
             self.compressor(x, start, store)
@@ -445,10 +463,10 @@ class Attention(nn.Module):
             block = slice(i, i + QUERY_BLOCK)
             selected = None  # [B, q, k] entry indices, -1 for none; None = all visible
             if self.indexer is not None:
-                s = self.indexer.scores(x[:, block], qr[:, block], positions[block], store,
+                s = self.indexer.scores(x[:, block], qr[:, block], positions[:, block], store,
                                         n_entries)
                 if spec.is_candidate_source:
-                    pools.append(candidate_blocks(s, positions[block], spec, c))
+                    pools.append(candidate_blocks(s, positions[:, block], spec, c))
                 elif spec.uses_candidates:
                     in_pool = pool_mask(ctx.pool[spec.kv_source][:, block], n_entries, c)
                     s = s.masked_fill(~in_pool, float("-inf"))
@@ -457,7 +475,7 @@ class Attention(nn.Module):
                 topks.append(select_topk(s, c.index_topk))
             if spec.ratio and not ctx.dense:
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
-            outs.append(self._attend(q[:, block], positions[block], window, window_positions,
+            outs.append(self._attend(q[:, block], positions[:, block], window, window_positions,
                                      store, all_kv, selected, ctx, n_entries))
         if topks:
             ctx.topk[spec.index] = torch.cat(topks, dim=1)
@@ -479,19 +497,19 @@ class Attention(nn.Module):
         for queries q [B, q, H, D] at `positions`."""
         c, spec = self.config, self.spec
         scale = c.head_dim**-0.5
-        t, s = positions[:, None], window_positions[None, :]
-        in_window = (s <= t) & (s > t - c.window_size)  # [q, m]
-        seen = torch.nonzero(in_window.any(0)).flatten()  # drop keys no query of the block sees
+        t, s = positions[:, :, None], window_positions[:, None, :]
+        in_window = (s <= t) & (s > t - c.window_size)  # [P, q, m]
+        seen = torch.nonzero(in_window.flatten(0, 1).any(0)).flatten()  # keys the block sees
         lo, hi = int(seen[0]), int(seen[-1]) + 1
-        window, in_window = window[:, lo:hi], in_window[:, lo:hi]
+        window, in_window = window[:, lo:hi], in_window[..., lo:hi]
         logits = [torch.einsum("bqhd,bkd->bhqk", q.float(), window.float()) * scale]
-        logits[0] = logits[0].masked_fill(~in_window, float("-inf"))
+        logits[0] = logits[0].masked_fill(~in_window[:, None], float("-inf"))
         entries = None
         if spec.ratio and all_kv is not None:
             entries = all_kv  # [B, N, D]
             visible = torch.arange(n_entries, device=q.device) < _visible(positions, spec)
             logits.append(torch.einsum("bqhd,bkd->bhqk", q.float(), entries.float()) * scale)
-            logits[1] = logits[1].masked_fill(~visible, float("-inf"))
+            logits[1] = logits[1].masked_fill(~visible[:, None], float("-inf"))
         elif spec.ratio and selected is not None and selected.shape[-1]:
             entries = SelectedEntries(store, spec.kv_source, selected, q.shape[2], c.head_dim)
             logits.append(entries.logits(q.float()) * scale)
@@ -543,7 +561,7 @@ class DenseAttention(nn.Module):
     def forward(self, x: torch.Tensor, start: int, store: KVStore,
                 ctx: StepContext) -> torch.Tensor:
         c = self.config
-        positions = torch.arange(start, start + x.shape[1], device=x.device)
+        positions = token_positions(start, x.shape[1], x.device)  # [1 or B, n]
         q = rotate(self.wq(x).unflatten(-1, (c.n_heads, c.head_dim)), positions, self.freqs)
         k = rotate(self.wk(x).unflatten(-1, (c.n_kv_heads, c.head_dim)), positions, self.freqs)
         store.append_stream(self.layer, {"k": k.flatten(2), "v": self.wv(x)})
@@ -558,8 +576,8 @@ class DenseAttention(nn.Module):
         q = q.transpose(1, 2)  # [B, H, n, D]
         outs = []
         for i in range(0, q.shape[2], QUERY_BLOCK):
-            block = positions[i : i + QUERY_BLOCK]
-            causal = torch.arange(total, device=x.device)[None, :] <= block[:, None]
+            block = positions[:, i : i + QUERY_BLOCK]
+            causal = (torch.arange(total, device=x.device) <= block[..., None])[:, None]
             outs.append(F.scaled_dot_product_attention(q[:, :, i : i + QUERY_BLOCK], keys,
                                                        values, attn_mask=causal))
         return self.wo(torch.cat(outs, dim=2).transpose(1, 2).flatten(2))
@@ -736,7 +754,7 @@ class Model(nn.Module):
         """One new token per sequence, token_ids [B]; logits [B, V]."""
         ids = self._check_ids(token_ids.reshape(-1, 1))
         self._check_room(cache, ids)
-        start = cache.num_tokens
+        start = cache.start_positions()
         cache.append_tokens(ids)
         x = self._run(self._embed(ids), start, cache, range(self.config.n_layers))
         return self._logits(x)[:, 0]
