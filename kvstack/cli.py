@@ -285,6 +285,19 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         console.print(f"\n[dim][{rate:.1f} tokens/s · {_cache_line(llm)}][/dim]")
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from kvstack.train.trainer import TrainConfig, Trainer
+
+    tc = TrainConfig(preset=args.preset, steps=args.steps, seq_len=args.seq_len,
+                     batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                     warmup_steps=args.warmup_steps, dense_warmup_steps=args.dense_warmup_steps,
+                     eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+                     seed=args.seed, vocab_size=args.vocab_size, corpus=args.corpus or "",
+                     heldout_percent=args.heldout_percent)
+    Trainer(tc, args.out, device=args.device or "cpu").run(progress=sys.stderr.isatty())
+    return 0
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="a model directory, or a preset name with --random-init "
@@ -340,6 +353,26 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="a conversation kept in the cache across turns")
     _add_engine_args(chat)
     chat.set_defaults(run=_cmd_chat)
+
+    train = sub.add_parser("train", help="train a model of the family from scratch")
+    train.add_argument("--preset", choices=PRESETS, required=True)
+    train.add_argument("--out", required=True, help="the run directory (resumes if present)")
+    train.add_argument("--steps", type=_positive_int, default=200)
+    train.add_argument("--seq-len", type=_positive_int, default=256)
+    train.add_argument("--batch-size", type=_positive_int, default=8)
+    train.add_argument("--grad-accum", type=_positive_int, default=1)
+    train.add_argument("--lr", type=_positive_float, default=3e-3)
+    train.add_argument("--warmup-steps", type=int, default=20)
+    train.add_argument("--dense-warmup-steps", type=int, default=50)
+    train.add_argument("--eval-every", type=_positive_int, default=50)
+    train.add_argument("--checkpoint-every", type=_positive_int, default=50)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--vocab-size", type=int, default=0, help="0: the preset's")
+    train.add_argument("--corpus", help="a directory of .py files (default: the stdlib)")
+    train.add_argument("--heldout-percent", type=_positive_float, default=2.0,
+                       help="share of files held out for evaluation")
+    train.add_argument("--device", help="cpu or cuda")
+    train.set_defaults(run=_cmd_train)
     return parser
 
 

@@ -120,8 +120,9 @@ class Gate(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.dim))
-        # Balanced by a rule outside backprop (the training issue), so no gradient.
+        # Balanced by a rule outside backprop (the trainer), so no gradient.
         self.bias = nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
+        self.load: torch.Tensor | None = None  # tokens per expert since the last balancing
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
@@ -133,6 +134,9 @@ class Gate(nn.Module):
         else:
             scores = F.softplus(logits).sqrt()
         chosen = (scores + self.bias).topk(self.config.n_activated_experts, dim=-1).indices
+        if self.training:
+            load = torch.bincount(chosen.flatten(), minlength=self.config.n_routed_experts)
+            self.load = load if self.load is None else self.load + load
         weights = scores.gather(-1, chosen)
         weights = weights / weights.sum(-1, keepdim=True) * self.config.route_scale
         return weights, chosen
@@ -465,13 +469,13 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 s = self.indexer.scores(x[:, block], qr[:, block], positions[:, block], store,
                                         n_entries)
+                if ctx.collect:  # the indexer is trained on every visible entry it scores
+                    scores.append(s)
                 if spec.is_candidate_source:
                     pools.append(candidate_blocks(s, positions[:, block], spec, c))
                 elif spec.uses_candidates:
                     in_pool = pool_mask(ctx.pool[spec.kv_source][:, block], n_entries, c)
                     s = s.masked_fill(~in_pool, float("-inf"))
-                if ctx.collect:
-                    scores.append(s)
                 topks.append(select_topk(s, c.index_topk))
             if spec.ratio and not ctx.dense:
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]

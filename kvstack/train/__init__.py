@@ -1,0 +1,1 @@
+"""Training models of the family: data with no download, the trainer."""

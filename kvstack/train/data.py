@@ -1,0 +1,150 @@
+"""Training data with no download: the running interpreter's standard library.
+
+- The corpus: every `.py` file under the standard library (site-packages excluded), in
+  sorted order of relative path; files that are not UTF-8 are skipped.
+- The held-out split: a file is held out when the SHA-256 of its relative path falls in the
+  first `heldout_percent` percent, so a file is never in both halves and the split does not
+  depend on the file order or count.
+- The tokenizer: byte-level BPE trained with `tokenizers` on the training half, with
+  <|bos|>, <|eos|> and <|pad|>.
+- The token cache: each half encoded once (files joined by <|eos|>) into an int32 array on
+  disk next to a manifest; later runs read it back.
+- Batches: windows of seq_len + 1 tokens at positions drawn from a generator seeded by
+  (seed, step), so a resumed run sees exactly the data it would have seen.
+- Retrieval samples, mixed in at `retrieval_rate`: a key assigned a random value early in
+  a window of real code and asked for at its end (`assert KEY_... == "`), with the depth
+  and length recorded so retrieval can be scored.
+"""
+
+import hashlib
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_files(root: Path | None = None) -> list[Path]:
+    """Relative paths of the corpus's Python files, in a deterministic order."""
+    root = root or stdlib_root()
+    return sorted(p.relative_to(root) for p in root.rglob("*.py")
+                  if "site-packages" not in p.parts)
+
+
+def is_heldout(relative_path: Path, heldout_percent: float) -> bool:
+    digest = hashlib.sha256(relative_path.as_posix().encode()).digest()
+    return int.from_bytes(digest[:8], "big") % 10_000 < heldout_percent * 100
+
+
+def read_source(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def split_corpus(root: Path | None = None,
+                 heldout_percent: float = 2.0) -> tuple[list[Path], list[Path]]:
+    """(train, heldout) relative paths."""
+    files = corpus_files(root)
+    heldout = [f for f in files if is_heldout(f, heldout_percent)]
+    train = [f for f in files if not is_heldout(f, heldout_percent)]
+    return train, heldout
+
+
+def train_tokenizer(root: Path, files: list[Path], vocab_size: int, out: Path):
+    """Byte-level BPE over the training files; saved as tokenizer.json at `out`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    texts = (t for t in (read_source(root / f) for f in files) if t is not None)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out))
+    return tokenizer
+
+
+@dataclass
+class TokenCache:
+    """One half of the corpus as a flat token stream."""
+
+    tokens: np.ndarray  # int32 [n_tokens]
+    files: list[str]
+
+    @classmethod
+    def build(cls, root: Path, files: list[Path], tokenizer, path: Path) -> "TokenCache":
+        """Encode once and write `path` (.npy) and its manifest; read them back after."""
+        manifest_path = path.with_suffix(".json")
+        key = hashlib.sha256("\n".join(f.as_posix() for f in files).encode()
+                             + tokenizer.to_str().encode()).hexdigest()
+        if path.exists() and manifest_path.exists():
+            manifest = json.loads(manifest_path.read_text())
+            if manifest.get("key") == key:
+                return cls(np.load(path), manifest["files"])
+        eos = tokenizer.token_to_id("<|eos|>")
+        ids: list[int] = []
+        kept = []
+        for f in files:
+            text = read_source(root / f)
+            if text is None:
+                continue
+            ids += [*tokenizer.encode(text).ids, eos]
+            kept.append(f.as_posix())
+        tokens = np.asarray(ids, dtype=np.int32)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, tokens)
+        manifest_path.write_text(json.dumps({"key": key, "files": kept,
+                                             "n_tokens": int(tokens.size)}))
+        return cls(tokens, kept)
+
+    def batch(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
+        """[batch_size, seq_len + 1] windows, the same for the same (seed, step)."""
+        if self.tokens.size <= seq_len + 1:
+            raise ValueError(f"the token stream ({self.tokens.size} tokens) is shorter than "
+                             f"one window of {seq_len + 1}")
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(0, self.tokens.size - seq_len - 1, (batch_size,), generator=g)
+        rows = [self.tokens[s : s + seq_len + 1] for s in starts.tolist()]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+@dataclass(frozen=True)
+class RetrievalSample:
+    ids: list[int]  # the whole sample, the answer last
+    answer_start: int  # index in ids where the value's tokens begin
+    depth: float  # where the key was defined, as a fraction of the sample
+    length: int
+
+
+def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
+                     generator: torch.Generator) -> RetrievalSample:
+    """Real code of `length` tokens with `KEY_<n> = "<value>"` placed at `depth` and
+    `assert KEY_<n> == "<value>"` at the end; the model is scored on the value."""
+    n = int(torch.randint(0, 10_000, (1,), generator=generator))
+    value = "".join(chr(ord("a") + int(i)) for i in torch.randint(0, 26, (6,),
+                                                                  generator=generator))
+    key = f"KEY_{n:04d}"
+    define = tokenizer.encode(f'\n{key} = "{value}"\n').ids
+    question = tokenizer.encode(f'\nassert {key} == "').ids
+    answer = tokenizer.encode(f'{value}"').ids
+    filler = length - len(define) - len(question) - len(answer)
+    if filler < 2:
+        raise ValueError(f"a retrieval sample of {length} tokens has no room for its code")
+    start = int(torch.randint(0, cache.tokens.size - filler, (1,), generator=generator))
+    code = cache.tokens[start : start + filler].tolist()
+    at = round(depth * filler)
+    ids = code[:at] + define + code[at:] + question + answer
+    return RetrievalSample(ids, len(ids) - len(answer), depth, length)

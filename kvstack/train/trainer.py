@@ -1,0 +1,232 @@
+"""Training models of the family from scratch (DESIGN.md section 6).
+
+Loss: next-token cross-entropy plus, for each index source, the KL divergence from the
+main attention's distribution over compressed entries (summed over heads, renormalised,
+no gradient) to the softmax of the indexer scores. A dense warm-up (attention over every
+visible compressed entry) comes first, then top-k. The caches pass through their formats
+with a straight-through gradient (`ReferenceStore`), so the model learns the FP4 noise.
+The MoE routing bias is balanced outside backprop: after each step it moves toward the
+experts that got fewer tokens than the mean.
+
+A run lives in one directory: `train_config.json`, `checkpoint/` (model, optimizer, step;
+replaced atomically), `log.jsonl`, and the tokenizer and token caches it built. Batches are
+a pure function of (seed, step), so a run killed and resumed continues exactly where it was.
+"""
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvstack.config import ModelConfig, preset
+from kvstack.model import Model
+from kvstack.model.model import Gate, ModelOutput
+from kvstack.train.data import TokenCache, split_corpus, stdlib_root, train_tokenizer
+
+BIAS_STEP = 1e-3  # how far the routing bias moves per step toward balance
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    steps: int = 200
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    dense_warmup_steps: int = 50
+    index_loss_weight: float = 1.0
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 50
+    seed: int = 0
+    vocab_size: int = 0  # 0: the preset's
+    heldout_percent: float = 2.0
+    corpus: str = ""  # a directory of .py files; "" = the standard library
+    model_overrides: dict = field(default_factory=dict)
+
+    def model_config(self) -> ModelConfig:
+        c = preset(self.preset)
+        changes = dict(self.model_overrides)
+        if self.vocab_size:
+            changes["vocab_size"] = self.vocab_size
+        changes.setdefault("max_seq_len", max(c.max_seq_len, self.seq_len))
+        return c.replace(**changes)
+
+
+def lr_at(tc: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine down to min_lr."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def losses(out: ModelOutput, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy, indexer KL) of one forward with collect=True."""
+    ce = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    kls = []
+    for layer, scores in out.index_scores.items():
+        # Over the entries attention weighed: every visible one in the dense warm-up, the
+        # selected ones after it (DeepSeek-V3.2's indexer loss).
+        target = out.attention_targets[layer]  # [B, T, N], rows sum to 1 where attended
+        attended = target > 0
+        rows = attended.any(-1)
+        if not rows.any():
+            continue
+        log_p = scores.masked_fill(~attended, float("-inf")).log_softmax(-1)
+        terms = torch.where(attended, target * (target.clamp(min=1e-30).log() - log_p), 0.0)
+        kls.append(terms.sum(-1)[rows].mean())
+    kl = torch.stack(kls).mean() if kls else ce.new_zeros(())
+    return ce, kl
+
+
+class Trainer:
+    def __init__(self, tc: TrainConfig, out: str | Path,
+                 device: torch.device | str = "cpu") -> None:
+        self.tc, self.out, self.device = tc, Path(out), torch.device(device)
+        self.out.mkdir(parents=True, exist_ok=True)
+        saved = self.out / "train_config.json"
+        if saved.exists() and json.loads(saved.read_text()) != asdict(tc):
+            raise ValueError(f"{self.out} holds a run with another training config; use a "
+                             "new --out or the same settings to resume")
+        saved.write_text(json.dumps(asdict(tc), indent=2))
+        self.config = tc.model_config()
+        root = Path(tc.corpus) if tc.corpus else stdlib_root()
+        train_files, heldout_files = split_corpus(root, tc.heldout_percent)
+        if not train_files or not heldout_files:
+            raise ValueError(f"corpus {root}: {len(train_files)} training and "
+                             f"{len(heldout_files)} held-out files at heldout_percent "
+                             f"{tc.heldout_percent}; both halves need files")
+        tok_path = self.out / "tokenizer.json"
+        if tok_path.exists():
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(tok_path))
+        else:
+            self.tokenizer = train_tokenizer(root, train_files, self.config.vocab_size, tok_path)
+        if self.tokenizer.get_vocab_size() > self.config.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.get_vocab_size()} tokens, the "
+                             f"model {self.config.vocab_size}")
+        self.train_data = TokenCache.build(root, train_files, self.tokenizer,
+                                           self.out / "data" / "train.npy")
+        self.heldout_data = TokenCache.build(root, heldout_files, self.tokenizer,
+                                             self.out / "data" / "heldout.npy")
+        torch.manual_seed(tc.seed)
+        self.model = Model(self.config).to(self.device)
+        decay = [p for n, p in self.model.named_parameters()
+                 if p.requires_grad and p.dim() >= 2]
+        other = [p for n, p in self.model.named_parameters()
+                 if p.requires_grad and p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": tc.weight_decay},
+             {"params": other, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
+        self.step = 0
+        self._resume()
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def _resume(self) -> None:
+        state_path = self.out / "checkpoint" / "trainer.pt"
+        if not state_path.exists():
+            return
+        state = torch.load(state_path, map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+
+    def save_checkpoint(self) -> None:
+        """Write to a temporary directory, then swap it in: a kill leaves the old one."""
+        tmp, final = self.out / "checkpoint.tmp", self.out / "checkpoint"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "step": self.step}, tmp / "trainer.pt")
+        self.model.save_pretrained(tmp / "model")
+        shutil.copy(self.out / "tokenizer.json", tmp / "model" / "tokenizer.json")
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        old = self.out / "checkpoint.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+
+    # ---- one step ----------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        tc = self.tc
+        self.model.train()
+        lr = lr_at(tc, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        dense = self.step < tc.dense_warmup_steps
+        ce_sum = kl_sum = 0.0
+        for micro in range(tc.grad_accum):
+            batch = self.train_data.batch(tc.batch_size, tc.seq_len, tc.seed,
+                                          self.step * tc.grad_accum + micro).to(self.device)
+            out = self.model(batch[:, :-1], dense=dense, collect=True)
+            ce, kl = losses(out, batch[:, 1:])
+            ((ce + tc.index_loss_weight * kl) / tc.grad_accum).backward()
+            ce_sum += ce.item() / tc.grad_accum
+            kl_sum += kl.item() / tc.grad_accum
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._balance_experts()
+        self.step += 1
+        return {"step": self.step, "lr": lr, "loss": ce_sum, "index_kl": kl_sum,
+                "grad_norm": float(norm), "dense": dense}
+
+    def _balance_experts(self) -> None:
+        with torch.no_grad():
+            for gate in (m for m in self.model.modules() if isinstance(m, Gate)):
+                if gate.load is not None:
+                    gate.bias += BIAS_STEP * torch.sign(gate.load.float().mean() - gate.load)
+                    gate.load = None
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out cross-entropy and perplexity, top-k attention as served."""
+        self.model.eval()
+        total = 0.0
+        for i in range(self.tc.eval_batches):
+            batch = self.heldout_data.batch(self.tc.batch_size, self.tc.seq_len,
+                                            self.tc.seed + 1, i).to(self.device)
+            logits = self.model(batch[:, :-1]).logits
+            total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+        loss = total / self.tc.eval_batches
+        return {"heldout_loss": loss, "heldout_ppl": math.exp(loss)}
+
+    def run(self, progress: bool = True) -> None:
+        from rich.progress import Progress
+
+        log = (self.out / "log.jsonl").open("a")
+        tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum
+        with Progress(disable=not progress) as bar:
+            task = bar.add_task("training", total=self.tc.steps, completed=self.step)
+            while self.step < self.tc.steps:
+                start = time.perf_counter()
+                record = self.train_step()
+                record["tokens_per_s"] = tokens_per_step / (time.perf_counter() - start)
+                if self.step % self.tc.eval_every == 0 or self.step == self.tc.steps:
+                    record |= self.evaluate()
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                bar.update(task, completed=self.step, description=(
+                    f"loss {record['loss']:.3f} · kl {record['index_kl']:.3f} · "
+                    f"{record['tokens_per_s']:.0f} tok/s"))
+                if self.step % self.tc.checkpoint_every == 0 or self.step == self.tc.steps:
+                    self.save_checkpoint()
+        log.close()

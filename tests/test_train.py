@@ -1,0 +1,144 @@
+"""Training: the corpus split, the token cache, retrieval samples, the trainer."""
+
+import json
+
+import pytest
+import torch
+
+from kvstack.cli import main
+from kvstack.train.data import (
+    TokenCache,
+    corpus_files,
+    is_heldout,
+    retrieval_sample,
+    split_corpus,
+    stdlib_root,
+    train_tokenizer,
+)
+from kvstack.train.trainer import TrainConfig, Trainer, losses
+
+CORPUS = str(stdlib_root() / "json")  # five real modules: seconds to tokenize and train on
+
+
+def small_run(**changes) -> TrainConfig:
+    settings = dict(preset="tiny", steps=6, seq_len=64, batch_size=4, lr=3e-3,
+                    warmup_steps=2, dense_warmup_steps=3, eval_every=3, eval_batches=1,
+                    checkpoint_every=3, vocab_size=512, heldout_percent=40.0, corpus=CORPUS)
+    return TrainConfig(**(settings | changes))
+
+
+def test_the_split_never_puts_a_file_in_both_halves():
+    train, heldout = split_corpus(heldout_percent=2.0)
+    assert not set(train) & set(heldout)
+    assert len(train) + len(heldout) == len(corpus_files())
+    assert 0.005 < len(heldout) / len(corpus_files()) < 0.05
+    # Decided by the path alone: the same in any order, with any other files around.
+    assert all(is_heldout(f, 2.0) for f in heldout)
+    assert split_corpus(heldout_percent=2.0) == (train, heldout)
+
+
+def test_token_cache_is_written_once_and_batches_are_a_function_of_the_step(tmp_path):
+    root = stdlib_root() / "json"
+    files = corpus_files(root)
+    tokenizer = train_tokenizer(root, files, 512, tmp_path / "tokenizer.json")
+    assert tokenizer.get_vocab_size() <= 512
+    assert [tokenizer.token_to_id(t) for t in ("<|bos|>", "<|eos|>", "<|pad|>")] == [0, 1, 2]
+    cache = TokenCache.build(root, files, tokenizer, tmp_path / "train.npy")
+    mtime = (tmp_path / "train.npy").stat().st_mtime_ns
+    again = TokenCache.build(root, files, tokenizer, tmp_path / "train.npy")
+    assert (tmp_path / "train.npy").stat().st_mtime_ns == mtime  # read back, not rebuilt
+    assert (again.tokens == cache.tokens).all()
+    assert tokenizer.decode(cache.tokens[:40].tolist()) in (root / files[0]).read_text()
+    assert torch.equal(cache.batch(3, 16, seed=0, step=5), cache.batch(3, 16, seed=0, step=5))
+    assert not torch.equal(cache.batch(3, 16, seed=0, step=5), cache.batch(3, 16, seed=0, step=6))
+
+
+def test_retrieval_samples_ask_for_a_key_defined_at_the_given_depth(tmp_path):
+    root = stdlib_root() / "json"
+    files = corpus_files(root)
+    tokenizer = train_tokenizer(root, files, 512, tmp_path / "tokenizer.json")
+    cache = TokenCache.build(root, files, tokenizer, tmp_path / "train.npy")
+    g = torch.Generator().manual_seed(0)
+    sample = retrieval_sample(cache, tokenizer, length=400, depth=0.25, generator=g)
+    text = tokenizer.decode(sample.ids)
+    key = text.split("assert ")[-1].split(" ==")[0]
+    value = tokenizer.decode(sample.ids[sample.answer_start :]).rstrip('"')
+    assert key.startswith("KEY_") and len(value) == 6
+    assert f'{key} = "{value}"' in text
+    defined_at = text.index(f"{key} =") / len(text)
+    assert 0.1 < defined_at < 0.4 and sample.depth == 0.25
+    assert abs(len(sample.ids) - 400) <= 2
+
+
+def test_a_few_steps_lower_the_loss(tmp_path):
+    trainer = Trainer(small_run(steps=12, dense_warmup_steps=12, eval_every=12), tmp_path)
+    first = [trainer.train_step()["loss"] for _ in range(2)]
+    for _ in range(8):
+        trainer.train_step()
+    last = [trainer.train_step()["loss"] for _ in range(2)]
+    assert sum(last) < sum(first) - 0.3
+
+
+def test_the_indexer_loss_trains_the_indexer():
+    """Dense warm-up: with everything else frozen, the indexer's KL to the attention it
+    should predict goes down."""
+    torch.manual_seed(0)
+    from kvstack.config import preset
+    from kvstack.model import Model
+
+    model = Model(preset("tiny"))
+    with torch.no_grad():  # sharper attention than at init, so there is something to learn
+        for name, p in model.named_parameters():
+            if name.endswith(("wq_b.weight", "compressor.wkv.weight")):
+                p.mul_(20)
+    indexer = [p for n, p in model.named_parameters() if ".indexer." in n or "wk_index" in n
+               or "index_norm" in n]
+    opt = torch.optim.Adam(indexer, lr=2e-2)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    kls = []
+    for _ in range(15):
+        _, kl = losses(model(ids[:, :-1], dense=True, collect=True), ids[:, 1:])
+        opt.zero_grad()
+        kl.backward()
+        opt.step()
+        kls.append(kl.item())
+    assert kls[-1] < 0.8 * kls[0], kls
+
+
+def test_resume_after_a_kill_continues_exactly(tmp_path):
+    whole = Trainer(small_run(), tmp_path / "whole")
+    whole.run(progress=False)
+    interrupted = Trainer(small_run(), tmp_path / "killed")
+    for _ in range(5):  # checkpointed at step 3; step 4 and 5 are lost with the process
+        interrupted.train_step()
+        if interrupted.step % 3 == 0:
+            interrupted.save_checkpoint()
+    del interrupted
+    resumed = Trainer(small_run(), tmp_path / "killed")
+    assert resumed.step == 3
+    resumed.run(progress=False)
+    for (name, a), (_, b) in zip(whole.model.state_dict().items(),
+                                 resumed.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    log = [json.loads(line) for line in (tmp_path / "whole" / "log.jsonl").open()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    assert "heldout_ppl" in log[2] and "heldout_ppl" in log[5]
+
+
+def test_a_run_directory_refuses_other_settings(tmp_path):
+    Trainer(small_run(), tmp_path)
+    with pytest.raises(ValueError, match="holds a run with another training config"):
+        Trainer(small_run(lr=1e-3), tmp_path)
+    with pytest.raises(ValueError, match=r"0 held-out files at heldout_percent 0\.1"):
+        Trainer(small_run(heldout_percent=0.1), tmp_path / "other")
+
+
+def test_kvstack_train_command(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--out", str(out), "--steps", "2",
+                 "--seq-len", "32", "--batch-size", "2", "--vocab-size", "512",
+                 "--corpus", CORPUS, "--heldout-percent", "40", "--eval-every", "2",
+                 "--checkpoint-every", "2"]) == 0
+    assert (out / "checkpoint" / "model" / "model.safetensors").exists()
+    assert (out / "checkpoint" / "model" / "tokenizer.json").exists()
+    assert len((out / "log.jsonl").read_text().splitlines()) == 2
