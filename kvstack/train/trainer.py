@@ -8,6 +8,10 @@ with a straight-through gradient (`ReferenceStore`), so the model learns the FP4
 The MoE routing bias is balanced outside backprop: after each step it moves toward the
 experts that got fewer tokens than the mean.
 
+Under torchrun the same command trains data-parallel: every process runs the same model
+on its share of each batch and the gradients are averaged (all-reduce over gloo on CPU,
+NCCL on GPU) before the step.
+
 A run lives in one directory: `train_config.json`, `checkpoint/` (model, optimizer, step;
 replaced atomically), `log.jsonl`, and the tokenizer and token caches it built. Batches are
 a pure function of (seed, step), so a run killed and resumed continues exactly where it was.
@@ -22,12 +26,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from kvstack.config import ModelConfig, preset
 from kvstack.model import Model
 from kvstack.model.model import Gate, ModelOutput
-from kvstack.train.data import TokenCache, split_corpus, stdlib_root, train_tokenizer
+from kvstack.train.data import (
+    TokenCache,
+    retrieval_sample,
+    split_corpus,
+    stdlib_root,
+    train_tokenizer,
+)
 
 BIAS_STEP = 1e-3  # how far the routing bias moves per step toward balance
 
@@ -50,6 +61,7 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 50
     seed: int = 0
+    retrieval_rate: float = 0.0  # share of rows replaced by a synthetic retrieval sample
     vocab_size: int = 0  # 0: the preset's
     heldout_percent: float = 2.0
     corpus: str = ""  # a directory of .py files; "" = the standard library
@@ -95,12 +107,41 @@ class Trainer:
     def __init__(self, tc: TrainConfig, out: str | Path,
                  device: torch.device | str = "cpu") -> None:
         self.tc, self.out, self.device = tc, Path(out), torch.device(device)
+        # Data parallel under torchrun: each process takes every world-th row of the
+        # global batch, and gradients are averaged over processes before each step.
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        if tc.batch_size % self.world:
+            raise ValueError(f"batch_size {tc.batch_size} does not split over {self.world} "
+                             "processes")
         self.out.mkdir(parents=True, exist_ok=True)
         saved = self.out / "train_config.json"
         if saved.exists() and json.loads(saved.read_text()) != asdict(tc):
             raise ValueError(f"{self.out} holds a run with another training config; use a "
                              "new --out or the same settings to resume")
-        saved.write_text(json.dumps(asdict(tc), indent=2))
+        if self.rank == 0:
+            saved.write_text(json.dumps(asdict(tc), indent=2))
+            self._prepare_data()
+        if self.world > 1:
+            dist.barrier()  # the tokenizer and token caches exist before the others read them
+            if self.rank != 0:
+                self._prepare_data()
+        torch.manual_seed(tc.seed)
+        self.model = Model(self.config).to(self.device)
+        decay = [p for n, p in self.model.named_parameters()
+                 if p.requires_grad and p.dim() >= 2]
+        other = [p for n, p in self.model.named_parameters()
+                 if p.requires_grad and p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": tc.weight_decay},
+             {"params": other, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
+        self.step = 0
+        self._resume()
+
+    def _prepare_data(self) -> None:
+        tc = self.tc
         self.config = tc.model_config()
         root = Path(tc.corpus) if tc.corpus else stdlib_root()
         train_files, heldout_files = split_corpus(root, tc.heldout_percent)
@@ -122,17 +163,6 @@ class Trainer:
                                            self.out / "data" / "train.npy")
         self.heldout_data = TokenCache.build(root, heldout_files, self.tokenizer,
                                              self.out / "data" / "heldout.npy")
-        torch.manual_seed(tc.seed)
-        self.model = Model(self.config).to(self.device)
-        decay = [p for n, p in self.model.named_parameters()
-                 if p.requires_grad and p.dim() >= 2]
-        other = [p for n, p in self.model.named_parameters()
-                 if p.requires_grad and p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": tc.weight_decay},
-             {"params": other, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
-        self.step = 0
-        self._resume()
 
     # ---- checkpoints -------------------------------------------------------------------
     def _resume(self) -> None:
@@ -174,13 +204,18 @@ class Trainer:
         dense = self.step < tc.dense_warmup_steps
         ce_sum = kl_sum = 0.0
         for micro in range(tc.grad_accum):
-            batch = self.train_data.batch(tc.batch_size, tc.seq_len, tc.seed,
-                                          self.step * tc.grad_accum + micro).to(self.device)
+            batch = self.batch(self.step * tc.grad_accum + micro)[self.rank :: self.world]
+            batch = batch.to(self.device)
             out = self.model(batch[:, :-1], dense=dense, collect=True)
             ce, kl = losses(out, batch[:, 1:])
             ((ce + tc.index_loss_weight * kl) / tc.grad_accum).backward()
             ce_sum += ce.item() / tc.grad_accum
             kl_sum += kl.item() / tc.grad_accum
+        if self.world > 1:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= self.world
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -189,10 +224,29 @@ class Trainer:
         return {"step": self.step, "lr": lr, "loss": ce_sum, "index_kl": kl_sum,
                 "grad_norm": float(norm), "dense": dense}
 
+    def batch(self, index: int) -> torch.Tensor:
+        """Training rows [batch_size, seq_len + 1] for micro-batch `index`: windows of the
+        corpus, some replaced by retrieval samples (depth uniform), all a pure function of
+        (seed, index)."""
+        tc = self.tc
+        rows = self.train_data.batch(tc.batch_size, tc.seq_len, tc.seed, index)
+        if tc.retrieval_rate > 0:
+            g = torch.Generator().manual_seed(tc.seed * 7_919 + index)
+            for r in range(rows.shape[0]):
+                if torch.rand((), generator=g) < tc.retrieval_rate:
+                    depth = float(torch.rand((), generator=g)) * 0.9
+                    sample = retrieval_sample(self.train_data, self.tokenizer, tc.seq_len + 1,
+                                              depth, g)
+                    ids = sample.ids[: tc.seq_len + 1]
+                    rows[r, -len(ids):] = torch.tensor(ids)
+        return rows
+
     def _balance_experts(self) -> None:
         with torch.no_grad():
             for gate in (m for m in self.model.modules() if isinstance(m, Gate)):
                 if gate.load is not None:
+                    if self.world > 1:
+                        dist.all_reduce(gate.load)
                     gate.bias += BIAS_STEP * torch.sign(gate.load.float().mean() - gate.load)
                     gate.load = None
 
@@ -212,7 +266,9 @@ class Trainer:
     def run(self, progress: bool = True) -> None:
         from rich.progress import Progress
 
-        log = (self.out / "log.jsonl").open("a")
+        lead = self.rank == 0  # only the first process logs, evaluates and checkpoints
+        progress = progress and lead
+        log = (self.out / "log.jsonl").open("a") if lead else None
         tokens_per_step = self.tc.batch_size * self.tc.seq_len * self.tc.grad_accum
         with Progress(disable=not progress) as bar:
             task = bar.add_task("training", total=self.tc.steps, completed=self.step)
@@ -220,6 +276,8 @@ class Trainer:
                 start = time.perf_counter()
                 record = self.train_step()
                 record["tokens_per_s"] = tokens_per_step / (time.perf_counter() - start)
+                if not lead:
+                    continue
                 if self.step % self.tc.eval_every == 0 or self.step == self.tc.steps:
                     record |= self.evaluate()
                 log.write(json.dumps(record) + "\n")
@@ -229,4 +287,5 @@ class Trainer:
                     f"{record['tokens_per_s']:.0f} tok/s"))
                 if self.step % self.tc.checkpoint_every == 0 or self.step == self.tc.steps:
                     self.save_checkpoint()
-        log.close()
+        if log is not None:
+            log.close()
