@@ -298,6 +298,58 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_data(args: argparse.Namespace):
+    import hashlib
+
+    from kvstack.eval.quality import heldout_tokens, load_eval_model
+
+    model, tokenizer = load_eval_model(args.model)
+    digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+    cache = Path.home() / ".cache" / "kvstack" / "eval" / f"heldout-{digest}.npy"
+    return model, tokenizer, heldout_tokens(tokenizer, cache, args.heldout_percent)
+
+
+def _cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from kvstack.eval.quality import perplexity
+
+    model, _, data = _eval_data(args)
+    result = perplexity(model, data, args.seq_len, args.windows)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        Console().print(
+            f"held-out perplexity {result['ppl']:.3f} with {model.config.kv_format} caches, "
+            f"{result['ppl_bf16']:.3f} with bf16 caches ({result['ppl_increase']:+.2%}); "
+            f"KL {result['kl_vs_bf16']:.2e}, top-1 agreement {result['top1_agreement']:.1%} "
+            f"over {args.windows} windows of {args.seq_len} tokens")
+    return 0
+
+
+def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
+    from kvstack.eval.quality import heat_map, retrieval
+
+    model, tokenizer, data = _eval_data(args)
+    result = retrieval(model, tokenizer, data, args.lengths, args.depths, args.samples,
+                       replay=args.replay)
+    if args.plot:
+        heat_map(result, args.plot)
+        result["plot"] = args.plot
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    console = Console()
+    console.print(f"retrieval accuracy ({args.samples} samples per cell, {args.replay} "
+                  "replay; rows: context tokens, columns: depth of the key)")
+    table = Table(box=box.SIMPLE_HEAD)
+    table.add_column("tokens", justify="right")
+    for d in args.depths:
+        table.add_column(f"{d:.0%}", justify="right")
+    for n, row in zip(args.lengths, result["accuracy"], strict=True):
+        table.add_row(str(n), *(f"{a:.0%}" for a in row))
+    console.print(table)
+    return 0
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="a model directory, or a preset name with --random-init "
@@ -373,6 +425,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of files held out for evaluation")
     train.add_argument("--device", help="cpu or cuda")
     train.set_defaults(run=_cmd_train)
+
+    evaluate = sub.add_parser("eval", help="evaluate a trained model")
+    kinds = evaluate.add_subparsers(dest="eval_kind", required=True)
+    ppl = kinds.add_parser("ppl", help="held-out perplexity, FP4 caches against bf16")
+    ppl.add_argument("--seq-len", type=_positive_int, default=512)
+    ppl.add_argument("--windows", type=_positive_int, default=16)
+    ppl.set_defaults(run=_cmd_eval_ppl)
+    ret = kinds.add_parser("retrieval", help="key retrieval by context length and depth")
+    ret.add_argument("--lengths", type=_positive_int, nargs="+", default=[512, 1024, 2048])
+    ret.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    ret.add_argument("--samples", type=_positive_int, default=8)
+    ret.add_argument("--replay", choices=("bounded", "exact"), default="exact")
+    ret.add_argument("--plot", help="write the heat map to this PNG")
+    ret.set_defaults(run=_cmd_eval_retrieval)
+    for p in (ppl, ret):
+        p.add_argument("--model", required=True, help="a model directory")
+        p.add_argument("--heldout-percent", type=_positive_float, default=2.0)
+        p.add_argument("--json", action="store_true")
     return parser
 
 

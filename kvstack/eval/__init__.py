@@ -1,0 +1,1 @@
+"""Evaluation of trained models: perplexity with FP4 against bf16 caches, retrieval."""

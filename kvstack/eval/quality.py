@@ -1,0 +1,129 @@
+"""Quality of a trained model: held-out perplexity (FP4 caches against bf16 caches) and
+long-range retrieval by context length and depth.
+
+Held-out data is the split the trainer never saw (`kvstack.train.data`), tokenised with
+the model's own tokenizer. Perplexity runs the reference forward over fixed windows, once
+with the model's configured cache formats and once with every cache in bf16 (same
+weights), and reports the KL divergence between their next-token distributions, as
+llama.cpp does for quantised caches. Retrieval asks for a key defined at a given depth of
+real code and scores the greedy answer, through CED prefill and decode as served.
+"""
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvstack.cache.contiguous import ContiguousCache
+from kvstack.model import Model
+from kvstack.train.data import TokenCache, retrieval_sample, split_corpus, stdlib_root
+
+BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
+
+
+def load_eval_model(directory: str | Path) -> tuple[Model, Any]:
+    from tokenizers import Tokenizer
+
+    directory = Path(directory)
+    model = Model.from_pretrained(directory).eval()
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"model {directory}: tokenizer.json is missing")
+    return model, Tokenizer.from_file(str(path))
+
+
+def heldout_tokens(tokenizer: Any, out: Path, heldout_percent: float = 2.0) -> TokenCache:
+    root = stdlib_root()
+    _, heldout = split_corpus(root, heldout_percent)
+    return TokenCache.build(root, heldout, tokenizer, out)
+
+
+@torch.no_grad()
+def perplexity(model: Model, data: TokenCache, seq_len: int, windows: int,
+               seed: int = 0) -> dict[str, float]:
+    """Held-out perplexity with the configured caches and with bf16 caches, and the KL
+    divergence and top-1 agreement between their next-token distributions."""
+    bf16 = Model(model.config.replace(**BF16)).eval()
+    bf16.load_state_dict(model.state_dict())
+    nll = {"configured": 0.0, "bf16": 0.0}
+    kl = agree = 0.0
+    for i in range(windows):
+        batch = data.batch(1, seq_len, seed, i)
+        ids, targets = batch[:, :-1], batch[:, 1:].flatten()
+        logits = model(ids).logits.flatten(0, 1)
+        reference = bf16(ids).logits.flatten(0, 1)
+        nll["configured"] += F.cross_entropy(logits, targets).item()
+        nll["bf16"] += F.cross_entropy(reference, targets).item()
+        p = reference.log_softmax(-1)
+        kl += (p.exp() * (p - logits.log_softmax(-1))).sum(-1).mean().item()
+        agree += (reference.argmax(-1) == logits.argmax(-1)).float().mean().item()
+    ppl = {k: math.exp(v / windows) for k, v in nll.items()}
+    return {
+        "formats": {k: getattr(model.config, k) for k in BF16},
+        "seq_len": seq_len, "windows": windows,
+        "ppl": ppl["configured"], "ppl_bf16": ppl["bf16"],
+        "ppl_increase": ppl["configured"] / ppl["bf16"] - 1,
+        "kl_vs_bf16": kl / windows, "top1_agreement": agree / windows,
+    }
+
+
+@torch.no_grad()
+def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int],
+              depths: list[float], samples: int, replay: str = "exact",
+              seed: int = 0) -> dict[str, Any]:
+    """Accuracy of greedy answers by length and depth: [len(lengths)][len(depths)]."""
+    accuracy = []
+    for length in lengths:
+        row = []
+        for depth in depths:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + length * 101 + round(depth * 100))
+            hits = 0
+            for _ in range(samples):
+                sample = retrieval_sample(data, tokenizer, length, depth, g)
+                hits += _answers(model, sample.ids, sample.answer_start, replay)
+            row.append(hits / samples)
+        accuracy.append(row)
+    return {"lengths": lengths, "depths": depths, "samples": samples, "replay": replay,
+            "accuracy": accuracy}
+
+
+def _answers(model: Model, ids: list[int], answer_start: int, replay: str) -> bool:
+    """Greedy decoding after the question reproduces the answer's tokens."""
+    answer = ids[answer_start:]
+    cache = ContiguousCache(model.config, max_tokens=len(ids) + 1)
+    logits = model.prefill(torch.tensor([ids[:answer_start]]), cache, replay=replay)
+    for expected in answer:
+        token = int(logits.argmax(-1))
+        if token != expected:
+            return False
+        logits = model.decode(torch.tensor([token]), cache)
+    return True
+
+
+def heat_map(result: dict[str, Any], path: str | Path) -> None:
+    """Accuracy by context length (rows) and depth (columns) as a PNG."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError("the heat map needs matplotlib: pip install -e '.[bench]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(result["depths"]),
+                                    1.2 + 0.5 * len(result["lengths"])))
+    image = ax.imshow(result["accuracy"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(result["depths"])), [f"{d:.0%}" for d in result["depths"]])
+    ax.set_yticks(range(len(result["lengths"])), [str(n) for n in result["lengths"]])
+    ax.set_xlabel("depth of the key")
+    ax.set_ylabel("context length (tokens)")
+    for i, row in enumerate(result["accuracy"]):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.0%}", ha="center", va="center",
+                    color="white" if value < 0.6 else "black", fontsize=8)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    ax.set_title("retrieval accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,78 @@
+"""`kvstack eval ppl` and `kvstack eval retrieval`."""
+
+import json
+
+import pytest
+import torch
+
+from kvstack.cli import main
+from kvstack.eval.quality import _answers, perplexity, retrieval
+from kvstack.train.data import TokenCache, corpus_files, stdlib_root, train_tokenizer
+from kvstack.train.trainer import TrainConfig, Trainer
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model after a few steps on five stdlib modules, saved as a model directory."""
+    out = tmp_path_factory.mktemp("run")
+    tc = TrainConfig(preset="tiny", steps=3, seq_len=64, batch_size=4, warmup_steps=1,
+                     dense_warmup_steps=1, eval_every=3, eval_batches=1, checkpoint_every=3,
+                     vocab_size=512, heldout_percent=40.0, corpus=str(stdlib_root() / "json"))
+    Trainer(tc, out).run(progress=False)
+    return out / "checkpoint" / "model"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = stdlib_root() / "json"
+    files = corpus_files(root)
+    path = tmp_path_factory.mktemp("data")
+    tokenizer = train_tokenizer(root, files, 512, path / "tokenizer.json")
+    return tokenizer, TokenCache.build(root, files, tokenizer, path / "tokens.npy")
+
+
+def test_perplexity_compares_fp4_with_bf16_caches(trained, data):
+    from kvstack.eval.quality import load_eval_model
+
+    model, _ = load_eval_model(trained)
+    result = perplexity(model, data[1], seq_len=64, windows=2)
+    assert result["formats"]["kv_format"] == "fp4_e4m3_16"
+    assert 1 < result["ppl"] < 512 and 1 < result["ppl_bf16"] < 512
+    assert result["ppl"] != result["ppl_bf16"]  # the FP4 path is really taken
+    assert 0 < result["kl_vs_bf16"] < 0.1 and 0.5 < result["top1_agreement"] <= 1
+
+
+def test_retrieval_scores_the_greedy_answer(monkeypatch, data):
+    from kvstack.config import preset
+    from kvstack.model import Model
+
+    tokenizer, cache = data
+    torch.manual_seed(0)
+    model = Model(preset("tiny")).eval()
+    result = retrieval(model, tokenizer, cache, lengths=[64, 96], depths=[0.2, 0.8], samples=2)
+    assert len(result["accuracy"]) == 2 and all(len(r) == 2 for r in result["accuracy"])
+    assert all(0 <= a <= 1 for r in result["accuracy"] for a in r)
+    # A model made to emit exactly the answer scores; one that misses a token does not.
+    ids = list(range(10, 40))
+    answer_start = 25
+    for wrong_at, expected in ((None, True), (2, False)):
+        queue = [t if i != wrong_at else t + 1 for i, t in enumerate(ids[answer_start:])]
+        hook = model.head.register_forward_hook(
+            lambda module, args, out, q=queue: out.index_fill(-1, torch.tensor([q.pop(0)]), 1e4)
+            if q else out)
+        assert _answers(model, ids, answer_start, "exact") is expected
+        hook.remove()
+
+
+def test_eval_commands(trained, tmp_path, capsys):
+    assert main(["eval", "ppl", "--model", str(trained), "--seq-len", "64", "--windows", "2",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["windows"] == 2 and "ppl_increase" in out
+    plot = tmp_path / "heat.png"
+    assert main(["eval", "retrieval", "--model", str(trained), "--lengths", "64",
+                 "--depths", "0.5", "--samples", "1", "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "retrieval accuracy" in capsys.readouterr().out
+    assert main(["eval", "ppl", "--model", str(tmp_path / "missing")]) == 2
+    assert "cannot read" in capsys.readouterr().err
