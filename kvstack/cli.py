@@ -293,7 +293,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      warmup_steps=args.warmup_steps, dense_warmup_steps=args.dense_warmup_steps,
                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                      seed=args.seed, vocab_size=args.vocab_size, corpus=args.corpus or "",
-                     heldout_percent=args.heldout_percent)
+                     heldout_percent=args.heldout_percent, retrieval_rate=args.retrieval_rate)
     Trainer(tc, args.out, device=args.device or "cpu").run(progress=sys.stderr.isatty())
     return 0
 
@@ -347,6 +347,17 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
     for n, row in zip(args.lengths, result["accuracy"], strict=True):
         table.add_row(str(n), *(f"{a:.0%}" for a in row))
     console.print(table)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvstack.demo import demo
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    result = demo(args.model, args.control, context=args.context, max_tokens=args.max_tokens,
+                  console=Console(stderr=args.json))
+    if args.json:
+        print(json.dumps(result))
     return 0
 
 
@@ -423,8 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--corpus", help="a directory of .py files (default: the stdlib)")
     train.add_argument("--heldout-percent", type=_positive_float, default=2.0,
                        help="share of files held out for evaluation")
+    train.add_argument("--retrieval-rate", type=float, default=0.0,
+                       help="share of rows replaced by synthetic key-retrieval samples")
     train.add_argument("--device", help="cpu or cuda")
     train.set_defaults(run=_cmd_train)
+
+    demo = sub.add_parser("demo", help="ingest a long file, continue it, and compare the "
+                          "cache with the dense control's")
+    demo.add_argument("--model", help="model directory (default: the bundled model)")
+    demo.add_argument("--control", help="dense control directory (default: the repository's)")
+    demo.add_argument("--context", type=_positive_int, default=4096)
+    demo.add_argument("--max-tokens", type=_positive_int, default=48)
+    demo.add_argument("--json", action="store_true")
+    demo.set_defaults(run=_cmd_demo)
 
     evaluate = sub.add_parser("eval", help="evaluate a trained model")
     kinds = evaluate.add_subparsers(dest="eval_kind", required=True)

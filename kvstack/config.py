@@ -412,19 +412,34 @@ def dense_control(config: ModelConfig) -> ModelConfig:
     )
 
 
+# The bundled model's shape: every mechanism of the stack at a size this machine trains
+# in about an hour (window-only, ratio-2 Full/Reuse/Reindex in the encoder, the CED
+# stream with a candidate pool and Reindex inside it in the decoder, FP4 caches).
+_DEFAULT = dict(
+    vocab_size=2048, dim=128, n_layers=8, n_heads=4, head_dim=64, rope_head_dim=16,
+    q_lora_rank=64, o_groups=2, o_lora_rank=64, window_size=64,
+    compress_ratios=[0, 2, 2, 2, 1, 1, 1, 1],
+    kv_source_layers=[1, 4], index_source_layers=[1, 3, 4, 6],
+    index_n_heads=2, index_head_dim=32, index_topk=32,
+    candidate_source_layer=4, candidate_topk_blocks=16, candidate_block_size=8,
+    inter_dim=384, max_seq_len=4096, n_encoder_layers=4,
+)
+
 _PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "deepseek-v4.1-flash": lambda: ModelConfig.from_dict(_V41_FLASH),
     "tiny": lambda: ModelConfig.from_dict(_TINY),
     "v41-layout-small": lambda: ModelConfig.from_dict(_V41_LAYOUT_SMALL),
     "dense-v4.1-flash": lambda: dense_control(preset("deepseek-v4.1-flash")),
     "dense-tiny": lambda: dense_control(preset("tiny")),
+    "default": lambda: ModelConfig.from_dict(_DEFAULT),
+    "dense-default": lambda: dense_control(preset("default")),
 }
 PRESETS = tuple(_PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
-    """A named config: deepseek-v4.1-flash, tiny, v41-layout-small, and the dense
-    controls dense-v4.1-flash and dense-tiny."""
+    """A named config: deepseek-v4.1-flash, tiny, v41-layout-small, default (the bundled
+    model's shape), and the dense controls dense-v4.1-flash, dense-tiny, dense-default."""
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(_PRESETS)}")
     return _PRESETS[name]()

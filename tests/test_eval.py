@@ -76,3 +76,23 @@ def test_eval_commands(trained, tmp_path, capsys):
     assert "retrieval accuracy" in capsys.readouterr().out
     assert main(["eval", "ppl", "--model", str(tmp_path / "missing")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_demo_compares_the_session_with_the_dense_control(trained, tmp_path, capsys):
+    control = tmp_path / "control"
+    tc = TrainConfig(preset="dense-tiny", steps=1, seq_len=64, batch_size=4, warmup_steps=1,
+                     eval_every=1, eval_batches=1, checkpoint_every=1, vocab_size=512,
+                     heldout_percent=40.0, corpus=str(stdlib_root() / "json"))
+    Trainer(tc, tmp_path / "run").run(progress=False)
+    (tmp_path / "run" / "checkpoint" / "model").rename(control)
+    assert main(["demo", "--model", str(trained), "--control", str(control), "--context", "300",
+                 "--max-tokens", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    stack, dense = out["models"].values()
+    assert out["context"] == 300
+    assert stack["bytes_per_token"] == stack["planned_bytes_per_token"] == 52.5
+    assert dense["bytes_per_token"] == 8 * 2 * 32 * 2
+    assert stack["sessions_in_80_gb"] > dense["sessions_in_80_gb"]
+    assert stack["prefill_tokens_per_s"] > 0 and stack["decode_tokens_per_s"] > 0
+    assert main(["demo", "--model", str(tmp_path / "nothing")]) == 2
+    assert "not trained yet" in capsys.readouterr().err

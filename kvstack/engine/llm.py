@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,22 @@ log = logging.getLogger("kvstack")
 Prompt = str | list[int]
 
 
+def bundled_model() -> Path:
+    """Where the package keeps the bundled default model."""
+    return Path(str(resources.files("kvstack") / "data" / "default"))
+
+
 def _load(model: str | Path | ModelConfig, random_init: bool, seed: int,
           device: torch.device) -> tuple[Model, Tokenizer]:
     if random_init:
         torch.manual_seed(seed)
         config = model if isinstance(model, ModelConfig) else preset(str(model))
         loaded, tokenizer = Model(config), ByteTokenizer()
-    elif str(model) == "default":
-        raise ValueError("no bundled default model yet: pass a model directory, or a preset "
-                         "name with random_init=True")
     else:
-        directory = Path(model)
+        directory = bundled_model() if str(model) == "default" else Path(model)
+        if str(model) == "default" and not (directory / "model.safetensors").is_file():
+            raise ValueError("no bundled default model yet: pass a model directory, or a "
+                             "preset name with random_init=True")
         if not directory.is_dir():
             raise ValueError(f"model {directory}: not a directory (nor random_init=True with "
                              "a preset name)")
