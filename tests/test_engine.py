@@ -192,11 +192,13 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving():
     capacity = small.memory_report()["capacity_tokens"]
     with pytest.raises(ValueError, match=f"does not fit the cache pool of {capacity} tokens"):
         small.add_request([1] * capacity, GREEDY)
+    finished = {}
+    while llm.has_unfinished_requests():
+        finished |= {o.request_id: o for o in llm.step() if o.finished}
+    assert finished[good].finish_reason == "length"
     out = llm.generate("after the refusals", GREEDY)[0]
     assert len(out.token_ids) == 10
-    while llm.has_unfinished_requests():
-        llm.step()
-    assert llm._requests[good].finish_reason == "length"
+    assert llm._requests == {}  # finished requests are not kept around
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -168,6 +168,7 @@ class LLM:
         seq = self._requests.get(request_id)
         if seq is not None and seq.status is not Status.FINISHED:
             self._finish(seq, "abort")
+            self._requests.pop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
@@ -185,7 +186,7 @@ class LLM:
             if tokens is not None:
                 for seq, token in zip(seqs, tokens, strict=True):
                     self._append(seq, token)
-                return [RequestOutput.of(s) for s in seqs]
+                return self._outputs(seqs)
         for seq in seqs:
             try:
                 token = (self.runner.prefill(seq) if is_prefill
@@ -196,7 +197,16 @@ class LLM:
                 self._finish(seq, "error")
                 continue
             self._append(seq, token)
-        return [RequestOutput.of(s) for s in seqs]
+        return self._outputs(seqs)
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Their outputs; a finished request is forgotten once reported, unless it kept
+        its cache for a follow-up turn."""
+        outputs = [RequestOutput.of(s) for s in seqs]
+        for seq in seqs:
+            if seq.status is Status.FINISHED and seq.store is None:
+                self._requests.pop(seq.request_id, None)
+        return outputs
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
@@ -236,9 +246,10 @@ class LLM:
         else:
             params = [sampling_params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        while any(self._requests[i].status is not Status.FINISHED for i in ids):
-            self.step()
-        return [RequestOutput.of(self._requests.pop(i)) for i in ids]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            done |= {out.request_id: out for out in self.step() if out.finished}
+        return [done[i] for i in ids]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                continue_from: str | None = None,
@@ -255,8 +266,6 @@ class LLM:
                     yield RequestOutput.of(seq)
         finally:
             self.abort(request_id)
-            if seq.store is None:
-                self._requests.pop(request_id, None)
 
     # ---- memory ------------------------------------------------------------------------
     def memory_report(self, context: int | None = None) -> dict[str, Any]:
