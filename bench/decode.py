@@ -32,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prefill import bench_config  # bench/ is on the path: the same model in both
 from rich.console import Console
 from rich.table import Table
 
 from kvstack import LLM, SamplingParams
 from kvstack.cache.layout import CacheLayout
 from kvstack.cache.paged import PagedSequenceStore, block_bytes
-from kvstack.config import ModelConfig, dense_control, preset
+from kvstack.config import ModelConfig, dense_control
 from kvstack.engine.sequence import Sequence
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
@@ -85,20 +86,6 @@ def parse_args() -> argparse.Namespace:
     if args.steps < 1 or args.repeat < 1:
         parser.error("--steps and --repeat must be at least 1")
     return args
-
-
-def bench_config(max_seq_len: int) -> ModelConfig:
-    """bench/prefill.py's model: the tiny preset's layer pattern (window-only, ratio-2 and
-    CED layers, MoE, hyper-connections) at widths where the work, not Python overhead,
-    sets the time."""
-    return preset("tiny").replace(
-        dim=256, n_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=128, o_groups=2,
-        o_lora_rank=128, window_size=128, index_n_heads=4, index_head_dim=64, index_topk=64,
-        candidate_topk_blocks=64, candidate_block_size=8, n_routed_experts=8,
-        n_activated_experts=2, moe_inter_dim=256, max_seq_len=max_seq_len,
-        # The preset's YaRN is tuned to its 512-token context; plain RoPE at these lengths.
-        rope_factor=1.0, original_seq_len=0,
-    )
 
 
 def time_decode(step: Callable[[], None], steps: int, repeat: int) -> float:
