@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "cache with the dense control's")
     demo.add_argument("--model", help="model directory (default: the bundled model)")
     demo.add_argument("--control", help="dense control directory (default: the repository's)")
-    demo.add_argument("--context", type=_positive_int, default=4096)
+    demo.add_argument("--context", type=_positive_int, default=3072)
     demo.add_argument("--max-tokens", type=_positive_int, default=48)
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(run=_cmd_demo)

@@ -60,7 +60,7 @@ def figures(s: Session, hbm_bytes: float = 80e9) -> dict[str, float]:
 
 
 def demo(model: str | Path | None = None, control: str | Path | None = None,
-         context: int = 4096, max_tokens: int = 48, console: Console | None = None
+         context: int = 3072, max_tokens: int = 48, console: Console | None = None
          ) -> dict[str, Any]:
     console = console or Console()
     model = Path(model) if model else bundled_model()
