@@ -113,6 +113,8 @@ def test_resume_after_a_kill_continues_exactly(tmp_path):
         interrupted.train_step()
         if interrupted.step % 3 == 0:
             interrupted.save_checkpoint()
+    with (tmp_path / "killed" / "log.jsonl").open("a") as log:  # what the lost steps logged
+        log.write(json.dumps({"step": 4}) + "\n" + json.dumps({"step": 5}) + "\n")
     del interrupted
     resumed = Trainer(small_run(), tmp_path / "killed")
     assert resumed.step == 3
@@ -122,6 +124,8 @@ def test_resume_after_a_kill_continues_exactly(tmp_path):
         assert torch.equal(a, b), name
     log = [json.loads(line) for line in (tmp_path / "whole" / "log.jsonl").open()]
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    resumed_log = [json.loads(line) for line in (tmp_path / "killed" / "log.jsonl").open()]
+    assert [r["step"] for r in resumed_log] == [4, 5, 6]  # the lost steps' lines are gone
     assert "heldout_ppl" in log[2] and "heldout_ppl" in log[5]
 
 

@@ -173,6 +173,11 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
+        log = self.out / "log.jsonl"
+        if self.rank == 0 and log.exists():  # steps after the checkpoint are run again
+            kept = [line for line in log.read_text().splitlines()
+                    if json.loads(line)["step"] <= self.step]
+            log.write_text("".join(line + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
         """Write to a temporary directory, then swap it in: a kill leaves the old one."""
