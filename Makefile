@@ -15,7 +15,7 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/kvstack plan --preset deepseek-v4.1-flash --context 131072 --hbm-gib 80
+	$(BIN)/kvstack demo
 
 test: $(BIN)/.installed
 	$(BIN)/ruff check kvstack tests bench

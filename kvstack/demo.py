@@ -38,7 +38,10 @@ class Session:
 def run_session(name: str, model: str | Path, source: str, context: int,
                 max_tokens: int) -> Session:
     llm = LLM(model, kv_budget="512MiB", replay="bounded", max_num_seqs=1)
-    ids = llm.tokenizer.encode(source)[-context:]
+    # Stop two thirds into the file, so there is code to continue (at its end the right
+    # continuation is end-of-file).
+    ids = llm.tokenizer.encode(source)
+    ids = ids[: len(ids) * 2 // 3][-context:]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     # keep_cache: the report below sees the session's cache as it stood at the end.
     final = list(llm.stream(ids, params, keep_cache=True))[-1]
@@ -70,8 +73,8 @@ def demo(model: str | Path | None = None, control: str | Path | None = None,
     path = Path(sysconfig.get_paths()["stdlib"]) / DEMO_FILE
     source = path.read_text()
     console.print(f"[bold]kvstack demo[/bold]: reading {path} ({len(source):,} characters) "
-                  f"as an agent ingests a repository; the last {context:,} tokens are the "
-                  "prompt")
+                  f"as an agent ingests a repository; {context:,} tokens up to two thirds of it "
+                  "are the prompt")
     sessions = []
     with console.status("prefill and decode with the compressed stack…"):
         sessions.append(run_session("kvstack (V4.1 stack)", model, source, context,
