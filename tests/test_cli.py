@@ -8,6 +8,13 @@ from kvstack.cli import main
 ENGINE = ["--model", "tiny", "--random-init", "--kv-budget", "1MiB"]
 
 
+def test_generate_uses_the_bundled_model_without_model(capsys):
+    assert main(["generate", "--prompt", "import os\n", "--max-tokens", "4", "--temperature",
+                 "0", "--kv-budget", "16MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["memory"]["planned_bytes_per_token"] == 79.5 and out["token_ids"]
+
+
 def test_generate_json(capsys):
     assert main(["generate", *ENGINE, "--prompt", "def f():", "--max-tokens", "4",
                  "--temperature", "0", "--ignore-eos", "--json"]) == 0
@@ -33,8 +40,8 @@ def test_generate_streams_text_and_reads_files_and_stdin(tmp_path, capsys, monke
 def test_generate_errors(tmp_path, capsys):
     assert main(["generate", *ENGINE, "--prompt-file", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read" in capsys.readouterr().err
-    assert main(["generate", "--prompt", "x"]) == 2
-    assert "no bundled default model yet" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert "config.json is missing" in capsys.readouterr().err
     assert main(["generate", *ENGINE, "--prompt", "x", "--top-p", "2"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
 

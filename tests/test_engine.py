@@ -224,8 +224,6 @@ def test_model_directories_with_missing_or_mismatched_files(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"tokenizer\.json: cannot load"):
         LLM(tmp_path, kv_budget="1MiB", block_tokens=16)
-    with pytest.raises(ValueError, match="no bundled default model yet"):
-        LLM("default")
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         LLM("huge", random_init=True)
 
@@ -311,3 +309,11 @@ def test_a_decode_step_is_one_model_call(monkeypatch):
                         lambda ids, cache: calls.append(ids.shape[0]) or original(ids, cache))
     outs = llm.step()
     assert calls == [3] and len(outs) == 3
+
+
+def test_the_bundled_model_serves_by_default():
+    llm = LLM(kv_budget="16MiB", max_num_seqs=2)  # model="default"
+    assert llm.config.n_encoder_layers == 4 and llm.config.kv_format == "fp4_e4m3_16"
+    out = llm.generate("def main():\n", SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.token_ids and out.text
+    assert llm.memory_report()["planned_bytes_per_token"] == 79.5
