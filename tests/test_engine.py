@@ -149,12 +149,14 @@ def test_sampling_controls():
                             ignore_eos=True)
     a, b = llm.generate(["same prompt", "same prompt"], seeded)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 8
-    greedy = llm.generate("abc", GREEDY)[0]
-    stop_at = llm.tokenizer.decode(greedy.token_ids[3:5])
-    if stop_at:
-        stopped = llm.generate("abc", SamplingParams(max_tokens=10, temperature=0,
-                                                     ignore_eos=True, stop=[stop_at]))[0]
-        assert stopped.finish_reason == "stop" and stop_at not in stopped.text
+    hook = llm.model.head.register_forward_hook(  # the model now writes "xyxyxy..."
+        lambda module, args, out: out.index_fill(-1, torch.tensor([ord("x")]), 1e4)
+        if len(llm.scheduler.running) and len(llm.scheduler.running[0].output_ids) % 2 == 0
+        else out.index_fill(-1, torch.tensor([ord("y")]), 1e4))
+    stopped = llm.generate("abc", SamplingParams(max_tokens=10, temperature=0,
+                                                 ignore_eos=True, stop=["yx"]))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == "x"  # "xyx": cut at "yx"
+    hook.remove()
     eos = llm.tokenizer.eos_id
     llm.model.head.register_forward_hook(
         lambda module, args, out: out.index_fill(-1, torch.tensor([eos]), 1e4))
