@@ -293,8 +293,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      warmup_steps=args.warmup_steps, dense_warmup_steps=args.dense_warmup_steps,
                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                      seed=args.seed, vocab_size=args.vocab_size, corpus=args.corpus or "",
-                     heldout_percent=args.heldout_percent, retrieval_rate=args.retrieval_rate)
-    Trainer(tc, args.out, device=args.device or "cpu").run(progress=sys.stderr.isatty())
+                     heldout_percent=args.heldout_percent, retrieval_rate=args.retrieval_rate,
+                     retrieval_keys=args.retrieval_keys)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    Trainer(tc, args.out, device=device).run(progress=sys.stderr.isatty())
     return 0
 
 
@@ -436,7 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of files held out for evaluation")
     train.add_argument("--retrieval-rate", type=float, default=0.0,
                        help="share of rows replaced by synthetic key-retrieval samples")
-    train.add_argument("--device", help="cpu or cuda")
+    train.add_argument("--retrieval-keys", type=_positive_int, default=1,
+                       help="keys defined and asked in each retrieval sample")
+    train.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     train.set_defaults(run=_cmd_train)
 
     demo = sub.add_parser("demo", help="ingest a long file, continue it, and compare the "

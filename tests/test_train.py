@@ -70,6 +70,25 @@ def test_retrieval_samples_ask_for_a_key_defined_at_the_given_depth(tmp_path):
     assert abs(len(sample.ids) - 400) <= 2
 
 
+def test_training_retrieval_samples_ask_every_key_and_score_the_last(tmp_path):
+    root = stdlib_root() / "json"
+    files = corpus_files(root)
+    tokenizer = train_tokenizer(root, files, 512, tmp_path / "tokenizer.json")
+    cache = TokenCache.build(root, files, tokenizer, tmp_path / "train.npy")
+    g = torch.Generator().manual_seed(1)
+    sample = retrieval_sample(cache, tokenizer, length=500, depth=0.5, generator=g,
+                              extra_keys=3)
+    text = tokenizer.decode(sample.ids)
+    asked = [line for line in text.splitlines() if line.startswith("assert KEY_")]
+    assert len(asked) == 4
+    for line in asked:
+        key, value = line[len("assert "):].split(" == ")
+        assert f"{key} = {value}" in text.split("assert KEY_")[0]
+    scored = tokenizer.decode(sample.ids[sample.answer_start :])
+    assert asked[-1].endswith(scored)
+    assert abs(len(sample.ids) - 500) <= 8
+
+
 def test_a_few_steps_lower_the_loss(tmp_path):
     trainer = Trainer(small_run(steps=12, dense_warmup_steps=12, eval_every=12), tmp_path)
     first = [trainer.train_step()["loss"] for _ in range(2)]

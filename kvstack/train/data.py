@@ -13,7 +13,7 @@
   (seed, step), so a resumed run sees exactly the data it would have seen.
 - Retrieval samples, mixed in at `retrieval_rate`: a key assigned a random value early in
   a window of real code and asked for at its end (`assert KEY_... == "`), with the depth
-  and length recorded so retrieval can be scored.
+  and length recorded so retrieval can be scored; training samples can hold several keys.
 """
 
 import hashlib
@@ -130,21 +130,37 @@ class RetrievalSample:
 
 
 def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
-                     generator: torch.Generator) -> RetrievalSample:
+                     generator: torch.Generator, extra_keys: int = 0) -> RetrievalSample:
     """Real code of `length` tokens with `KEY_<n> = "<value>"` placed at `depth` and
-    `assert KEY_<n> == "<value>"` at the end; the model is scored on the value."""
-    n = int(torch.randint(0, 10_000, (1,), generator=generator))
-    value = "".join(chr(ord("a") + int(i)) for i in torch.randint(0, 26, (6,),
-                                                                  generator=generator))
-    key = f"KEY_{n:04d}"
-    define = tokenizer.encode(f'\n{key} = "{value}"\n').ids
-    question = tokenizer.encode(f'\nassert {key} == "').ids
-    answer = tokenizer.encode(f'{value}"').ids
-    filler = length - len(define) - len(question) - len(answer)
+    `assert KEY_<n> == "<value>"` at the end; the model is scored on the value.
+
+    Training samples may carry `extra_keys` more keys, defined at random depths and asked
+    (answers included) just before the scored one: more answer tokens per sample, since one
+    key's answer is a handful of tokens among hundreds."""
+    keys = [_key_value(generator) for _ in range(extra_keys + 1)]
+    depths = [float(torch.rand((), generator=generator)) for _ in range(extra_keys)] + [depth]
+    defines = [tokenizer.encode(f'\n{k} = "{v}"\n').ids for k, v in keys]
+    questions = [tokenizer.encode(f'\nassert {k} == "').ids for k, _ in keys]
+    answers = [tokenizer.encode(f'{v}"').ids for _, v in keys]
+    filler = length - sum(len(t) for t in (*defines, *questions, *answers))
     if filler < 2:
         raise ValueError(f"a retrieval sample of {length} tokens has no room for its code")
     start = int(torch.randint(0, cache.tokens.size - filler, (1,), generator=generator))
     code = cache.tokens[start : start + filler].tolist()
-    at = round(depth * filler)
-    ids = code[:at] + define + code[at:] + question + answer
-    return RetrievalSample(ids, len(ids) - len(answer), depth, length)
+    ids: list[int] = []
+    done = 0
+    for at, define in sorted(zip((round(d * filler) for d in depths), defines, strict=True),
+                             key=lambda pair: pair[0]):
+        ids += code[done:at] + define
+        done = at
+    ids += code[done:]
+    for question, answer in zip(questions, answers, strict=True):
+        ids += question + answer
+    return RetrievalSample(ids, len(ids) - len(answers[-1]), depth, length)
+
+
+def _key_value(generator: torch.Generator) -> tuple[str, str]:
+    n = int(torch.randint(0, 10_000, (1,), generator=generator))
+    value = "".join(chr(ord("a") + int(i)) for i in torch.randint(0, 26, (6,),
+                                                                  generator=generator))
+    return f"KEY_{n:04d}", value

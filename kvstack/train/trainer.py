@@ -62,6 +62,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     seed: int = 0
     retrieval_rate: float = 0.0  # share of rows replaced by a synthetic retrieval sample
+    retrieval_keys: int = 1  # keys defined and asked in each retrieval sample
     vocab_size: int = 0  # 0: the preset's
     heldout_percent: float = 2.0
     corpus: str = ""  # a directory of .py files; "" = the standard library
@@ -211,8 +212,9 @@ class Trainer:
         for micro in range(tc.grad_accum):
             batch = self.batch(self.step * tc.grad_accum + micro)[self.rank :: self.world]
             batch = batch.to(self.device)
-            out = self.model(batch[:, :-1], dense=dense, collect=True)
-            ce, kl = losses(out, batch[:, 1:])
+            with self._autocast():
+                out = self.model(batch[:, :-1], dense=dense, collect=True)
+                ce, kl = losses(out, batch[:, 1:])
             ((ce + tc.index_loss_weight * kl) / tc.grad_accum).backward()
             ce_sum += ce.item() / tc.grad_accum
             kl_sum += kl.item() / tc.grad_accum
@@ -229,6 +231,12 @@ class Trainer:
         return {"step": self.step, "lr": lr, "loss": ce_sum, "index_kl": kl_sum,
                 "grad_norm": float(norm), "dense": dense}
 
+    def _autocast(self) -> torch.autocast:
+        """bf16 matrix products on a GPU that has them; CPUs train in float32, where bf16
+        autocast is slower than float32 on most cores."""
+        enabled = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
     def batch(self, index: int) -> torch.Tensor:
         """Training rows [batch_size, seq_len + 1] for micro-batch `index`: windows of the
         corpus, some replaced by retrieval samples (depth uniform), all a pure function of
@@ -241,7 +249,7 @@ class Trainer:
                 if torch.rand((), generator=g) < tc.retrieval_rate:
                     depth = float(torch.rand((), generator=g)) * 0.9
                     sample = retrieval_sample(self.train_data, self.tokenizer, tc.seq_len + 1,
-                                              depth, g)
+                                              depth, g, extra_keys=tc.retrieval_keys - 1)
                     ids = sample.ids[: tc.seq_len + 1]
                     rows[r, -len(ids):] = torch.tensor(ids)
         return rows
@@ -263,7 +271,8 @@ class Trainer:
         for i in range(self.tc.eval_batches):
             batch = self.heldout_data.batch(self.tc.batch_size, self.tc.seq_len,
                                             self.tc.seed + 1, i).to(self.device)
-            logits = self.model(batch[:, :-1]).logits
+            with self._autocast():
+                logits = self.model(batch[:, :-1]).logits
             total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
         loss = total / self.tc.eval_batches
         return {"heldout_loss": loss, "heldout_ppl": math.exp(loss)}
