@@ -327,7 +327,10 @@ def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, spec: LayerS
     bs = config.candidate_block_size
     total = scores.shape[-1]
     n_blocks = -(-total // bs)
-    padded = F.pad(scores, (0, n_blocks * bs - total), value=float("-inf"))
+    # Detached: the pool is indices, so no gradient flows through it. With a graph, the
+    # in-place scatter_ below would make block_scores hold a graph that saved block_scores
+    # (the gather), a cycle that backward never reaches to free: a leak every step.
+    padded = F.pad(scores.detach(), (0, n_blocks * bs - total), value=float("-inf"))
     block_scores = padded.unflatten(-1, (n_blocks, bs)).amax(-1)  # [B, q, blocks]
     newest = (_visible(positions, spec) - 1).expand(block_scores.shape[0], -1, -1)  # [B, q, 1]
     newest_block = newest.clamp(min=0) // bs
