@@ -9,11 +9,12 @@ partial groups are per sequence and never paged: they are not persisted).
 """
 
 import math
-from collections import deque
+from collections import OrderedDict
 
 import torch
 
 from kvstack.cache.layout import CacheLayout
+from kvstack.cache.prefix import block_hashes
 from kvstack.cache.rows import PackedRows, WindowRings
 from kvstack.cache.store import KVStore
 from kvstack.config import ModelConfig
@@ -34,12 +35,17 @@ def block_bytes(layout: CacheLayout, block_tokens: int) -> int:
 
 
 class BlockManager:
-    """Free list and reference counts of the blocks shared by every stream pool."""
+    """Reference counts and the free list of the blocks shared by every stream pool, and
+    the prefix index. A full block registered under its chain hash stays findable after
+    its last sequence lets go of it: it waits in the free list (least recently freed
+    first) until it is handed out again, and a hit takes it back out."""
 
     def __init__(self, n_blocks: int) -> None:
         self.n_blocks = n_blocks
         self.ref_counts = [0] * n_blocks
-        self.free_ids: deque[int] = deque(range(n_blocks))
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))
+        self.cached: dict[bytes, int] = {}  # chain hash -> block
+        self.hash_of: dict[int, bytes] = {}  # block -> chain hash
 
     @property
     def num_free(self) -> int:
@@ -48,16 +54,43 @@ class BlockManager:
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free_ids):
             raise ValueError(f"{n} blocks requested, {len(self.free_ids)} free")
-        blocks = [self.free_ids.popleft() for _ in range(n)]
+        blocks = [self.free_ids.popitem(last=False)[0] for _ in range(n)]
         for b in blocks:
             self.ref_counts[b] = 1
+            if b in self.hash_of:  # its old content is about to be overwritten
+                del self.cached[self.hash_of.pop(b)]
         return blocks
 
     def release(self, blocks: list[int]) -> None:
-        for b in blocks:
+        # Last block first: a sequence's tail is the least likely to be shared, so it
+        # is handed out again before its head.
+        for b in reversed(blocks):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_ids.append(b)
+                self.free_ids[b] = None
+
+    def register(self, block: int, chain_hash: bytes) -> None:
+        """Name a full block by its chain hash (the first block with that content keeps
+        the name)."""
+        if chain_hash not in self.cached and block not in self.hash_of:
+            self.cached[chain_hash] = block
+            self.hash_of[block] = chain_hash
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """Blocks of the longest run of hashes, from the first, that are cached."""
+        blocks = []
+        for h in hashes:
+            if h not in self.cached:
+                break
+            blocks.append(self.cached[h])
+        return blocks
+
+    def acquire(self, blocks: list[int]) -> None:
+        """One more reference to cached blocks (taken out of the free list if idle)."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self.free_ids[b]
+            self.ref_counts[b] += 1
 
 
 class BlockPools:
@@ -94,6 +127,10 @@ class PagedSequenceStore(KVStore):
         self._tokens: list[int] = []
         self.max_tokens = max_tokens
         self._len = {s.layer: 0 for s in pools.layout.streams}
+        self.block_hashes: list[bytes] = []  # chain hashes of the full blocks registered
+        # Set when the streams hold tokens the window rings never saw (a prefix-cache
+        # hit): the runner rebuilds the rings by replay before anything else.
+        self.needs_replay = False
         rings.drop()
 
     # ---- blocks ------------------------------------------------------------------------
@@ -111,6 +148,20 @@ class PagedSequenceStore(KVStore):
             self.block_table += self.manager.allocate(need)
             self._table = torch.tensor(self.block_table, dtype=torch.long, device=self.device)
         return True
+
+    def attach(self, blocks: list[int], token_ids: list[int],
+               hashes: list[bytes]) -> None:
+        """Start an empty store on cached full blocks (acquired by the caller) holding
+        token_ids; its window state, if the model has one, must then be rebuilt by replay
+        (the dense control keeps every token's keys and values: nothing to rebuild)."""
+        if self._tokens or self.block_table:
+            raise ValueError("cached blocks can only start an empty sequence")
+        self.block_table = list(blocks)
+        self._table = torch.tensor(self.block_table, dtype=torch.long, device=self.device)
+        self._tokens = list(token_ids)
+        self._len = {s.layer: len(token_ids) // s.ratio for s in self.pools.layout.streams}
+        self.block_hashes = list(hashes)
+        self.needs_replay = self.pools.layout.window_bytes_per_sequence > 0
 
     def release(self) -> None:
         """Give every block back (the sequence finished or was preempted)."""
@@ -130,6 +181,11 @@ class PagedSequenceStore(KVStore):
 
     def token_ids(self) -> torch.Tensor:
         return torch.tensor([self._tokens], dtype=torch.long, device=self.device)
+
+    @property
+    def held_ids(self) -> list[int]:
+        """The token ids the store holds, as a list (read-only)."""
+        return self._tokens
 
     def append_tokens(self, ids: torch.Tensor) -> None:
         total = len(self._tokens) + ids.shape[1]
@@ -206,7 +262,10 @@ class PagedCache:
     per sequence, not per token)."""
 
     def __init__(self, config: ModelConfig, kv_budget: int | str, block_tokens: int,
-                 max_num_seqs: int, device: torch.device | str = "cpu") -> None:
+                 max_num_seqs: int, device: torch.device | str = "cpu",
+                 prefix_seed: bytes | None = None) -> None:
+        """prefix_seed: the hash chain's seed (`chain_seed`); None turns prefix caching
+        off."""
         check_block_tokens(config, block_tokens)
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
@@ -230,6 +289,9 @@ class PagedCache:
                            for _ in range(max_num_seqs)]
         self._free_slots = list(range(max_num_seqs))
         self.open: dict[int, tuple[PagedSequenceStore, int]] = {}  # id(store) -> (store, slot)
+        self.prefix_seed = prefix_seed
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of which found
 
     @property
     def has_free_slot(self) -> bool:
@@ -255,3 +317,35 @@ class PagedCache:
     @property
     def ring_bytes(self) -> int:
         return sum(r.nbytes for r in self.ring_slots)
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def attach_prefix(self, store: PagedSequenceStore, token_ids: list[int]) -> int:
+        """Start an empty store on the longest cached run of token_ids' full blocks,
+        leaving at least the last token to compute (its logits are needed); the number of
+        tokens reused."""
+        if self.prefix_seed is None:
+            return 0
+        usable = token_ids[: len(token_ids) - 1]
+        hashes = block_hashes(self.prefix_seed, usable, self.block_tokens)
+        blocks = self.manager.match(hashes)
+        if blocks:
+            self.manager.acquire(blocks)
+            n = len(blocks) * self.block_tokens
+            store.attach(blocks, token_ids[:n], hashes[: len(blocks)])
+        return len(blocks) * self.block_tokens
+
+    def count_prefix_lookup(self, queried: int, hit: int) -> None:
+        self.prefix_queried_tokens += queried
+        self.prefix_hit_tokens += hit
+
+    def register_full_blocks(self, store: PagedSequenceStore) -> None:
+        """Name the store's newly completed blocks in the prefix index."""
+        if self.prefix_seed is None:
+            return
+        done = len(store.block_hashes)
+        if store.num_tokens // self.block_tokens <= done:
+            return
+        store.block_hashes = block_hashes(self.prefix_seed, store.held_ids, self.block_tokens,
+                                          store.block_hashes)
+        for i in range(done, len(store.block_hashes)):
+            self.manager.register(store.block_table[i], store.block_hashes[i])

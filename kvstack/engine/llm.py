@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvstack.cache.paged import PagedCache, block_bytes
+from kvstack.cache.prefix import chain_seed
 from kvstack.config import ModelConfig, preset
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams
@@ -74,12 +75,16 @@ class LLM:
         max_num_batched_tokens: int = 16384,
         chunk_size: int = 512,
         device: str | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = _load(model, random_init, seed, device)
         self.model.decoder_span(replay)  # refuses an unknown replay mode now, not later
         self.config = self.model.config
-        self.cache = PagedCache(self.config, kv_budget, block_tokens, max_num_seqs, device)
+        prefix_seed = (chain_seed(self.model.fingerprint(), block_tokens)
+                       if enable_prefix_caching else None)
+        self.cache = PagedCache(self.config, kv_budget, block_tokens, max_num_seqs, device,
+                                prefix_seed)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, replay, chunk_size)
         self.replay = replay
@@ -185,6 +190,7 @@ class LLM:
                 tokens = None
             if tokens is not None:
                 for seq, token in zip(seqs, tokens, strict=True):
+                    self.cache.register_full_blocks(seq.store)
                     self._append(seq, token)
                 return self._outputs(seqs)
         for seq in seqs:
@@ -196,6 +202,7 @@ class LLM:
                 seq.error = str(e)
                 self._finish(seq, "error")
                 continue
+            self.cache.register_full_blocks(seq.store)
             self._append(seq, token)
         return self._outputs(seqs)
 
@@ -316,5 +323,13 @@ class LLM:
             "kv_budget": cache.budget,
             "context": context,
             "sequences_fit": min(pools.n_blocks // per_seq, len(cache.ring_slots)),
+            "prefix_cache": {
+                "enabled": cache.prefix_seed is not None,
+                "queried_tokens": cache.prefix_queried_tokens,
+                "hit_tokens": cache.prefix_hit_tokens,
+                "hit_rate": (cache.prefix_hit_tokens / cache.prefix_queried_tokens
+                             if cache.prefix_queried_tokens else 0.0),
+                "cached_blocks": len(cache.manager.cached),
+            },
             "warnings": warnings,
         }

@@ -18,11 +18,19 @@ class ModelRunner:
         """Feed the sequence's tokens its store does not hold yet (the prompt, what it
         generated before a preemption, or a follow-up turn) through CED prefill; the
         next token."""
-        fresh = seq.all_ids[seq.store.num_tokens :]
+        return sample(self.prefill_logits(seq)[0], seq.params, seq.generator)
+
+    @torch.no_grad()
+    def prefill_logits(self, seq: Sequence) -> torch.Tensor:
+        """The prefill's last logits [1, V]. A store started on cached blocks first
+        rebuilds its window rings and partial groups by replay (`bounded` or `exact`)."""
+        store = seq.store
+        if store.needs_replay:
+            self.model.rebuild_window(store, replay=self.replay, chunk_size=self.chunk_size)
+            store.needs_replay = False
+        fresh = seq.all_ids[store.num_tokens :]
         ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
-        logits = self.model.prefill(ids, seq.store, replay=self.replay,
-                                    chunk_size=self.chunk_size)
-        return sample(logits[0], seq.params, seq.generator)
+        return self.model.prefill(ids, store, replay=self.replay, chunk_size=self.chunk_size)
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> list[int]:

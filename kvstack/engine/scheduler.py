@@ -1,10 +1,11 @@
 """Continuous batching: who runs in the next step.
 
 A step either prefills waiting sequences (FIFO, up to max_num_seqs holding cache and a
-token budget per step) or decodes every running one. When blocks or window-ring slots run
-out, the caches kept for a follow-up turn go first (oldest first), then the newest running
-sequence is preempted: its blocks are freed and it goes back to the front of the queue, to
-be recomputed later. The caller never sees an exception for it.
+token budget per step) or decodes every running one. A sequence admitted from scratch
+starts on the cached blocks of its longest cached prefix (the prefix cache). When blocks or
+window-ring slots run out, the caches kept for a follow-up turn go first (oldest first),
+then the newest running sequence is preempted: its blocks are freed and it goes back to the
+front of the queue, to be recomputed later. The caller never sees an exception for it.
 """
 
 from collections import OrderedDict, deque
@@ -69,16 +70,21 @@ class Scheduler:
         return decoding, False
 
     def _admit(self, seq: Sequence) -> bool:
-        """Give a waiting sequence a store with room for all its tokens."""
-        if seq.store is None:
+        """Give a waiting sequence a store with room for all its tokens, started on the
+        cached blocks of its prefix when the prefix cache has them."""
+        fresh = seq.store is None
+        if fresh:
             while not self.cache.has_free_slot and self._evict_kept():
                 pass
             if not self.cache.has_free_slot:
                 return False
             seq.store = self.cache.open_sequence()
+            seq.num_cached_tokens = self.cache.attach_prefix(seq.store, seq.all_ids)
         if self._reserve(seq):
+            if fresh:
+                self.cache.count_prefix_lookup(seq.num_tokens - 1, seq.num_cached_tokens)
             return True
-        if not seq.store.num_tokens:  # nothing cached yet: give the slot back meanwhile
+        if fresh:  # nothing of its own cached yet: give the slot and the blocks back meanwhile
             self.cache.close_sequence(seq.store)
             seq.store = None
         return False

@@ -31,6 +31,7 @@ class Sequence:
     generator: torch.Generator | None = None
     keep_cache: bool = False  # keep the store after finishing, for a follow-up turn
     preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -55,6 +56,7 @@ class RequestOutput:
     finished: bool
     error: str | None
     metrics: dict[str, float]
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
@@ -67,4 +69,4 @@ class RequestOutput:
                     end - seq.first_token_time)
         return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), seq.text,
                    list(seq.output_ids), seq.finish_reason,
-                   seq.status is Status.FINISHED, seq.error, metrics)
+                   seq.status is Status.FINISHED, seq.error, metrics, seq.num_cached_tokens)

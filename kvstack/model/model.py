@@ -10,6 +10,7 @@ any store (a `ContiguousCache` stores the real bytes). One code path, so the cac
 reference cannot drift apart.
 """
 
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -807,6 +808,15 @@ class Model(nn.Module):
             raise ValueError(f"{total} tokens exceed max_seq_len {self.config.max_seq_len}")
 
     # ---- checkpoints -------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """SHA-256 of the config (shapes and cache formats) and every weight: what cached
+        stream blocks were computed by, so that no other model reuses them."""
+        digest = hashlib.sha256(self.config.to_json().encode())
+        for name, tensor in self.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
     def save_pretrained(self, directory: str | Path) -> None:
         """config.json + model.safetensors."""
         directory = Path(directory)

@@ -1,0 +1,30 @@
+"""Prefix caching: the hash chain over full blocks of token ids (DESIGN.md section 5).
+
+A full block's stream entries are a function of every token up to its end (attention is
+causal and a block ends on a group boundary of every stream), so block i is named by
+h_i = sha256(h_{i-1} || its token ids), with h_{-1} a seed made of the model's fingerprint
+and the block size: a hit needs the same weights, the same cache formats (part of the
+config the fingerprint covers), the same block size and the same tokens from the start.
+"""
+
+import hashlib
+
+import numpy as np
+
+
+def chain_seed(model_fingerprint: str, block_tokens: int) -> bytes:
+    return hashlib.sha256(f"kvstack-prefix-v1|{model_fingerprint}|{block_tokens}".encode()).digest()
+
+
+def block_hashes(seed: bytes, token_ids: list[int], block_tokens: int,
+                 known: list[bytes] | None = None) -> list[bytes]:
+    """Chain hashes of every full block of token_ids; `known` (the hashes of the first
+    blocks, already computed) is extended rather than recomputed."""
+    hashes = list(known or [])
+    previous = hashes[-1] if hashes else seed
+    for start in range(len(hashes) * block_tokens,
+                       len(token_ids) - block_tokens + 1, block_tokens):
+        block = np.asarray(token_ids[start : start + block_tokens], dtype=np.int64)
+        previous = hashlib.sha256(previous + block.tobytes()).digest()
+        hashes.append(previous)
+    return hashes

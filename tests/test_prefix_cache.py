@@ -1,0 +1,148 @@
+"""The prefix cache: hash chain over full blocks, reuse with window replay, eviction."""
+
+import torch
+
+from kvstack import LLM, SamplingParams
+from kvstack.cache.paged import block_bytes
+from kvstack.cache.prefix import block_hashes, chain_seed
+from kvstack.config import preset
+from kvstack.engine.sequence import Sequence
+from kvstack.model import Model
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def tiny_llm(**kwargs) -> LLM:
+    kwargs = {"kv_budget": "2MiB", "replay": "exact", "block_tokens": 8} | kwargs
+    return LLM(kwargs.pop("model", "tiny"), random_init=True, **kwargs)
+
+
+def test_the_chain_names_a_block_by_every_token_before_it_and_the_seed():
+    seed = chain_seed("model-a", 4)
+    ids = tokens(18)
+    hashes = block_hashes(seed, ids, 4)
+    assert len(hashes) == 4  # the partial fifth block is not named
+    changed = [*ids[:9], ids[9] + 1, *ids[10:]]  # a token of block 2
+    other = block_hashes(seed, changed, 4)
+    assert other[:2] == hashes[:2] and all(a != b for a, b in zip(other[2:], hashes[2:],
+                                                                  strict=True))
+    assert not set(block_hashes(chain_seed("model-b", 4), ids, 4)) & set(hashes)
+    assert chain_seed("model-a", 8) != seed
+    assert block_hashes(seed, ids, 4, known=hashes[:2]) == hashes
+
+
+def test_the_fingerprint_covers_weights_and_cache_formats():
+    torch.manual_seed(0)
+    model = Model(preset("tiny"))
+    before = model.fingerprint()
+    assert model.fingerprint() == before
+    with torch.no_grad():
+        model.embed.weight[0, 0] += 1
+    assert model.fingerprint() != before
+    torch.manual_seed(0)
+    bf16 = Model(preset("tiny").replace(kv_format="bf16"))
+    assert bf16.fingerprint() != before
+
+
+def test_an_exact_hit_continues_as_the_cold_run():
+    prompt = tokens(45)
+    llm = tiny_llm()
+    cold = llm.generate(prompt, GREEDY)[0]
+    assert cold.num_cached_tokens == 0
+    hit = llm.generate(prompt, GREEDY)[0]
+    assert hit.num_cached_tokens == 40  # five full blocks; the last token is computed
+    assert hit.token_ids == cold.token_ids
+
+    shared = prompt[:24] + tokens(20, seed=1)  # three blocks in common
+    out = llm.generate(shared, GREEDY)[0]
+    assert out.num_cached_tokens == 24
+    alone = tiny_llm(enable_prefix_caching=False).generate(shared, GREEDY)[0]
+    assert out.token_ids == alone.token_ids
+
+    report = llm.memory_report()["prefix_cache"]
+    assert report["enabled"] and report["hit_tokens"] == 64
+    assert report["queried_tokens"] == 44 + 44 + 43
+    assert abs(report["hit_rate"] - 64 / 131) < 1e-12
+
+
+def prefill_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    """The engine's own path for one prompt: admission with the prefix cache, replay,
+    prefill; then the store is released (its full blocks stay cached)."""
+    seq = Sequence("probe", prompt, GREEDY)
+    seq.store = llm.cache.open_sequence()
+    cached = llm.cache.attach_prefix(seq.store, prompt)
+    assert seq.store.reserve(len(prompt))
+    logits = llm.runner.prefill_logits(seq)[0].double()
+    llm.cache.register_full_blocks(seq.store)
+    llm.cache.close_sequence(seq.store)
+    return logits, cached
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = p_logits.log_softmax(-1)
+    return float((p.exp() * (p - q_logits.log_softmax(-1))).sum())
+
+
+def test_a_bounded_hit_is_exact_for_a_prompt_shorter_than_the_window():
+    llm = tiny_llm(replay="bounded", block_tokens=4)
+    w = llm.config.window_size
+    for n, within in ((w - 1, True), (5 * w + 1, False)):
+        prompt = tokens(n, seed=n)
+        cold, cached = prefill_logits(llm, prompt)
+        hit, cached_again = prefill_logits(llm, prompt)
+        assert cached == 0 and cached_again == (n - 1) // 4 * 4 > 0
+        divergence = kl(cold, hit)
+        if within:  # the cold prefill and the replay both see every token
+            assert divergence < 1e-9, divergence
+        else:
+            assert divergence > 1e-9, divergence
+
+
+def test_shared_blocks_are_counted_and_evicted_blocks_are_recomputed():
+    prompt = tokens(40)
+    llm = tiny_llm()
+    llm.generate(prompt, GREEDY)
+    manager = llm.cache.manager
+    assert manager.num_free == manager.n_blocks  # cached blocks are free to hand out
+    cached_blocks = set(manager.cached.values())
+    assert len(cached_blocks) == 6  # 49 tokens held: six full blocks
+
+    ids = [llm.add_request(prompt + tokens(3, seed=s), GREEDY) for s in (1, 2)]
+    llm.step()  # both prefilled on the same cached blocks
+    shared = [b for b in cached_blocks if manager.ref_counts[b] == 2]
+    assert len(shared) == 5
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert manager.num_free == manager.n_blocks and ids
+
+    # A small pool: other prompts take every block, the cached ones included.
+    layout = llm.cache.layout
+    tight = tiny_llm(kv_budget=layout.window_bytes_per_sequence * 8 + 13 * block_bytes(layout, 8))
+    assert tight.cache.pools.capacity_tokens == 104
+    cold = tight.generate(prompt, GREEDY)[0]
+    for s in range(3, 6):
+        tight.generate(tokens(tight.cache.pools.capacity_tokens - 12, seed=s), GREEDY)
+    again = tight.generate(prompt, GREEDY)[0]
+    assert again.num_cached_tokens < 40
+    assert again.token_ids == cold.token_ids
+
+
+def test_the_dense_control_reuses_blocks_without_replay():
+    prompt = tokens(30)
+    llm = tiny_llm(model="dense-tiny")
+    cold = llm.generate(prompt, GREEDY)[0]
+    hit = llm.generate(prompt, GREEDY)[0]
+    assert hit.num_cached_tokens == 24 and hit.token_ids == cold.token_ids
+
+
+def test_prefix_caching_can_be_turned_off():
+    llm = tiny_llm(enable_prefix_caching=False)
+    prompt = tokens(30)
+    llm.generate(prompt, GREEDY)
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+    assert not llm.memory_report()["prefix_cache"]["enabled"]
