@@ -16,7 +16,11 @@ from kvstack.config import PRESETS, ModelConfig, preset
 from kvstack.plan import make_plan
 
 if TYPE_CHECKING:  # the engine pulls in the model; `kvstack plan` does not need it
+    from kvstack.cache.disk import SavedSession
     from kvstack.engine import LLM, SamplingParams
+    from kvstack.engine.session import Session
+
+DEFAULT_CACHE_DIR = "~/.cache/kvstack"
 
 
 def _ranges(layers: list[int]) -> str:
@@ -185,7 +189,8 @@ def _load_llm(args: argparse.Namespace) -> "LLM":
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     return LLM(args.model, kv_budget=args.kv_budget, replay=args.replay,
-               random_init=args.random_init, seed=args.init_seed, device=args.device)
+               random_init=args.random_init, seed=args.init_seed, device=args.device,
+               cache_dir=args.cache_dir)
 
 
 def _sampling(args: argparse.Namespace) -> "SamplingParams":
@@ -250,7 +255,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
     console = Console(stderr=True)
     console.print(f"[dim]kvstack chat · {CHAT_HELP}[/dim]")
-    previous = None
+    session = _open_session(llm, args.session, console)
     while True:
         try:
             line = input("> ")
@@ -260,29 +265,84 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         if command == "/exit":
             return 0
         if command == "/reset":
-            if previous is not None:
-                llm.release(previous)
-            previous = None
+            session.close()
+            session = llm.session(args.session or "chat")
             console.print("[dim]new conversation[/dim]")
             continue
         if command == "/stats":
-            console.print_json(json.dumps(llm.memory_report()))
+            console.print_json(json.dumps(llm.memory_report() | {"session": session.report()}))
             continue
         if command.startswith("/"):
             console.print(f"[red]unknown command {command}[/red]; {CHAT_HELP}")
             continue
         shown, out = "", None
         try:
-            for out in llm.stream(line + "\n", params, continue_from=previous,
-                                  keep_cache=True):
+            session.append(line + "\n")
+            for out in session.stream(params):
                 print(out.text[len(shown):], end="", flush=True)
                 shown = out.text
+            if args.session:
+                session.save()
         except ValueError as e:  # a turn too long for the pool or the model: say so, go on
             console.print(f"[red]{e}[/red]")
             continue
-        previous = out.request_id
         rate = out.metrics.get("decode_tokens_per_s", 0.0)
-        console.print(f"\n[dim][{rate:.1f} tokens/s · {_cache_line(llm)}][/dim]")
+        saved = f" · saved as {args.session!r}" if args.session else ""
+        console.print(f"\n[dim][{rate:.1f} tokens/s · {_cache_line(llm)}{saved}][/dim]")
+
+
+def _open_session(llm: "LLM", name: str | None, console: Console) -> "Session":
+    """The named session, resumed if it was saved before; an unsaved one without a name."""
+    if name and name in llm.disk.names():
+        session = llm.resume(name)
+        console.print(f"[dim]resumed session {name!r}: {len(session.token_ids)} tokens[/dim]")
+        return session
+    return llm.session(name or "chat")
+
+
+def _cmd_session(args: argparse.Namespace) -> int:
+    from kvstack.cache.disk import DiskTier
+    from kvstack.cache.paged import parse_bytes
+
+    disk = DiskTier(args.cache_dir, parse_bytes(args.disk_budget))
+    if args.action == "list":
+        rows = [disk.show(name) for name in disk.names()]
+        if args.json:
+            print(json.dumps([_session_dict(r) for r in rows]))
+            return 0
+        table = Table(box=box.SIMPLE_HEAD, title=f"saved sessions in {disk.root}")
+        for column in ("name", "tokens", "disk bytes", "+ window rings", "saved"):
+            table.add_column(column, justify="left" if column == "name" else "right")
+        for r in rows:
+            table.add_row(r.name, f"{len(r.token_ids):,}", f"{r.disk_bytes:,}",
+                          f"{r.window_ring_bytes:,}", time.strftime(
+                              "%Y-%m-%d %H:%M", time.localtime(r.saved_at)))
+        Console().print(table)
+        return 0
+    if not args.name:
+        raise ValueError(f"kvstack session {args.action} needs a session name")
+    if args.action == "rm":
+        disk.remove(args.name)
+        print(f"removed session {args.name!r}")
+        return 0
+    info = _session_dict(disk.show(args.name))
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            print(f"{key:>28}: {value:,}" if isinstance(value, int) else f"{key:>28}: {value}")
+    return 0
+
+
+def _session_dict(saved: "SavedSession") -> dict[str, Any]:
+    return {"name": saved.name, "tokens": len(saved.token_ids),
+            "held_tokens": saved.held_tokens, "blocks": len(saved.blocks),
+            "block_tokens": saved.block_tokens, "disk_bytes": saved.disk_bytes,
+            "window_ring_bytes": saved.window_ring_bytes,
+            "disk_bytes_with_window_rings": saved.disk_bytes + saved.window_ring_bytes,
+            "model_fingerprint": saved.model_fingerprint,
+            "format_version": saved.format_version,
+            "saved_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved.saved_at))}
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -354,6 +414,38 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_replay(args: argparse.Namespace) -> int:
+    from kvstack.eval.replay import LENGTHS, replay
+
+    model, _, data = _eval_data(args)
+    result = replay(model, data, args.lengths or LENGTHS, args.replay, args.decode_tokens,
+                    args.repeats)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    console = Console()
+    console.print(f"resuming a paused session: the window state rebuilt by replay from the "
+                  f"streams (window {result['window_size']}) against a prefill of the whole "
+                  f"context (a cache miss), best of {args.repeats} runs; KL and top-1 "
+                  f"agreement with the uninterrupted session over the next "
+                  f"{args.decode_tokens + 1} positions")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("tokens", justify="right", no_wrap=True)
+    table.add_column("replay", no_wrap=True)
+    for name in ("enc/dec", "rebuild\nms", "prefill\nms", "prefill/\nrebuild",
+                 "KL\nmean", "KL\nmax", "top-1"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in result["results"]:
+        for mode, r in row["replay"].items():
+            table.add_row(str(row["tokens"]), mode,
+                          f"{r['encoder_tokens']}/{r['decoder_tokens']}",
+                          f"{r['rebuild_s'] * 1e3:.1f}", f"{row['reprefill_s'] * 1e3:.1f}",
+                          f"{r['reprefill_over_rebuild']:.1f}x", f"{r['kl_mean']:.1e}",
+                          f"{r['kl_max']:.1e}", f"{r['top1_agreement']:.0%}")
+    console.print(table)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvstack.demo import demo
 
@@ -376,6 +468,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", choices=("bounded", "exact"), default="bounded",
                    help="decoder replay span of CED prefill")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                   help="where the disk tier and saved sessions live (default: %(default)s)")
     p.add_argument("--max-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -419,7 +513,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="a conversation kept in the cache across turns")
     _add_engine_args(chat)
+    chat.add_argument("--session", metavar="NAME",
+                      help="resume this saved session if it exists; save it after each turn")
     chat.set_defaults(run=_cmd_chat)
+
+    session = sub.add_parser("session", help="saved sessions: list, show, rm")
+    session.add_argument("action", choices=["list", "show", "rm"])
+    session.add_argument("name", nargs="?")
+    session.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
+                         help="where the disk tier lives (default: %(default)s)")
+    session.add_argument("--disk-budget", default="16GiB")
+    session.add_argument("--json", action="store_true")
+    session.set_defaults(run=_cmd_session)
 
     train = sub.add_parser("train", help="train a model of the family from scratch")
     train.add_argument("--preset", choices=PRESETS, required=True)
@@ -467,7 +572,18 @@ def build_parser() -> argparse.ArgumentParser:
     ret.add_argument("--replay", choices=("bounded", "exact"), default="exact")
     ret.add_argument("--plot", help="write the heat map to this PNG")
     ret.set_defaults(run=_cmd_eval_retrieval)
-    for p in (ppl, ret):
+    rep = kinds.add_parser("replay", help="resume cost and fidelity: the window rebuilt by "
+                           "replay against a re-prefill and the uninterrupted session")
+    rep.add_argument("--lengths", type=_positive_int, nargs="+",
+                     help="context lengths (default: 512 1024 2048 4000)")
+    rep.add_argument("--replay", choices=("bounded", "exact"), nargs="+",
+                     default=["bounded", "exact"])
+    rep.add_argument("--decode-tokens", type=_positive_int, default=8,
+                     help="tokens decoded after the resume (KL over these + 1 positions)")
+    rep.add_argument("--repeats", type=_positive_int, default=3,
+                     help="timed runs of each rebuild and re-prefill; the best is kept")
+    rep.set_defaults(run=_cmd_eval_replay)
+    for p in (ppl, ret, rep):
         p.add_argument("--model", required=True, help="a model directory")
         p.add_argument("--heldout-percent", type=_positive_float, default=2.0)
         p.add_argument("--json", action="store_true")

@@ -114,6 +114,27 @@ class BlockPools:
     def capacity_tokens(self) -> int:
         return self.n_blocks * self.block_tokens
 
+    def block_payload(self, block: int) -> bytes:
+        """One block's packed rows of every stream, in layout order: what the disk tier
+        stores for it."""
+        return b"".join(self.rows[s.layer, s.kind].data[block].cpu().numpy().tobytes()
+                        for s in self.layout.streams)
+
+    def write_block(self, block: int, payload: bytes) -> None:
+        """Put a payload of `block_payload` back into a block."""
+        expected = sum(self.rows[s.layer, s.kind].data[block].numel()
+                       for s in self.layout.streams)
+        if len(payload) != expected:
+            raise ValueError(f"a block payload of {len(payload)} bytes; this layout's blocks "
+                             f"take {expected}")
+        offset = 0
+        for s in self.layout.streams:
+            target = self.rows[s.layer, s.kind].data[block]
+            rows = torch.frombuffer(bytearray(payload[offset : offset + target.numel()]),
+                                    dtype=torch.uint8)
+            target.copy_(rows.view(target.shape))
+            offset += target.numel()
+
 
 class PagedSequenceStore(KVStore):
     """One sequence's store over the shared pools."""

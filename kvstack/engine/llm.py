@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 
-from kvstack.cache.paged import PagedCache, block_bytes
+from kvstack.cache.disk import DiskTier
+from kvstack.cache.paged import PagedCache, block_bytes, parse_bytes
 from kvstack.cache.prefix import chain_seed
 from kvstack.config import ModelConfig, preset
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput, Sequence, Status
+from kvstack.engine.session import Session
 from kvstack.engine.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
 from kvstack.model import Model
 
@@ -76,18 +78,22 @@ class LLM:
         chunk_size: int = 512,
         device: str | None = None,
         enable_prefix_caching: bool = True,
+        cache_dir: str | Path = "~/.cache/kvstack",
+        disk_budget: int | str = "16GiB",
     ) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = _load(model, random_init, seed, device)
         self.model.decoder_span(replay)  # refuses an unknown replay mode now, not later
         self.config = self.model.config
-        prefix_seed = (chain_seed(self.model.fingerprint(), block_tokens)
-                       if enable_prefix_caching else None)
+        self.fingerprint = self.model.fingerprint()
+        prefix_seed = chain_seed(self.fingerprint, block_tokens) if enable_prefix_caching else None
         self.cache = PagedCache(self.config, kv_budget, block_tokens, max_num_seqs, device,
                                 prefix_seed)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, replay, chunk_size)
         self.replay = replay
+        self.cache_dir, self.disk_budget = Path(cache_dir).expanduser(), parse_bytes(disk_budget)
+        self._disk: DiskTier | None = None  # opened on first use of sessions
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         report = self.memory_report()
@@ -113,7 +119,8 @@ class LLM:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        ids = self._encode(prompt)
+        # A continuation may add nothing: the previous turn's last token is still to feed.
+        ids = [] if continue_from is not None and not prompt else self.encode(prompt)
         previous = None
         if continue_from is not None:
             previous = self._requests.get(continue_from)
@@ -152,7 +159,11 @@ class LLM:
         if seq is not None:
             self.scheduler.release(seq)
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (a string, or token ids checked against the vocabulary)."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, list | tuple) and all(
@@ -332,4 +343,76 @@ class LLM:
                 "cached_blocks": len(cache.manager.cached),
             },
             "warnings": warnings,
+        }
+
+    # ---- sessions ----------------------------------------------------------------------
+    @property
+    def disk(self) -> DiskTier:
+        """The disk tier under cache_dir (opened on first use)."""
+        if self._disk is None:
+            self._disk = DiskTier(self.cache_dir, self.disk_budget)
+        return self._disk
+
+    def session(self, name: str) -> Session:
+        """A new, empty session; save() stores it under `name` (replacing a saved one)."""
+        return Session(self, name)
+
+    def resume(self, name: str) -> Session:
+        """A saved session, from this process or another: its stream blocks go back into
+        the pool and its next turn rebuilds the window rings by replay. Refused with a
+        clear error if it is corrupt or was saved by another model or format version."""
+        saved, payloads = self.disk.load(name, self.fingerprint)
+        pools = self.cache.pools
+        if payloads and saved.block_tokens != pools.block_tokens:
+            raise ValueError(f"session {name!r} was saved with blocks of {saved.block_tokens} "
+                             f"tokens; this LLM uses {pools.block_tokens}")
+        if len(saved.token_ids) >= self.config.max_seq_len:
+            raise ValueError(f"session {name!r} holds {len(saved.token_ids)} tokens, at or "
+                             f"over max_seq_len {self.config.max_seq_len}")
+        request_id = str(next(self._ids))
+        seq = Sequence(request_id, saved.token_ids, SamplingParams(max_tokens=1),
+                       status=Status.FINISHED, finish_reason="resumed")
+        if payloads:
+            if not self.scheduler.reclaim(len(payloads)):
+                raise ValueError(f"session {name!r} needs {len(payloads)} blocks and a window "
+                                 f"slot; the device pool has {self.cache.manager.num_free} "
+                                 "free blocks with the running requests")
+            seq.store = self.cache.open_sequence()
+            blocks = self.cache.manager.allocate(len(payloads))
+            for block, payload in zip(blocks, payloads, strict=True):
+                pools.write_block(block, payload)
+            seq.store.attach(blocks, saved.token_ids[: saved.held_tokens], [])
+            self.cache.register_full_blocks(seq.store)
+            self.scheduler.keep(seq)
+        self._requests[request_id] = seq
+        return Session(self, name, saved.token_ids, request_id)
+
+    def save_session(self, name: str, token_ids: list[int], request_id: str | None) -> None:
+        """Save a session's token ids and the stream blocks its kept request holds (none
+        if its cache was evicted: then resuming prefills it all)."""
+        if not token_ids:
+            raise ValueError(f"session {name!r} is empty: nothing to save")
+        seq = self._requests.get(request_id) if request_id is not None else None
+        store = seq.store if seq is not None else None
+        held = store.num_tokens if store is not None else 0
+        pools = self.cache.pools
+        n_blocks = -(-held // pools.block_tokens)
+        payloads = [pools.block_payload(b) for b in store.block_table[:n_blocks]] if store else []
+        self.disk.save(name, self.fingerprint, pools.block_tokens, held, token_ids, payloads,
+                       self.cache.layout.window_bytes_per_sequence)
+
+    def session_report(self, name: str, request_id: str | None, n_tokens: int) -> dict[str, Any]:
+        """A session's bytes per tier, beside what saving its window rings would add."""
+        seq = self._requests.get(request_id) if request_id is not None else None
+        store = seq.store if seq is not None else None
+        per_block = block_bytes(self.cache.layout, self.cache.pools.block_tokens)
+        disk = self.disk.show(name).disk_bytes if name in self.disk.names() else 0
+        rings = self.cache.layout.window_bytes_per_sequence
+        return {
+            "name": name,
+            "tokens": n_tokens,
+            "device_bytes": len(store.block_table) * per_block if store is not None else 0,
+            "disk_bytes": disk,
+            "window_ring_bytes": rings,
+            "disk_bytes_with_window_rings": disk + rings if disk else 0,
         }

@@ -1,1 +1,2 @@
-"""Evaluation of trained models: perplexity with FP4 against bf16 caches, retrieval."""
+"""Evaluation of trained models: perplexity with FP4 against bf16 caches, retrieval,
+resume cost and fidelity."""

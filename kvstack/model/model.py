@@ -725,6 +725,16 @@ class Model(nn.Module):
         tail = self.decoder_span(replay) - 1 if c.n_encoder_layers else 0
         return head * (w - 1) + 1 + tail
 
+    def rebuild_spans(self, n: int, replay: str) -> tuple[int, int]:
+        """Tokens `rebuild_window` re-runs over a cache of n tokens: (through the encoder,
+        through the decoder); without CED every layer is the encoder and the second is 0.
+        The encoder span also covers the longest partial group, which it must rebuild."""
+        c = self.config
+        longest_partial = max((s.ratio - 1 for s in c.layers), default=0)
+        encoder = min(n, max(self.encoder_span(replay), longest_partial))
+        decoder = min(self.decoder_span(replay), encoder) if c.n_encoder_layers else 0
+        return encoder, decoder
+
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: KVStore, replay: str = "bounded",
                 chunk_size: int = 512) -> torch.Tensor:
@@ -780,14 +790,12 @@ class Model(nn.Module):
                              "no window state to rebuild")
         if n == 0:
             raise ValueError("the cache holds no tokens to replay")
+        span, dec_span = self.rebuild_spans(n, replay)
         cache.drop_window_state()
         enc = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
-        longest_partial = max((s.ratio - 1 for s in c.layers), default=0)
-        span = min(n, max(self.encoder_span(replay), longest_partial))
         ids = cache.token_ids()[:, n - span :]
         x = self._run_chunked(self._embed(ids), n - span, cache, range(enc), chunk_size)
         if c.n_encoder_layers:
-            dec_span = min(self.decoder_span(replay), span)
             x = self._run_chunked(x[:, span - dec_span :], n - dec_span, cache,
                                   range(enc, c.n_layers), chunk_size)
         return self._logits(x[:, -1:])[:, 0]

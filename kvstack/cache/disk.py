@@ -1,0 +1,248 @@
+"""The disk tier ("SSD"): saved sessions as content-addressed block files and a SQLite
+manifest (DESIGN.md section 5). Standard library only, so that tools (and the kill tests)
+can use it without torch.
+
+    root/manifest.sqlite            sessions and blocks
+    root/blocks/ab/abcd....blk      one stream block: the packed rows of every stream
+
+A block file is named by the SHA-256 of its bytes, so its name is its checksum and equal
+blocks are stored once. A session row holds the model's fingerprint, the format version,
+the token ids and the names of its blocks, plus a SHA-256 of all of those: a flipped byte
+in the manifest fails that session alone. Window rings are never saved: a resumed session
+rebuilds them by replay.
+
+Saving is atomic at every instant: block files are written to a temporary name, fsynced
+and renamed (a kill leaves either no file or a whole one), then one SQLite transaction
+swaps the session row. Only after it commits are block files no session names deleted, so
+a kill at any point leaves the old session or the new one. One process writes a cache
+directory at a time.
+"""
+
+import hashlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT_VERSION = 1  # the block payload layout and the manifest schema
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    name TEXT PRIMARY KEY,
+    model_fingerprint TEXT NOT NULL,
+    format_version INTEGER NOT NULL,
+    block_tokens INTEGER NOT NULL,
+    held_tokens INTEGER NOT NULL,
+    token_ids BLOB NOT NULL,
+    blocks TEXT NOT NULL,
+    window_ring_bytes INTEGER NOT NULL,
+    saved_at REAL NOT NULL,
+    checksum TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS blocks (
+    hash TEXT PRIMARY KEY,
+    nbytes INTEGER NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class SavedSession:
+    name: str
+    model_fingerprint: str
+    format_version: int
+    block_tokens: int
+    held_tokens: int  # tokens whose stream entries the blocks hold
+    token_ids: list[int]  # every token of the session (held ones first)
+    blocks: list[str]  # block file names, in block-table order
+    window_ring_bytes: int  # what saving the window rings too would have added
+    saved_at: float
+    disk_bytes: int  # of its block files (a block shared with another session counted)
+
+
+def _token_blob(token_ids: list[int]) -> bytes:
+    return b"".join(t.to_bytes(4, "little") for t in token_ids)
+
+
+def _tokens_of(blob: bytes) -> list[int]:
+    return [int.from_bytes(blob[i : i + 4], "little") for i in range(0, len(blob), 4)]
+
+
+def _row_checksum(name: str, fingerprint: str, version: int, block_tokens: int, held: int,
+                  token_blob: bytes, blocks_json: str, ring_bytes: int) -> str:
+    digest = hashlib.sha256()
+    for part in (name, fingerprint, str(version), str(block_tokens), str(held), blocks_json,
+                 str(ring_bytes)):
+        digest.update(part.encode() + b"\0")
+    digest.update(token_blob)
+    return digest.hexdigest()
+
+
+class DiskTier:
+    def __init__(self, root: str | Path, budget_bytes: int) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"disk budget must be positive, got {budget_bytes}")
+        self.root = Path(root).expanduser()
+        self.budget_bytes = budget_bytes
+        self.blocks_dir = self.root / "blocks"
+        self.blocks_dir.mkdir(parents=True, exist_ok=True)
+        self.manifest = self.root / "manifest.sqlite"
+        self._db = sqlite3.connect(self.manifest, isolation_level=None)
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        for tmp in self.blocks_dir.rglob("*.tmp"):  # a save killed while writing a block
+            tmp.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # ---- paths and sizes ---------------------------------------------------------------
+    def block_path(self, name: str) -> Path:
+        return self.blocks_dir / name[:2] / f"{name}.blk"
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the block files the manifest names."""
+        return self._db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM blocks").fetchone()[0]
+
+    # ---- save --------------------------------------------------------------------------
+    def save(self, name: str, model_fingerprint: str, block_tokens: int, held_tokens: int,
+             token_ids: list[int], payloads: list[bytes], window_ring_bytes: int) -> None:
+        """Write (or replace) session `name`; refused before anything is written when the
+        new blocks would not fit the budget."""
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"session name {name!r}: use a non-empty name without '/'")
+        names = [hashlib.sha256(p).hexdigest() for p in payloads]
+        known = {row[0] for row in self._db.execute("SELECT hash FROM blocks")}
+        new = {n: p for n, p in zip(names, payloads, strict=True) if n not in known}
+        needed = sum(len(p) for p in new.values())
+        old = self._session_blocks(name)
+        freed = sum(self._block_bytes(n) for n in old - set(names)
+                    if not self._named_elsewhere(n, name))
+        if self.used_bytes - freed + needed > self.budget_bytes:
+            raise ValueError(
+                f"disk budget full: session {name!r} needs {needed:,} new bytes, "
+                f"{self.budget_bytes - self.used_bytes:,} of {self.budget_bytes:,} are free "
+                f"in {self.root}; remove sessions (kvstack session rm) or raise the budget")
+        for block_name, payload in new.items():
+            self._write_block(block_name, payload)
+        blocks_json = json.dumps(names)
+        token_blob = _token_blob(token_ids)
+        checksum = _row_checksum(name, model_fingerprint, FORMAT_VERSION, block_tokens,
+                                 held_tokens, token_blob, blocks_json, window_ring_bytes)
+        with self._transaction():
+            self._db.executemany("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
+                                 [(n, len(p)) for n, p in new.items()])
+            self._db.execute(
+                "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, model_fingerprint, FORMAT_VERSION, block_tokens, held_tokens,
+                 token_blob, blocks_json, window_ring_bytes, time.time(), checksum))
+        self._collect_garbage()
+
+    def _write_block(self, name: str, payload: bytes) -> None:
+        path = self.block_path(name)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power cut
+        finally:
+            os.close(dir_fd)
+
+    # ---- load --------------------------------------------------------------------------
+    def load(self, name: str, model_fingerprint: str) -> tuple[SavedSession, list[bytes]]:
+        """The session and its block payloads, every byte checked; a clear ValueError
+        naming the session and the file when anything is off."""
+        saved = self.show(name)
+        if saved.format_version != FORMAT_VERSION:
+            raise ValueError(f"session {name!r} was saved in format version "
+                             f"{saved.format_version}; this kvstack reads version "
+                             f"{FORMAT_VERSION}")
+        if saved.model_fingerprint != model_fingerprint:
+            raise ValueError(f"session {name!r} was saved by another model (fingerprint "
+                             f"{saved.model_fingerprint[:12]}…, this model "
+                             f"{model_fingerprint[:12]}…) or other cache formats")
+        payloads = []
+        for block_name in saved.blocks:
+            path = self.block_path(block_name)
+            try:
+                payload = path.read_bytes()
+            except OSError as e:
+                raise ValueError(f"session {name!r}: block file {path} is missing ({e})") \
+                    from None
+            if hashlib.sha256(payload).hexdigest() != block_name:
+                raise ValueError(f"session {name!r}: block file {path} is corrupt (its "
+                                 "checksum does not match)")
+            payloads.append(payload)
+        return saved, payloads
+
+    def show(self, name: str) -> SavedSession:
+        row = self._db.execute("SELECT * FROM sessions WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise ValueError(f"no saved session {name!r} in {self.root}")
+        (_, fingerprint, version, block_tokens, held, token_blob, blocks_json, ring_bytes,
+         saved_at, checksum) = row
+        if _row_checksum(name, fingerprint, version, block_tokens, held, token_blob,
+                         blocks_json, ring_bytes) != checksum:
+            raise ValueError(f"session {name!r}: its record in {self.manifest} is corrupt "
+                             "(its checksum does not match)")
+        blocks = json.loads(blocks_json)
+        return SavedSession(name, fingerprint, version, block_tokens, held,
+                            _tokens_of(token_blob), blocks, ring_bytes, saved_at,
+                            sum(self._block_bytes(b) for b in set(blocks)))
+
+    def names(self) -> list[str]:
+        return [row[0] for row in self._db.execute("SELECT name FROM sessions ORDER BY name")]
+
+    def remove(self, name: str) -> None:
+        with self._transaction():
+            gone = self._db.execute("DELETE FROM sessions WHERE name = ?", (name,)).rowcount
+        if not gone:
+            raise ValueError(f"no saved session {name!r} in {self.root}")
+        self._collect_garbage()
+
+    # ---- helpers -----------------------------------------------------------------------
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _session_blocks(self, name: str) -> set[str]:
+        row = self._db.execute("SELECT blocks FROM sessions WHERE name = ?", (name,)).fetchone()
+        return set(json.loads(row[0])) if row else set()
+
+    def _named_elsewhere(self, block: str, session: str) -> bool:
+        return any(block in json.loads(row[0]) for row in self._db.execute(
+            "SELECT blocks FROM sessions WHERE name != ?", (session,)))
+
+    def _block_bytes(self, block: str) -> int:
+        row = self._db.execute("SELECT nbytes FROM blocks WHERE hash = ?", (block,)).fetchone()
+        return row[0] if row else 0
+
+    def _collect_garbage(self) -> None:
+        """Drop the blocks no session names: rows first (one transaction), then files; a
+        file left by a kill in between is found again next time."""
+        named = set()
+        for (blocks_json,) in self._db.execute("SELECT blocks FROM sessions"):
+            named.update(json.loads(blocks_json))
+        with self._transaction():
+            for (block,) in self._db.execute("SELECT hash FROM blocks").fetchall():
+                if block not in named:
+                    self._db.execute("DELETE FROM blocks WHERE hash = ?", (block,))
+        for path in self.blocks_dir.rglob("*.blk"):
+            if path.stem not in named:
+                path.unlink(missing_ok=True)
