@@ -190,7 +190,7 @@ def _load_llm(args: argparse.Namespace) -> "LLM":
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     return LLM(args.model, kv_budget=args.kv_budget, replay=args.replay,
                random_init=args.random_init, seed=args.init_seed, device=args.device,
-               cache_dir=args.cache_dir)
+               cache_dir=args.cache_dir, host_budget=args.host_budget or 0)
 
 
 def _sampling(args: argparse.Namespace) -> "SamplingParams":
@@ -304,7 +304,7 @@ def _cmd_session(args: argparse.Namespace) -> int:
     from kvstack.cache.disk import DiskTier
     from kvstack.cache.paged import parse_bytes
 
-    disk = DiskTier(args.cache_dir, parse_bytes(args.disk_budget))
+    disk = DiskTier(args.cache_dir, parse_bytes(args.disk_budget, "disk_budget"))
     if args.action == "list":
         rows = [disk.show(name) for name in disk.names()]
         if args.json:
@@ -465,6 +465,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="random weights and a byte tokenizer (tests, benchmarks)")
     p.add_argument("--init-seed", type=int, default=0, help="seed of --random-init")
     p.add_argument("--kv-budget", default="1GiB", help="bytes for the cache, e.g. 4GiB")
+    p.add_argument("--host-budget",
+                   help="host memory that keeps prefix blocks the device pool hands out "
+                        "again, e.g. 2GiB (default: none)")
     p.add_argument("--replay", choices=("bounded", "exact"), default="bounded",
                    help="decoder replay span of CED prefill")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")

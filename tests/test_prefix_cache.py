@@ -132,6 +132,34 @@ def test_shared_blocks_are_counted_and_evicted_blocks_are_recomputed():
     assert again.token_ids == cold.token_ids
 
 
+def test_blocks_evicted_to_the_host_tier_come_back_with_the_same_output():
+    prompt = tokens(40)
+    layout = tiny_llm().cache.layout
+    budget = layout.window_bytes_per_sequence * 8 + 13 * block_bytes(layout, 8)
+    tiered = tiny_llm(kv_budget=budget, host_budget="1MiB")
+    cold = tiered.generate(prompt, GREEDY)[0]
+    for s in range(3, 6):  # every device block handed out again: the cached ones go down
+        tiered.generate(tokens(tiered.cache.pools.capacity_tokens - 12, seed=s), GREEDY)
+    report = tiered.memory_report()
+    assert report["host_tier"]["blocks"] > 0 and report["host_tier"]["bytes"] > 0
+    again = tiered.generate(prompt, GREEDY)[0]
+    assert again.num_cached_tokens == 32  # four blocks (the last token is computed), from the host
+    assert again.token_ids == cold.token_ids
+    assert tiered.memory_report()["prefix_cache"]["host_hit_tokens"] == 32
+
+
+def test_the_host_tier_keeps_the_newest_blocks_within_its_budget():
+    layout = tiny_llm().cache.layout
+    per_block = block_bytes(layout, 8)
+    budget = layout.window_bytes_per_sequence * 8 + 13 * per_block
+    tiered = tiny_llm(kv_budget=budget, host_budget=3 * per_block)
+    for s in range(3, 7):
+        tiered.generate(tokens(tiered.cache.pools.capacity_tokens - 12, seed=s), GREEDY)
+    host = tiered.memory_report()["host_tier"]
+    assert host["blocks"] == 3 and host["bytes"] == 3 * per_block
+    assert host["blocks_dropped"] > 0
+
+
 def test_the_dense_control_reuses_blocks_without_replay():
     prompt = tokens(30)
     llm = tiny_llm(model="dense-tiny")

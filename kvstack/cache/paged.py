@@ -10,9 +10,11 @@ partial groups are per sequence and never paged: they are not persisted).
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
+from kvstack.cache.host import HostTier
 from kvstack.cache.layout import CacheLayout
 from kvstack.cache.prefix import block_hashes
 from kvstack.cache.rows import PackedRows, WindowRings
@@ -40,8 +42,12 @@ class BlockManager:
     its last sequence lets go of it: it waits in the free list (least recently freed
     first) until it is handed out again, and a hit takes it back out."""
 
-    def __init__(self, n_blocks: int) -> None:
+    def __init__(self, n_blocks: int,
+                 on_evict: Callable[[int, bytes], None] | None = None) -> None:
+        """on_evict(block, chain_hash): called before a cached block is handed out again
+        (its rows are still there), so a lower tier can keep them."""
         self.n_blocks = n_blocks
+        self.on_evict = on_evict
         self.ref_counts = [0] * n_blocks
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))
         self.cached: dict[bytes, int] = {}  # chain hash -> block
@@ -58,7 +64,10 @@ class BlockManager:
         for b in blocks:
             self.ref_counts[b] = 1
             if b in self.hash_of:  # its old content is about to be overwritten
-                del self.cached[self.hash_of.pop(b)]
+                chain_hash = self.hash_of.pop(b)
+                del self.cached[chain_hash]
+                if self.on_evict is not None:
+                    self.on_evict(b, chain_hash)
         return blocks
 
     def release(self, blocks: list[int]) -> None:
@@ -75,15 +84,6 @@ class BlockManager:
         if chain_hash not in self.cached and block not in self.hash_of:
             self.cached[chain_hash] = block
             self.hash_of[block] = chain_hash
-
-    def match(self, hashes: list[bytes]) -> list[int]:
-        """Blocks of the longest run of hashes, from the first, that are cached."""
-        blocks = []
-        for h in hashes:
-            if h not in self.cached:
-                break
-            blocks.append(self.cached[h])
-        return blocks
 
     def acquire(self, blocks: list[int]) -> None:
         """One more reference to cached blocks (taken out of the free list if idle)."""
@@ -114,25 +114,24 @@ class BlockPools:
     def capacity_tokens(self) -> int:
         return self.n_blocks * self.block_tokens
 
-    def block_payload(self, block: int) -> bytes:
-        """One block's packed rows of every stream, in layout order: what the disk tier
-        stores for it."""
-        return b"".join(self.rows[s.layer, s.kind].data[block].cpu().numpy().tobytes()
-                        for s in self.layout.streams)
+    def read_block(self, block: int) -> torch.Tensor:
+        """One block's packed rows of every stream, in layout order, as one flat uint8
+        tensor: what the lower tiers keep of it."""
+        return torch.cat([self.rows[s.layer, s.kind].data[block].reshape(-1)
+                          for s in self.layout.streams])
 
-    def write_block(self, block: int, payload: bytes) -> None:
-        """Put a payload of `block_payload` back into a block."""
-        expected = sum(self.rows[s.layer, s.kind].data[block].numel()
-                       for s in self.layout.streams)
-        if len(payload) != expected:
-            raise ValueError(f"a block payload of {len(payload)} bytes; this layout's blocks "
-                             f"take {expected}")
+    def write_block(self, block: int, payload: torch.Tensor | bytes) -> None:
+        """Put what `read_block` gave (or its bytes) back into a block."""
+        if isinstance(payload, bytes):
+            payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        targets = [self.rows[s.layer, s.kind].data[block] for s in self.layout.streams]
+        expected = sum(t.numel() for t in targets)
+        if payload.numel() != expected:
+            raise ValueError(f"a block payload of {payload.numel()} bytes; this layout's "
+                             f"blocks take {expected}")
         offset = 0
-        for s in self.layout.streams:
-            target = self.rows[s.layer, s.kind].data[block]
-            rows = torch.frombuffer(bytearray(payload[offset : offset + target.numel()]),
-                                    dtype=torch.uint8)
-            target.copy_(rows.view(target.shape))
+        for target in targets:
+            target.copy_(payload[offset : offset + target.numel()].view(target.shape))
             offset += target.numel()
 
 
@@ -256,8 +255,8 @@ class PagedSequenceStore(KVStore):
         self._partial.clear()
 
 
-def parse_bytes(budget: int | str) -> int:
-    """4096, "4GiB", "512MiB", "1.5GB" -> bytes."""
+def parse_bytes(budget: int | str, what: str = "kv_budget") -> int:
+    """4096, "4GiB", "512MiB", "1.5GB" -> bytes; `what` names the setting in errors."""
     if isinstance(budget, int) and not isinstance(budget, bool):
         value = budget
     elif isinstance(budget, str):
@@ -269,11 +268,11 @@ def parse_bytes(budget: int | str) -> int:
             value = int(float(text[: len(text) - len(unit)] if text.endswith(unit) else text)
                         * units[unit])
         except ValueError:
-            raise ValueError(f"kv_budget {budget!r}: not a size like 4GiB or 512MiB") from None
+            raise ValueError(f"{what} {budget!r}: not a size like 4GiB or 512MiB") from None
     else:
-        raise ValueError(f"kv_budget must be a byte count or a size like '4GiB', got {budget!r}")
+        raise ValueError(f"{what} must be a byte count or a size like '4GiB', got {budget!r}")
     if value <= 0:
-        raise ValueError(f"kv_budget must be positive, got {budget!r}")
+        raise ValueError(f"{what} must be positive, got {budget!r}")
     return value
 
 
@@ -284,9 +283,10 @@ class PagedCache:
 
     def __init__(self, config: ModelConfig, kv_budget: int | str, block_tokens: int,
                  max_num_seqs: int, device: torch.device | str = "cpu",
-                 prefix_seed: bytes | None = None) -> None:
+                 prefix_seed: bytes | None = None, host_budget: int = 0) -> None:
         """prefix_seed: the hash chain's seed (`chain_seed`); None turns prefix caching
-        off."""
+        off. host_budget: bytes of host memory that keep cached blocks the device pool
+        needs back (0: they are dropped and recomputed when asked for again)."""
         check_block_tokens(config, block_tokens)
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
@@ -305,14 +305,16 @@ class PagedCache:
             )
         self.budget = budget
         self.pools = BlockPools(self.layout, n_blocks, block_tokens, device)
-        self.manager = BlockManager(n_blocks)
+        self.host = HostTier(host_budget, pin=device.type == "cuda")
+        self.manager = BlockManager(n_blocks, self._evict_to_host if host_budget else None)
         self.ring_slots = [WindowRings(self.layout, config.window_size, 1, device)
                            for _ in range(max_num_seqs)]
         self._free_slots = list(range(max_num_seqs))
         self.open: dict[int, tuple[PagedSequenceStore, int]] = {}  # id(store) -> (store, slot)
         self.prefix_seed = prefix_seed
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hit_tokens = 0  # of which found
+        self.prefix_hit_tokens = 0  # of which found (on the device or the host)
+        self.prefix_host_hit_tokens = 0  # of which brought back from the host tier
 
     @property
     def has_free_slot(self) -> bool:
@@ -341,19 +343,33 @@ class PagedCache:
 
     # ---- prefix cache ------------------------------------------------------------------
     def attach_prefix(self, store: PagedSequenceStore, token_ids: list[int]) -> int:
-        """Start an empty store on the longest cached run of token_ids' full blocks,
-        leaving at least the last token to compute (its logits are needed); the number of
-        tokens reused."""
+        """Start an empty store on the longest cached run of token_ids' full blocks (the
+        device's first, then those the host tier kept), leaving at least the last token
+        to compute (its logits are needed); the number of tokens reused."""
         if self.prefix_seed is None:
             return 0
         usable = token_ids[: len(token_ids) - 1]
         hashes = block_hashes(self.prefix_seed, usable, self.block_tokens)
-        blocks = self.manager.match(hashes)
+        blocks: list[int] = []
+        for chain_hash in hashes:
+            if chain_hash in self.manager.cached:
+                block = self.manager.cached[chain_hash]
+                self.manager.acquire([block])
+            elif chain_hash in self.host.blocks and self.manager.num_free:
+                block = self.manager.allocate(1)[0]
+                self.pools.write_block(block, self.host.take(chain_hash))
+                self.manager.register(block, chain_hash)
+                self.prefix_host_hit_tokens += self.block_tokens
+            else:
+                break
+            blocks.append(block)
         if blocks:
-            self.manager.acquire(blocks)
             n = len(blocks) * self.block_tokens
             store.attach(blocks, token_ids[:n], hashes[: len(blocks)])
         return len(blocks) * self.block_tokens
+
+    def _evict_to_host(self, block: int, chain_hash: bytes) -> None:
+        self.host.put(chain_hash, self.pools.read_block(block).cpu())
 
     def count_prefix_lookup(self, queried: int, hit: int) -> None:
         self.prefix_queried_tokens += queried

@@ -80,6 +80,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         cache_dir: str | Path = "~/.cache/kvstack",
         disk_budget: int | str = "16GiB",
+        host_budget: int | str = 0,
     ) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = _load(model, random_init, seed, device)
@@ -87,12 +88,14 @@ class LLM:
         self.config = self.model.config
         self.fingerprint = self.model.fingerprint()
         prefix_seed = chain_seed(self.fingerprint, block_tokens) if enable_prefix_caching else None
+        host = parse_bytes(host_budget, "host_budget") if host_budget else 0
         self.cache = PagedCache(self.config, kv_budget, block_tokens, max_num_seqs, device,
-                                prefix_seed)
+                                prefix_seed, host)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, replay, chunk_size)
         self.replay = replay
-        self.cache_dir, self.disk_budget = Path(cache_dir).expanduser(), parse_bytes(disk_budget)
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.disk_budget = parse_bytes(disk_budget, "disk_budget")
         self._disk: DiskTier | None = None  # opened on first use of sessions
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -341,7 +344,11 @@ class LLM:
                 "hit_rate": (cache.prefix_hit_tokens / cache.prefix_queried_tokens
                              if cache.prefix_queried_tokens else 0.0),
                 "cached_blocks": len(cache.manager.cached),
+                "host_hit_tokens": cache.prefix_host_hit_tokens,
             },
+            "host_tier": {"budget": cache.host.budget_bytes, "bytes": cache.host.nbytes,
+                          "blocks": len(cache.host.blocks),
+                          "blocks_dropped": cache.host.dropped},
             "warnings": warnings,
         }
 
@@ -397,7 +404,8 @@ class LLM:
         held = store.num_tokens if store is not None else 0
         pools = self.cache.pools
         n_blocks = -(-held // pools.block_tokens)
-        payloads = [pools.block_payload(b) for b in store.block_table[:n_blocks]] if store else []
+        blocks = store.block_table[:n_blocks] if store is not None else []
+        payloads = [pools.read_block(b).cpu().numpy().tobytes() for b in blocks]
         self.disk.save(name, self.fingerprint, pools.block_tokens, held, token_ids, payloads,
                        self.cache.layout.window_bytes_per_sequence)
 
