@@ -190,7 +190,8 @@ def _load_llm(args: argparse.Namespace) -> "LLM":
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     return LLM(args.model, kv_budget=args.kv_budget, replay=args.replay,
                random_init=args.random_init, seed=args.init_seed, device=args.device,
-               cache_dir=args.cache_dir, host_budget=args.host_budget or 0)
+               cache_dir=args.cache_dir, host_budget=args.host_budget or 0,
+               disk_prefix_cache=args.disk_prefix_cache)
 
 
 def _sampling(args: argparse.Namespace) -> "SamplingParams":
@@ -468,6 +469,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-budget",
                    help="host memory that keeps prefix blocks the device pool hands out "
                         "again, e.g. 2GiB (default: none)")
+    p.add_argument("--disk-prefix-cache", action="store_true",
+                   help="keep prefix blocks pushed out of the host tier on disk (--cache-dir)")
     p.add_argument("--replay", choices=("bounded", "exact"), default="bounded",
                    help="decoder replay span of CED prefill")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")

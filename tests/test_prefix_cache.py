@@ -160,6 +160,30 @@ def test_the_host_tier_keeps_the_newest_blocks_within_its_budget():
     assert host["blocks_dropped"] > 0
 
 
+def test_blocks_go_down_to_disk_and_come_back_here_or_in_a_new_engine(tmp_path):
+    prompt = tokens(40)
+    layout = tiny_llm().cache.layout
+    per_block = block_bytes(layout, 8)
+    tiers = dict(kv_budget=layout.window_bytes_per_sequence * 8 + 13 * per_block,
+                 host_budget=2 * per_block, disk_prefix_cache=True, cache_dir=tmp_path)
+    tiered = tiny_llm(**tiers)
+    cold = tiered.generate(prompt, GREEDY)[0]
+    for s in range(3, 6):
+        tiered.generate(tokens(tiered.cache.pools.capacity_tokens - 12, seed=s), GREEDY)
+    assert tiered.memory_report()["disk_tier"]["prefix_bytes"] > 0
+    again = tiered.generate(prompt, GREEDY)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == cold.token_ids
+    hits = tiered.memory_report()["prefix_cache"]
+    assert hits["disk_hit_tokens"] > 0 and hits["host_hit_tokens"] + hits[
+        "disk_hit_tokens"] == 32
+
+    restarted = tiny_llm(**tiers)  # the disk tier outlives the engine
+    later = restarted.generate(prompt, GREEDY)[0]
+    assert later.num_cached_tokens == 32 and later.token_ids == cold.token_ids
+    other_model = tiny_llm(seed=1, **tiers)  # another fingerprint: another chain
+    assert other_model.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+
+
 def test_the_dense_control_reuses_blocks_without_replay():
     prompt = tokens(30)
     llm = tiny_llm(model="dense-tiny")

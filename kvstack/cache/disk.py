@@ -2,8 +2,13 @@
 manifest (DESIGN.md section 5). Standard library only, so that tools (and the kill tests)
 can use it without torch.
 
-    root/manifest.sqlite            sessions and blocks
+    root/manifest.sqlite            sessions, blocks, and the prefix cache's blocks
     root/blocks/ab/abcd....blk      one stream block: the packed rows of every stream
+
+It is also the lowest tier of the prefix cache: blocks the host tier pushes out are kept
+here under their chain hash (which the model's fingerprint seeds), least recently used
+first out when the budget is needed, and found again by later requests, in this process
+or another.
 
 A block file is named by the SHA-256 of its bytes, so its name is its checksum and equal
 blocks are stored once. A session row holds the model's fingerprint, the format version,
@@ -46,6 +51,11 @@ CREATE TABLE IF NOT EXISTS sessions (
 CREATE TABLE IF NOT EXISTS blocks (
     hash TEXT PRIMARY KEY,
     nbytes INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS prefix_blocks (
+    chain_hash TEXT PRIMARY KEY,
+    block TEXT NOT NULL,
+    used_at REAL NOT NULL
 );
 """
 
@@ -123,6 +133,10 @@ class DiskTier:
         old = self._session_blocks(name)
         freed = sum(self._block_bytes(n) for n in old - set(names)
                     if not self._named_elsewhere(n, name))
+        # The prefix cache's blocks give way to a session; never one this save names.
+        while (self.used_bytes - freed + needed > self.budget_bytes
+               and self._drop_oldest_prefix(keep=set(names))):
+            pass
         if self.used_bytes - freed + needed > self.budget_bytes:
             raise ValueError(
                 f"disk budget full: session {name!r} needs {needed:,} new bytes, "
@@ -185,6 +199,57 @@ class DiskTier:
             payloads.append(payload)
         return saved, payloads
 
+    # ---- the prefix cache's tier -------------------------------------------------------
+    def put_prefix(self, chain_hash: str, payload: bytes) -> bool:
+        """Keep a prefix-cache block; the least recently used ones make room for it
+        (saved sessions are never pushed out). False if it cannot fit."""
+        name = hashlib.sha256(payload).hexdigest()
+        known = self._block_bytes(name) > 0
+        needed = 0 if known else len(payload)
+        while (self.used_bytes + needed > self.budget_bytes
+               and self._drop_oldest_prefix(keep={name})):
+            pass
+        if self.used_bytes + needed > self.budget_bytes:
+            return False
+        if not known:
+            self._write_block(name, payload)
+        with self._transaction():
+            self._db.execute("INSERT OR IGNORE INTO blocks VALUES (?, ?)", (name, len(payload)))
+            self._db.execute("INSERT OR REPLACE INTO prefix_blocks VALUES (?, ?, ?)",
+                             (chain_hash, name, time.time()))
+        return True
+
+    def take_prefix(self, chain_hash: str) -> bytes | None:
+        """A prefix-cache block's payload, or None; a corrupt file is forgotten (for a
+        cache, a miss) rather than used."""
+        row = self._db.execute("SELECT block FROM prefix_blocks WHERE chain_hash = ?",
+                               (chain_hash,)).fetchone()
+        if row is None:
+            return None
+        try:
+            payload = self.block_path(row[0]).read_bytes()
+        except OSError:
+            payload = b""
+        if hashlib.sha256(payload).hexdigest() != row[0]:
+            with self._transaction():
+                self._db.execute("DELETE FROM prefix_blocks WHERE chain_hash = ?",
+                                 (chain_hash,))
+            self._collect_garbage()
+            return None
+        self._db.execute("UPDATE prefix_blocks SET used_at = ? WHERE chain_hash = ?",
+                         (time.time(), chain_hash))
+        return payload
+
+    def has_prefix(self, chain_hash: str) -> bool:
+        return self._db.execute("SELECT 1 FROM prefix_blocks WHERE chain_hash = ?",
+                                (chain_hash,)).fetchone() is not None
+
+    @property
+    def prefix_bytes(self) -> int:
+        return self._db.execute(
+            "SELECT COALESCE(SUM(b.nbytes), 0) FROM prefix_blocks p JOIN blocks b "
+            "ON p.block = b.hash").fetchone()[0]
+
     def show(self, name: str) -> SavedSession:
         row = self._db.execute("SELECT * FROM sessions WHERE name = ?", (name,)).fetchone()
         if row is None:
@@ -233,10 +298,22 @@ class DiskTier:
         row = self._db.execute("SELECT nbytes FROM blocks WHERE hash = ?", (block,)).fetchone()
         return row[0] if row else 0
 
-    def _collect_garbage(self) -> None:
-        """Drop the blocks no session names: rows first (one transaction), then files; a
-        file left by a kill in between is found again next time."""
-        named = set()
+    def _drop_oldest_prefix(self, keep: set[str]) -> bool:
+        """Forget the least recently used prefix-cache block; False if there is none."""
+        oldest = self._db.execute("SELECT chain_hash FROM prefix_blocks "
+                                  "ORDER BY used_at LIMIT 1").fetchone()
+        if oldest is None:
+            return False
+        with self._transaction():
+            self._db.execute("DELETE FROM prefix_blocks WHERE chain_hash = ?", oldest)
+        self._collect_garbage(keep)
+        return True
+
+    def _collect_garbage(self, keep: frozenset[str] | set[str] = frozenset()) -> None:
+        """Drop the blocks no session or prefix entry names (nor `keep`: blocks a save in
+        progress is about to name): rows first (one transaction), then files; a file left
+        by a kill in between is found again next time."""
+        named = {row[0] for row in self._db.execute("SELECT block FROM prefix_blocks")} | keep
         for (blocks_json,) in self._db.execute("SELECT blocks FROM sessions"):
             named.update(json.loads(blocks_json))
         with self._transaction():

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvstack.cache.disk import DiskTier
 from kvstack.cache.host import HostTier
 from kvstack.cache.layout import CacheLayout
 from kvstack.cache.prefix import block_hashes
@@ -283,10 +284,12 @@ class PagedCache:
 
     def __init__(self, config: ModelConfig, kv_budget: int | str, block_tokens: int,
                  max_num_seqs: int, device: torch.device | str = "cpu",
-                 prefix_seed: bytes | None = None, host_budget: int = 0) -> None:
+                 prefix_seed: bytes | None = None, host_budget: int = 0,
+                 disk: DiskTier | None = None) -> None:
         """prefix_seed: the hash chain's seed (`chain_seed`); None turns prefix caching
         off. host_budget: bytes of host memory that keep cached blocks the device pool
-        needs back (0: they are dropped and recomputed when asked for again)."""
+        needs back; disk: the tier below it. Without either, such blocks are dropped and
+        recomputed when asked for again."""
         check_block_tokens(config, block_tokens)
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
@@ -305,8 +308,11 @@ class PagedCache:
             )
         self.budget = budget
         self.pools = BlockPools(self.layout, n_blocks, block_tokens, device)
-        self.host = HostTier(host_budget, pin=device.type == "cuda")
-        self.manager = BlockManager(n_blocks, self._evict_to_host if host_budget else None)
+        self.disk = disk
+        self.host = HostTier(host_budget, pin=device.type == "cuda",
+                             spill=self._spill_to_disk if disk is not None else None)
+        lower = host_budget or disk is not None
+        self.manager = BlockManager(n_blocks, self._evict_down if lower else None)
         self.ring_slots = [WindowRings(self.layout, config.window_size, 1, device)
                            for _ in range(max_num_seqs)]
         self._free_slots = list(range(max_num_seqs))
@@ -315,6 +321,7 @@ class PagedCache:
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found (on the device or the host)
         self.prefix_host_hit_tokens = 0  # of which brought back from the host tier
+        self.prefix_disk_hit_tokens = 0  # of which brought back from the disk tier
 
     @property
     def has_free_slot(self) -> bool:
@@ -355,11 +362,14 @@ class PagedCache:
             if chain_hash in self.manager.cached:
                 block = self.manager.cached[chain_hash]
                 self.manager.acquire([block])
-            elif chain_hash in self.host.blocks and self.manager.num_free:
-                block = self.manager.allocate(1)[0]
-                self.pools.write_block(block, self.host.take(chain_hash))
-                self.manager.register(block, chain_hash)
+            elif not self.manager.num_free:
+                break
+            elif chain_hash in self.host.blocks:
+                block = self._bring_back(chain_hash, self.host.take(chain_hash))
                 self.prefix_host_hit_tokens += self.block_tokens
+            elif self.disk is not None and (payload := self.disk.take_prefix(chain_hash.hex())):
+                block = self._bring_back(chain_hash, payload)
+                self.prefix_disk_hit_tokens += self.block_tokens
             else:
                 break
             blocks.append(block)
@@ -368,8 +378,21 @@ class PagedCache:
             store.attach(blocks, token_ids[:n], hashes[: len(blocks)])
         return len(blocks) * self.block_tokens
 
-    def _evict_to_host(self, block: int, chain_hash: bytes) -> None:
-        self.host.put(chain_hash, self.pools.read_block(block).cpu())
+    def _bring_back(self, chain_hash: bytes, payload: torch.Tensor | bytes) -> int:
+        block = self.manager.allocate(1)[0]
+        self.pools.write_block(block, payload)
+        self.manager.register(block, chain_hash)
+        return block
+
+    def _evict_down(self, block: int, chain_hash: bytes) -> None:
+        rows = self.pools.read_block(block).cpu()
+        if self.host.budget_bytes:
+            self.host.put(chain_hash, rows)
+        else:
+            self._spill_to_disk(chain_hash, rows)
+
+    def _spill_to_disk(self, chain_hash: bytes, rows: torch.Tensor) -> None:
+        self.disk.put_prefix(chain_hash.hex(), rows.numpy().tobytes())
 
     def count_prefix_lookup(self, queried: int, hit: int) -> None:
         self.prefix_queried_tokens += queried

@@ -81,6 +81,7 @@ class LLM:
         cache_dir: str | Path = "~/.cache/kvstack",
         disk_budget: int | str = "16GiB",
         host_budget: int | str = 0,
+        disk_prefix_cache: bool = False,
     ) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = _load(model, random_init, seed, device)
@@ -89,14 +90,15 @@ class LLM:
         self.fingerprint = self.model.fingerprint()
         prefix_seed = chain_seed(self.fingerprint, block_tokens) if enable_prefix_caching else None
         host = parse_bytes(host_budget, "host_budget") if host_budget else 0
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.disk_budget = parse_bytes(disk_budget, "disk_budget")
+        self._disk: DiskTier | None = None  # opened on first use
+        lowest = self.disk if disk_prefix_cache and prefix_seed is not None else None
         self.cache = PagedCache(self.config, kv_budget, block_tokens, max_num_seqs, device,
-                                prefix_seed, host)
+                                prefix_seed, host, lowest)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, replay, chunk_size)
         self.replay = replay
-        self.cache_dir = Path(cache_dir).expanduser()
-        self.disk_budget = parse_bytes(disk_budget, "disk_budget")
-        self._disk: DiskTier | None = None  # opened on first use of sessions
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         report = self.memory_report()
@@ -345,10 +347,14 @@ class LLM:
                              if cache.prefix_queried_tokens else 0.0),
                 "cached_blocks": len(cache.manager.cached),
                 "host_hit_tokens": cache.prefix_host_hit_tokens,
+                "disk_hit_tokens": cache.prefix_disk_hit_tokens,
             },
             "host_tier": {"budget": cache.host.budget_bytes, "bytes": cache.host.nbytes,
                           "blocks": len(cache.host.blocks),
                           "blocks_dropped": cache.host.dropped},
+            "disk_tier": ({"budget": cache.disk.budget_bytes, "bytes": cache.disk.used_bytes,
+                           "prefix_bytes": cache.disk.prefix_bytes}
+                          if cache.disk is not None else None),
             "warnings": warnings,
         }
 
