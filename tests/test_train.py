@@ -53,11 +53,16 @@ def test_token_cache_is_written_once_and_batches_are_a_function_of_the_step(tmp_
     assert not torch.equal(cache.batch(3, 16, seed=0, step=5), cache.batch(3, 16, seed=0, step=6))
 
 
-def test_retrieval_samples_ask_for_a_key_defined_at_the_given_depth(tmp_path):
+def json_package_corpus(tmp_path):
+    """(tokenizer, token cache) of the stdlib's json package: small and quick."""
     root = stdlib_root() / "json"
     files = corpus_files(root)
     tokenizer = train_tokenizer(root, files, 512, tmp_path / "tokenizer.json")
-    cache = TokenCache.build(root, files, tokenizer, tmp_path / "train.npy")
+    return tokenizer, TokenCache.build(root, files, tokenizer, tmp_path / "train.npy")
+
+
+def test_retrieval_samples_ask_for_a_key_defined_at_the_given_depth(tmp_path):
+    tokenizer, cache = json_package_corpus(tmp_path)
     g = torch.Generator().manual_seed(0)
     sample = retrieval_sample(cache, tokenizer, length=400, depth=0.25, generator=g)
     text = tokenizer.decode(sample.ids)
@@ -71,10 +76,7 @@ def test_retrieval_samples_ask_for_a_key_defined_at_the_given_depth(tmp_path):
 
 
 def test_training_retrieval_samples_ask_every_key_and_score_the_last(tmp_path):
-    root = stdlib_root() / "json"
-    files = corpus_files(root)
-    tokenizer = train_tokenizer(root, files, 512, tmp_path / "tokenizer.json")
-    cache = TokenCache.build(root, files, tokenizer, tmp_path / "train.npy")
+    tokenizer, cache = json_package_corpus(tmp_path)
     g = torch.Generator().manual_seed(1)
     sample = retrieval_sample(cache, tokenizer, length=500, depth=0.5, generator=g,
                               extra_keys=3)
