@@ -16,6 +16,7 @@ import pytest
 import kvstack.cache.disk as disk_module
 from kvstack import LLM, SamplingParams
 from kvstack.cache.disk import DiskTier
+from kvstack.cache.paged import block_bytes
 from kvstack.cli import main
 from kvstack.config import preset
 
@@ -24,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_llm(cache_dir: Path, seed: int = 0, **kwargs) -> LLM:
-    return LLM("tiny", random_init=True, seed=seed, kv_budget="2MiB", replay="exact",
-               block_tokens=8, cache_dir=cache_dir, **kwargs)
+    kwargs = {"kv_budget": "2MiB", "replay": "exact", "block_tokens": 8} | kwargs
+    return LLM("tiny", random_init=True, seed=seed, cache_dir=cache_dir, **kwargs)
 
 
 def test_exact_resume_in_another_process_continues_token_for_token(tmp_path):
@@ -67,6 +68,23 @@ def test_a_saved_session_holds_blocks_and_token_ids_not_window_rings(tmp_path):
     assert report["window_ring_bytes"] == llm.cache.layout.window_bytes_per_sequence > 0
     assert report["disk_bytes_with_window_rings"] == saved.disk_bytes + report[
         "window_ring_bytes"]
+
+
+def test_a_saved_block_holds_only_the_sessions_own_rows(tmp_path):
+    layout = tiny_llm(tmp_path).cache.layout
+    budget = layout.window_bytes_per_sequence * 8 + 16 * block_bytes(layout, 8)
+
+    def save_after(churn: bool) -> list[bytes]:
+        llm = tiny_llm(tmp_path / str(churn), kv_budget=budget, enable_prefix_caching=False)
+        if churn:  # another request uses, then frees, blocks the session will get
+            llm.generate(list(range(200, 300)), GREEDY)
+        session = llm.session("s")
+        session.append(list(range(1, 31)))  # 41 tokens held: the last block has one
+        session.generate(GREEDY)
+        session.save()
+        return llm.disk.load("s", llm.fingerprint)[1]
+
+    assert save_after(churn=False) == save_after(churn=True)
 
 
 def two_sessions(tmp_path) -> LLM:

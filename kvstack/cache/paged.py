@@ -115,11 +115,19 @@ class BlockPools:
     def capacity_tokens(self) -> int:
         return self.n_blocks * self.block_tokens
 
-    def read_block(self, block: int) -> torch.Tensor:
+    def read_block(self, block: int, tokens: int | None = None) -> torch.Tensor:
         """One block's packed rows of every stream, in layout order, as one flat uint8
-        tensor: what the lower tiers keep of it."""
-        return torch.cat([self.rows[s.layer, s.kind].data[block].reshape(-1)
-                          for s in self.layout.streams])
+        tensor: what the lower tiers keep of it. With `tokens`, only the rows of its first
+        `tokens` tokens are kept and the rest are zeros: a sequence's last block still
+        holds rows of whichever sequence used it before, which must not leave with it."""
+        parts = []
+        for s in self.layout.streams:
+            rows = self.rows[s.layer, s.kind].data[block]
+            if tokens is not None:
+                rows = rows.clone()
+                rows[tokens // s.ratio :] = 0
+            parts.append(rows.reshape(-1))
+        return torch.cat(parts)
 
     def write_block(self, block: int, payload: torch.Tensor | bytes) -> None:
         """Put what `read_block` gave (or its bytes) back into a block."""

@@ -411,7 +411,8 @@ class LLM:
         pools = self.cache.pools
         n_blocks = -(-held // pools.block_tokens)
         blocks = store.block_table[:n_blocks] if store is not None else []
-        payloads = [pools.read_block(b).cpu().numpy().tobytes() for b in blocks]
+        payloads = [pools.read_block(b, min(pools.block_tokens, held - i * pools.block_tokens))
+                    .cpu().numpy().tobytes() for i, b in enumerate(blocks)]
         self.disk.save(name, self.fingerprint, pools.block_tokens, held, token_ids, payloads,
                        self.cache.layout.window_bytes_per_sequence)
 
