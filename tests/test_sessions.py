@@ -5,6 +5,7 @@ import importlib.util
 import json
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -233,3 +234,19 @@ def test_chat_with_a_session_saves_each_turn_and_resumes(tmp_path, monkeypatch, 
     assert main(args) == 0
     assert "resumed session 'talk'" in capsys.readouterr().err
     assert len(DiskTier(tmp_path, 1 << 30).show("talk").token_ids) == 2 * (6 + 5)
+
+
+def test_a_manifest_without_the_block_index_is_indexed_on_open(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 30)
+    shared, own_a, own_b = b"shared" * 10, b"a" * 60, b"b" * 60
+    tier.save("a", "fp", 8, 16, list(range(16)), [shared, own_a], 0)
+    tier.save("b", "fp", 8, 16, list(range(16)), [shared, own_b], 0)
+    tier.close()
+    db = sqlite3.connect(tmp_path / "manifest.sqlite")
+    db.execute("DROP TABLE session_blocks")  # as an older kvstack wrote it
+    db.commit()
+    db.close()
+    tier = DiskTier(tmp_path, 1 << 30)
+    tier.remove("a")
+    assert {p.stem for p in tmp_path.rglob("*.blk")} == set(tier.show("b").blocks)
+    assert tier.load("b", "fp")[1] == [shared, own_b]

@@ -19,10 +19,11 @@ rebuilds them by replay.
 Saving is atomic at every instant: block files are written to a temporary name, fsynced
 and renamed (a kill leaves either no file or a whole one), then one SQLite transaction
 swaps the session row. Only after it commits are block files no session names deleted, so
-a kill at any point leaves the old session or the new one. One process writes a cache
-directory at a time.
+a kill at any point leaves the old session or the new one; opening the directory sweeps
+the files a killed save left. One process uses a cache directory at a time.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -57,6 +58,26 @@ CREATE TABLE IF NOT EXISTS prefix_blocks (
     block TEXT NOT NULL,
     used_at REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS prefix_blocks_by_block ON prefix_blocks (block);
+"""
+
+# Which session names which block, derived from sessions.blocks (which stays the checked
+# record): it lets the garbage collector find unnamed blocks in SQL instead of reading
+# every session's list and every file on each call. Built on first open of an older
+# manifest.
+SESSION_BLOCKS = """
+CREATE TABLE session_blocks (
+    session TEXT NOT NULL,
+    block TEXT NOT NULL,
+    PRIMARY KEY (session, block)
+);
+CREATE INDEX session_blocks_by_block ON session_blocks (block);
+"""
+
+UNNAMED_BLOCKS = """
+SELECT hash FROM blocks
+WHERE hash NOT IN (SELECT block FROM prefix_blocks)
+  AND hash NOT IN (SELECT block FROM session_blocks)
 """
 
 
@@ -104,8 +125,17 @@ class DiskTier:
         self._db = sqlite3.connect(self.manifest, isolation_level=None)
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
-        for tmp in self.blocks_dir.rglob("*.tmp"):  # a save killed while writing a block
-            tmp.unlink(missing_ok=True)
+        if self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'session_blocks'"
+                            ).fetchone() is None:
+            with self._transaction():
+                for statement in SESSION_BLOCKS.split(";")[:-1]:
+                    self._db.execute(statement)
+                for name, blocks_json in self._db.execute(
+                        "SELECT name, blocks FROM sessions").fetchall():
+                    # A corrupt record names nothing: loading that session says so.
+                    with contextlib.suppress(ValueError, TypeError):
+                        self._name_blocks(name, json.loads(blocks_json))
+        self._sweep_files()
 
     def close(self) -> None:
         self._db.close()
@@ -127,8 +157,7 @@ class DiskTier:
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"session name {name!r}: use a non-empty name without '/'")
         names = [hashlib.sha256(p).hexdigest() for p in payloads]
-        known = {row[0] for row in self._db.execute("SELECT hash FROM blocks")}
-        new = {n: p for n, p in zip(names, payloads, strict=True) if n not in known}
+        new = {n: p for n, p in zip(names, payloads, strict=True) if not self._block_bytes(n)}
         needed = sum(len(p) for p in new.values())
         old = self._session_blocks(name)
         freed = sum(self._block_bytes(n) for n in old - set(names)
@@ -155,6 +184,8 @@ class DiskTier:
                 "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (name, model_fingerprint, FORMAT_VERSION, block_tokens, held_tokens,
                  token_blob, blocks_json, window_ring_bytes, time.time(), checksum))
+            self._db.execute("DELETE FROM session_blocks WHERE session = ?", (name,))
+            self._name_blocks(name, names)
         self._collect_garbage()
 
     def _write_block(self, name: str, payload: bytes) -> None:
@@ -271,6 +302,7 @@ class DiskTier:
     def remove(self, name: str) -> None:
         with self._transaction():
             gone = self._db.execute("DELETE FROM sessions WHERE name = ?", (name,)).rowcount
+            self._db.execute("DELETE FROM session_blocks WHERE session = ?", (name,))
         if not gone:
             raise ValueError(f"no saved session {name!r} in {self.root}")
         self._collect_garbage()
@@ -286,13 +318,18 @@ class DiskTier:
             raise
         self._db.execute("COMMIT")
 
+    def _name_blocks(self, session: str, blocks: list[str]) -> None:
+        self._db.executemany("INSERT OR IGNORE INTO session_blocks VALUES (?, ?)",
+                             [(session, b) for b in blocks])
+
     def _session_blocks(self, name: str) -> set[str]:
-        row = self._db.execute("SELECT blocks FROM sessions WHERE name = ?", (name,)).fetchone()
-        return set(json.loads(row[0])) if row else set()
+        return {row[0] for row in self._db.execute(
+            "SELECT block FROM session_blocks WHERE session = ?", (name,))}
 
     def _named_elsewhere(self, block: str, session: str) -> bool:
-        return any(block in json.loads(row[0]) for row in self._db.execute(
-            "SELECT blocks FROM sessions WHERE name != ?", (session,)))
+        return self._db.execute(
+            "SELECT 1 FROM session_blocks WHERE block = ? AND session != ? LIMIT 1",
+            (block, session)).fetchone() is not None
 
     def _block_bytes(self, block: str) -> int:
         row = self._db.execute("SELECT nbytes FROM blocks WHERE hash = ?", (block,)).fetchone()
@@ -311,15 +348,22 @@ class DiskTier:
 
     def _collect_garbage(self, keep: frozenset[str] | set[str] = frozenset()) -> None:
         """Drop the blocks no session or prefix entry names (nor `keep`: blocks a save in
-        progress is about to name): rows first (one transaction), then files; a file left
-        by a kill in between is found again next time."""
-        named = {row[0] for row in self._db.execute("SELECT block FROM prefix_blocks")} | keep
-        for (blocks_json,) in self._db.execute("SELECT blocks FROM sessions"):
-            named.update(json.loads(blocks_json))
+        progress is about to name): rows first (one transaction), then their files. A file
+        left by a kill in between is swept when the directory is next opened."""
         with self._transaction():
-            for (block,) in self._db.execute("SELECT hash FROM blocks").fetchall():
-                if block not in named:
-                    self._db.execute("DELETE FROM blocks WHERE hash = ?", (block,))
+            unnamed = [row[0] for row in self._db.execute(UNNAMED_BLOCKS).fetchall()
+                       if row[0] not in keep]
+            self._db.executemany("DELETE FROM blocks WHERE hash = ?", [(b,) for b in unnamed])
+        for block in unnamed:
+            self.block_path(block).unlink(missing_ok=True)
+
+    def _sweep_files(self) -> None:
+        """At open: remove what a killed process left, temporary files of a block being
+        written and block files the manifest no longer (or not yet) names."""
+        for tmp in self.blocks_dir.rglob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+        self._collect_garbage()
+        known = {row[0] for row in self._db.execute("SELECT hash FROM blocks")}
         for path in self.blocks_dir.rglob("*.blk"):
-            if path.stem not in named:
+            if path.stem not in known:
                 path.unlink(missing_ok=True)
