@@ -346,6 +346,16 @@ def _session_dict(saved: "SavedSession") -> dict[str, Any]:
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved.saved_at))}
 
 
+def _config_setting(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a bare string such as kv_format=bf16
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from kvstack.train.trainer import TrainConfig, Trainer
 
@@ -355,7 +365,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                      seed=args.seed, vocab_size=args.vocab_size, corpus=args.corpus or "",
                      heldout_percent=args.heldout_percent, retrieval_rate=args.retrieval_rate,
-                     retrieval_keys=args.retrieval_keys)
+                     retrieval_keys=args.retrieval_keys,
+                     model_overrides=dict(args.set or []))
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -553,6 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of rows replaced by synthetic key-retrieval samples")
     train.add_argument("--retrieval-keys", type=_positive_int, default=1,
                        help="keys defined and asked in each retrieval sample")
+    train.add_argument("--set", action="append", type=_config_setting, metavar="KEY=VALUE",
+                       help="change one key of the preset's model config (a JSON value: "
+                            "--set window_size=128 --set 'compress_ratios=[0,2,2,2,1,1,1,1]'); "
+                            "repeatable")
     train.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     train.set_defaults(run=_cmd_train)
 

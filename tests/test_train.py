@@ -163,10 +163,25 @@ def test_kvstack_train_command(tmp_path):
     assert main(["train", "--preset", "tiny", "--out", str(out), "--steps", "2",
                  "--seq-len", "32", "--batch-size", "2", "--vocab-size", "512",
                  "--corpus", CORPUS, "--heldout-percent", "40", "--eval-every", "2",
-                 "--checkpoint-every", "2"]) == 0
+                 "--checkpoint-every", "2", "--set", "window_size=4",
+                 "--set", "kv_format=bf16"]) == 0
     assert (out / "checkpoint" / "model" / "model.safetensors").exists()
     assert (out / "checkpoint" / "model" / "tokenizer.json").exists()
     assert len((out / "log.jsonl").read_text().splitlines()) == 2
+    saved = json.loads((out / "checkpoint" / "model" / "config.json").read_text())
+    assert (saved["window_size"], saved["kv_format"]) == (4, "bf16")
+
+
+@pytest.mark.parametrize("setting, error", [
+    ("windowsize=4", "model config has no key windowsize"),
+    ("window_size=0", "window_size = 0: must be a positive integer"),
+])
+def test_kvstack_train_refuses_a_bad_model_setting(tmp_path, capsys, setting, error):
+    args = ["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--steps", "1",
+            "--corpus", CORPUS, "--heldout-percent", "40", "--set", setting]
+    assert main(args) != 0
+    assert error in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing written: the corrected command starts
 
 
 def test_retrieval_samples_are_mixed_in_at_the_configured_rate(tmp_path):

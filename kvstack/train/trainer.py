@@ -17,6 +17,7 @@ replaced atomically), `log.jsonl`, and the tokenizer and token caches it built. 
 a pure function of (seed, step), so a run killed and resumed continues exactly where it was.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -71,6 +72,10 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         c = preset(self.preset)
         changes = dict(self.model_overrides)
+        known = {f.name for f in dataclasses.fields(ModelConfig) if f.init}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"model config has no key {', '.join(unknown)}")
         if self.vocab_size:
             changes["vocab_size"] = self.vocab_size
         changes.setdefault("max_seq_len", max(c.max_seq_len, self.seq_len))
@@ -117,6 +122,7 @@ class Trainer:
         if tc.batch_size % self.world:
             raise ValueError(f"batch_size {tc.batch_size} does not split over {self.world} "
                              "processes")
+        tc.model_config()  # a bad model setting fails before the run directory is written
         self.out.mkdir(parents=True, exist_ok=True)
         saved = self.out / "train_config.json"
         if saved.exists() and json.loads(saved.read_text()) != asdict(tc):
