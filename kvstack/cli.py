@@ -426,6 +426,33 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_attention(args: argparse.Namespace) -> int:
+    from kvstack.eval.quality import attention_mass
+
+    model, _, data = _eval_data(args)
+    from_position = args.seq_len // 2 if args.from_position is None else args.from_position
+    result = attention_mass(model, data, args.seq_len, args.windows, from_position)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    console = Console()
+    console.print(f"where attention goes: queries at positions {from_position}.."
+                  f"{args.seq_len - 1} of {args.windows} held-out windows, averaged over heads "
+                  f"(window {result['window_size']}; near: compressed entries the window also "
+                  "holds raw; far: entries beyond it)")
+    table = Table(box=box.SIMPLE_HEAD)
+    for name in ("layer", "mode", "ratio", "window", "near", "far", "sink",
+                 "top-k picks near"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    for row in result["layers"]:
+        near = row["selected_near"]
+        table.add_row(str(row["layer"]), row["mode"], str(row["ratio"]),
+                      *(f"{row[k]:.1%}" for k in ("window", "near", "far", "sink")),
+                      "-" if near is None else f"{near:.0%}")
+    console.print(table)
+    return 0
+
+
 def _cmd_eval_replay(args: argparse.Namespace) -> int:
     from kvstack.eval.replay import LENGTHS, replay
 
@@ -604,7 +631,14 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--repeats", type=_positive_int, default=3,
                      help="timed runs of each rebuild and re-prefill; the best is kept")
     rep.set_defaults(run=_cmd_eval_replay)
-    for p in (ppl, ret, rep):
+    att = kinds.add_parser("attention", help="where each layer's attention goes: window, "
+                           "compressed entries near and beyond it, sink")
+    att.add_argument("--seq-len", type=_positive_int, default=512)
+    att.add_argument("--windows", type=_positive_int, default=8)
+    att.add_argument("--from-position", type=int,
+                     help="probe queries from this position on (default: half of --seq-len)")
+    att.set_defaults(run=_cmd_eval_attention)
+    for p in (ppl, ret, rep, att):
         p.add_argument("--model", required=True, help="a model directory")
         p.add_argument("--heldout-percent", type=_positive_float, default=2.0)
         p.add_argument("--json", action="store_true")

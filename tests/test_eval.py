@@ -1,4 +1,4 @@
-"""`kvstack eval ppl` and `kvstack eval retrieval`."""
+"""`kvstack eval ppl`, `kvstack eval retrieval` and `kvstack eval attention`."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvstack.cli import main
-from kvstack.eval.quality import _answers, perplexity, retrieval
+from kvstack.eval.quality import _answers, attention_mass, perplexity, retrieval
 from kvstack.train.data import TokenCache, corpus_files, stdlib_root, train_tokenizer
 from kvstack.train.trainer import TrainConfig, Trainer
 
@@ -74,6 +74,9 @@ def test_eval_commands(trained, tmp_path, capsys):
                  "--depths", "0.5", "--samples", "1", "--plot", str(plot)]) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "retrieval accuracy" in capsys.readouterr().out
+    assert main(["eval", "attention", "--model", str(trained), "--seq-len", "64",
+                 "--windows", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["from_position"] == 32
     assert main(["eval", "ppl", "--model", str(tmp_path / "missing")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
@@ -96,3 +99,50 @@ def test_demo_compares_the_session_with_the_dense_control(trained, tmp_path, cap
     assert stack["prefill_tokens_per_s"] > 0 and stack["decode_tokens_per_s"] > 0
     assert main(["demo", "--model", str(tmp_path / "nothing")]) == 2
     assert "not trained yet" in capsys.readouterr().err
+
+
+def test_the_attention_probe_accounts_for_every_query_and_changes_nothing():
+    from kvstack.config import Mode, preset
+    from kvstack.model import Model
+
+    torch.manual_seed(0)
+    model = Model(preset("tiny")).eval()
+    ids = torch.randint(0, 512, (2, 40))
+    with torch.no_grad():
+        plain, probed = model(ids), model(ids, probe=True)
+    assert torch.equal(plain.logits, probed.logits)
+    assert sorted(probed.attention_mass) == list(range(model.config.n_layers))
+    w = model.config.window_size
+    for layer, mass in probed.attention_mass.items():
+        spec = model.config.layers[layer]
+        assert mass.shape == (2, 40, 5)
+        # window + near + far + sink: one softmax, so every query's attention is all there
+        torch.testing.assert_close(mass[..., :4].sum(-1), torch.ones(2, 40, dtype=mass.dtype))
+        if spec.mode is Mode.WINDOW:
+            assert (mass[..., 1:3] == 0).all() and mass[..., 4].isnan().all()
+        else:
+            assert (mass[:, : w - 1, 2] == 0).all()  # nothing lies beyond the window yet
+            assert mass[:, 2 * w :, 2].sum() > 0
+            share = mass[:, 2 * w :, 4]
+            assert ((share >= 0) & (share <= 1)).all()
+        if spec.mode is Mode.REUSE:  # its picks are its index source's
+            source = probed.attention_mass[spec.index_source]
+            torch.testing.assert_close(mass[..., 4], source[..., 4], equal_nan=True)
+
+
+def test_attention_probe_over_held_out_windows(trained, data):
+    from kvstack.config import preset
+    from kvstack.eval.quality import load_eval_model
+    from kvstack.model import Model
+
+    model, _ = load_eval_model(trained)
+    result = attention_mass(model, data[1], seq_len=64, windows=2, from_position=32)
+    assert [row["layer"] for row in result["layers"]] == list(range(model.config.n_layers))
+    for row in result["layers"]:
+        assert abs(row["window"] + row["near"] + row["far"] + row["sink"] - 1) < 1e-6
+        assert (row["selected_near"] is None) == (row["mode"] == "window")
+    with pytest.raises(ValueError, match=r"from_position must lie in 0\.\.63"):
+        attention_mass(model, data[1], seq_len=64, windows=1, from_position=64)
+    with pytest.raises(ValueError, match="dense control attends to every token"):
+        attention_mass(Model(preset("dense-tiny")), data[1], seq_len=64, windows=1,
+                       from_position=0)

@@ -6,7 +6,9 @@ the model's own tokenizer. Perplexity runs the reference forward over fixed wind
 with the model's configured cache formats and once with every cache in bf16 (same
 weights), and reports the KL divergence between their next-token distributions, as
 llama.cpp does for quantised caches. Retrieval asks for a key defined at a given depth of
-real code and scores the greedy answer, through CED prefill and decode as served.
+real code and scores the greedy answer, through CED prefill and decode as served. The
+attention probe says where each layer's attention goes on held-out text: its window, the
+compressed entries the window also holds raw, the entries beyond it, the sink.
 """
 
 import math
@@ -67,6 +69,36 @@ def perplexity(model: Model, data: TokenCache, seq_len: int, windows: int,
         "ppl_increase": ppl["configured"] / ppl["bf16"] - 1,
         "kl_vs_bf16": kl / windows, "top1_agreement": agree / windows,
     }
+
+
+@torch.no_grad()
+def attention_mass(model: Model, data: TokenCache, seq_len: int, windows: int,
+                   from_position: int, seed: int = 0) -> dict[str, Any]:
+    """Per layer, for queries at positions >= from_position of held-out windows, averaged
+    over heads and queries: attention on the window, on compressed entries whose group ends
+    inside the window (`near`) and beyond it (`far`), on the sink, and the share of a
+    top-k selection that is near (None for layers without one)."""
+    if model.config.arch == "dense":
+        raise ValueError("the dense control attends to every token of every layer: there is "
+                         "no window or compressed stream to probe")
+    if not 0 <= from_position < seq_len:
+        raise ValueError(f"from_position must lie in 0..{seq_len - 1}, got {from_position}")
+    rows: dict[int, list[torch.Tensor]] = {}
+    for i in range(windows):
+        ids = data.batch(1, seq_len, seed, i)[:, :-1]
+        for layer, mass in model(ids, probe=True).attention_mass.items():
+            rows.setdefault(layer, []).append(mass[0, from_position:].double())
+    layers = []
+    for layer, parts in sorted(rows.items()):
+        mean = torch.cat(parts).nanmean(0).tolist()  # an all-NaN column stays NaN
+        spec = model.config.layers[layer]
+        layers.append({
+            "layer": layer, "mode": str(spec.mode), "ratio": spec.ratio,
+            "window": mean[0], "near": mean[1], "far": mean[2], "sink": mean[3],
+            "selected_near": None if math.isnan(mean[4]) else mean[4],
+        })
+    return {"seq_len": seq_len, "windows": windows, "from_position": from_position,
+            "window_size": model.config.window_size, "layers": layers}
 
 
 @torch.no_grad()

@@ -229,6 +229,8 @@ class StepContext:
     pool: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> blocks [B,n,kb]
     index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N]
     attention_targets: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N]
+    probe: bool = False  # keep where each layer's attention went (`attention_mass`)
+    attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,5]
 
 
 class Compressor(nn.Module):
@@ -525,6 +527,8 @@ class Attention(nn.Module):
         sink = self.sink.float().view(1, -1, 1, 1).expand(*logits[0].shape[:3], 1)
         probs = torch.cat([*logits, sink], dim=-1).softmax(-1)
         m = window.shape[1]
+        if ctx.probe:
+            self._record_mass(probs, m, positions, selected, ctx)
         out = torch.einsum("bhqk,bkd->bqhd", probs[..., :m], window.float())
         if entries is not None:
             p = probs[..., m:-1]
@@ -535,6 +539,28 @@ class Attention(nn.Module):
             if ctx.collect and self.indexer is not None:
                 self._collect_target(p, selected, n_entries, ctx)
         return out.type_as(q)
+
+    def _record_mass(self, probs: torch.Tensor, m: int, positions: torch.Tensor,
+                     selected: torch.Tensor | None, ctx: StepContext) -> None:
+        """Per query, averaged over heads: attention on the window, on compressed entries
+        whose group ends inside the window ("near", the window holds those tokens raw) and
+        beyond it ("far"), on the sink; and the share of the selected entries that are near
+        (NaN without a top-k). [B, q, 5], appended to ctx.attention_mass[layer]."""
+        c, r = self.config, self.spec.ratio
+        p = probs.mean(1)  # [B, q, m + k + 1]
+        compressed = p[..., m:-1]
+        top_k = selected is not None
+        if not top_k:  # dense or window-only: every entry, in order
+            selected = torch.arange(compressed.shape[-1], device=p.device).expand_as(compressed)
+        far = (selected >= 0) & (selected * r + r - 1 <= positions[..., None] - c.window_size)
+        far_mass = (compressed * far).sum(-1)
+        chosen = (selected >= 0).sum(-1)
+        near_share = torch.where((chosen > 0) & top_k, 1 - far.sum(-1) / chosen.clamp(min=1),
+                                 float("nan"))
+        row = torch.stack((p[..., :m].sum(-1), compressed.sum(-1) - far_mass, far_mass,
+                           p[..., -1], near_share), dim=-1)
+        prev = ctx.attention_mass.get(self.spec.index)
+        ctx.attention_mass[self.spec.index] = row if prev is None else torch.cat((prev, row), 1)
 
     def _collect_target(self, p: torch.Tensor, selected: torch.Tensor | None,
                         n_entries: int, ctx: StepContext) -> None:
@@ -630,6 +656,8 @@ class ModelOutput:
     logits: torch.Tensor  # [B, T, vocab]
     index_scores: dict[int, torch.Tensor]  # index source layer -> [B, T, N] (collect=True)
     attention_targets: dict[int, torch.Tensor]  # index source layer -> [B, T, N]
+    # layer -> [B, T, 5]: window, near and far compressed, sink, near share (probe=True)
+    attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Model(nn.Module):
@@ -693,17 +721,19 @@ class Model(nn.Module):
 
     # ---- reference forward -------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, dense: bool = False,
-                collect: bool = False) -> ModelOutput:
+                collect: bool = False, probe: bool = False) -> ModelOutput:
         """Every layer over every token. `dense`: attend to all visible compressed
-        entries (the warm-up); `collect`: also return indexer scores and targets."""
+        entries (the warm-up); `collect`: also return indexer scores and targets; `probe`:
+        also return where each layer's attention went."""
         ids = self._check_ids(input_ids)
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"{ids.shape[1]} tokens exceed max_seq_len "
                              f"{self.config.max_seq_len}")
         store = ReferenceStore(self.config, ids.shape[0], ids.device)
-        ctx = StepContext(dense=dense, collect=collect)
+        ctx = StepContext(dense=dense, collect=collect, probe=probe)
         x = self._run(self._embed(ids), 0, store, range(self.config.n_layers), ctx)
-        return ModelOutput(self._logits(x), ctx.index_scores, ctx.attention_targets)
+        return ModelOutput(self._logits(x), ctx.index_scores, ctx.attention_targets,
+                           ctx.attention_mass)
 
     # ---- incremental -------------------------------------------------------------------
     def decoder_span(self, replay: str) -> int:
