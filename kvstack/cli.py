@@ -398,6 +398,11 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
             f"{result['ppl_bf16']:.3f} with bf16 caches ({result['ppl_increase']:+.2%}); "
             f"KL {result['kl_vs_bf16']:.2e}, top-1 agreement {result['top1_agreement']:.1%} "
             f"over {args.windows} windows of {args.seq_len} tokens")
+        table = Table(box=box.SIMPLE_HEAD, title="perplexity by position in the window")
+        for bucket in result["ppl_by_position"]:
+            table.add_column(bucket, justify="right")
+        table.add_row(*(f"{v:.2f}" for v in result["ppl_by_position"].values()))
+        Console().print(table)
     return 0
 
 

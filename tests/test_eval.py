@@ -1,12 +1,19 @@
 """`kvstack eval ppl`, `kvstack eval retrieval` and `kvstack eval attention`."""
 
 import json
+import math
 
 import pytest
 import torch
 
 from kvstack.cli import main
-from kvstack.eval.quality import _answers, attention_mass, perplexity, retrieval
+from kvstack.eval.quality import (
+    _answers,
+    attention_mass,
+    perplexity,
+    position_buckets,
+    retrieval,
+)
 from kvstack.train.data import TokenCache, corpus_files, stdlib_root, train_tokenizer
 from kvstack.train.trainer import TrainConfig, Trainer
 
@@ -40,6 +47,27 @@ def test_perplexity_compares_fp4_with_bf16_caches(trained, data):
     assert 1 < result["ppl"] < 512 and 1 < result["ppl_bf16"] < 512
     assert result["ppl"] != result["ppl_bf16"]  # the FP4 path is really taken
     assert 0 < result["kl_vs_bf16"] < 0.1 and 0.5 < result["top1_agreement"] <= 1
+    # By position: the buckets cover every position once, and their size-weighted
+    # log-perplexities average back to the whole window's.
+    buckets = position_buckets(64)
+    assert buckets == [(0, 64)]
+    assert list(result["ppl_by_position"]) == ["0-64"]
+    assert result["ppl_by_position"]["0-64"] == pytest.approx(result["ppl"], rel=1e-5)
+
+
+def test_position_buckets_double_up_to_the_window_length(trained, data):
+    from kvstack.eval.quality import load_eval_model
+
+    assert position_buckets(300) == [(0, 64), (64, 128), (128, 256), (256, 300)]
+    assert position_buckets(40) == [(0, 40)]
+    model, _ = load_eval_model(trained)
+    result = perplexity(model, data[1], seq_len=160, windows=2)
+    sizes = [hi - lo for lo, hi in position_buckets(160)]
+    logs = [math.log(v) for v in result["ppl_by_position"].values()]
+    assert list(result["ppl_by_position"]) == ["0-64", "64-128", "128-160"]
+    assert math.exp(sum(s * v for s, v in zip(sizes, logs, strict=True)) / 160) == pytest.approx(
+        result["ppl"], rel=1e-5)
+    assert len(set(result["ppl_by_position"].values())) == 3
 
 
 def test_retrieval_scores_the_greedy_answer(monkeypatch, data):

@@ -11,6 +11,7 @@ attention probe says where each layer's attention goes on held-out text: its win
 compressed entries the window also holds raw, the entries beyond it, the sink.
 """
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -50,13 +51,16 @@ def perplexity(model: Model, data: TokenCache, seq_len: int, windows: int,
     bf16 = Model(model.config.replace(**BF16)).eval()
     bf16.load_state_dict(model.state_dict())
     nll = {"configured": 0.0, "bf16": 0.0}
+    position_nll = torch.zeros(seq_len)  # configured caches, summed over windows
     kl = agree = 0.0
     for i in range(windows):
         batch = data.batch(1, seq_len, seed, i)
         ids, targets = batch[:, :-1], batch[:, 1:].flatten()
         logits = model(ids).logits.flatten(0, 1)
         reference = bf16(ids).logits.flatten(0, 1)
-        nll["configured"] += F.cross_entropy(logits, targets).item()
+        token_nll = F.cross_entropy(logits, targets, reduction="none")
+        position_nll += token_nll.cpu()
+        nll["configured"] += token_nll.mean().item()
         nll["bf16"] += F.cross_entropy(reference, targets).item()
         p = reference.log_softmax(-1)
         kl += (p.exp() * (p - logits.log_softmax(-1))).sum(-1).mean().item()
@@ -68,7 +72,21 @@ def perplexity(model: Model, data: TokenCache, seq_len: int, windows: int,
         "ppl": ppl["configured"], "ppl_bf16": ppl["bf16"],
         "ppl_increase": ppl["configured"] / ppl["bf16"] - 1,
         "kl_vs_bf16": kl / windows, "top1_agreement": agree / windows,
+        "ppl_by_position": {
+            f"{lo}-{hi}": math.exp(position_nll[lo:hi].mean().item() / windows)
+            for lo, hi in position_buckets(seq_len)
+        },
     }
+
+
+def position_buckets(seq_len: int) -> list[tuple[int, int]]:
+    """[0, 64), [64, 128), [128, 256), ... doubling, the last cut at seq_len: the same
+    buckets for every model, so that a compressed model's perplexity beyond its window
+    can be set beside its dense control's."""
+    edges = [0, min(64, seq_len)]
+    while edges[-1] < seq_len:
+        edges.append(min(2 * edges[-1], seq_len))
+    return list(itertools.pairwise(edges))
 
 
 @torch.no_grad()
