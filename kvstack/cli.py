@@ -366,7 +366,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      seed=args.seed, vocab_size=args.vocab_size, corpus=args.corpus or "",
                      heldout_percent=args.heldout_percent, retrieval_rate=args.retrieval_rate,
                      retrieval_keys=args.retrieval_keys,
-                     model_overrides=dict(args.set or []))
+                     model_overrides=dict(args.set or []), init_from=args.init_from or "")
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -600,6 +600,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="change one key of the preset's model config (a JSON value: "
                             "--set window_size=128 --set 'compress_ratios=[0,2,2,2,1,1,1,1]'); "
                             "repeatable")
+    train.add_argument("--init-from", metavar="MODEL_DIR",
+                       help="start from this model's weights and tokenizer instead of a "
+                            "fresh initialisation (fine-tuning; e.g. kvstack/data/default); "
+                            "its parameter shapes must be the run's")
     train.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     train.set_defaults(run=_cmd_train)
 

@@ -222,3 +222,48 @@ def test_two_torchrun_processes_step_like_one_process_on_the_whole_batch(tmp_pat
     assert logs[0]["grad_norm"] == pytest.approx(logs[1]["grad_norm"], rel=1e-5)
     # Each process saw only its half: the first process's own loss is not the whole batch's.
     assert logs[0]["loss"] != pytest.approx(logs[1]["loss"], rel=1e-6)
+
+
+def test_init_from_starts_from_a_model_and_its_tokenizer(tmp_path):
+    first = Trainer(small_run(), tmp_path / "first")
+    first.run(progress=False)
+    source = tmp_path / "first" / "checkpoint" / "model"
+    # Settings that change no parameter shape (the window here) may differ.
+    tuned = Trainer(small_run(steps=2, init_from=str(source),
+                              model_overrides={"window_size": 8}), tmp_path / "tuned")
+    assert tuned.step == 0
+    for (name, a), (_, b) in zip(first.model.state_dict().items(),
+                                 tuned.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert (tmp_path / "tuned" / "tokenizer.json").read_text() == (
+        source / "tokenizer.json").read_text()
+    tuned.run(progress=False)
+    # Resuming the fine-tune takes its own checkpoint, not the starting weights again.
+    again = Trainer(small_run(steps=2, init_from=str(source),
+                              model_overrides={"window_size": 8}), tmp_path / "tuned")
+    assert again.step == 2
+    for (name, a), (_, b) in zip(tuned.model.state_dict().items(),
+                                 again.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_init_from_refuses_a_model_of_another_shape(tmp_path):
+    Trainer(small_run(steps=1), tmp_path / "first").run(progress=False)
+    source = str(tmp_path / "first" / "checkpoint" / "model")
+    with pytest.raises(ValueError, match=r"weights do not fit the run's model .*embed.weight"):
+        Trainer(small_run(init_from=source, vocab_size=640), tmp_path / "wide")
+    assert not (tmp_path / "wide").exists()
+    with pytest.raises(ValueError, match="not a model directory"):
+        Trainer(small_run(init_from=str(tmp_path)), tmp_path / "none")
+
+
+def test_a_run_written_before_a_setting_existed_still_resumes(tmp_path):
+    Trainer(small_run(steps=1), tmp_path).run(progress=False)
+    saved = json.loads((tmp_path / "train_config.json").read_text())
+    del saved["init_from"]  # as written before --init-from existed
+    (tmp_path / "train_config.json").write_text(json.dumps(saved))
+    assert Trainer(small_run(steps=1), tmp_path).step == 1
+    saved["future_setting"] = 1
+    (tmp_path / "train_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="unknown training settings future_setting"):
+        Trainer(small_run(steps=1), tmp_path)

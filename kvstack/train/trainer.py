@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from kvstack.config import ModelConfig, preset
 from kvstack.model import Model
 from kvstack.model.model import Gate, ModelOutput
+from kvstack.model.params import parameter_shapes
 from kvstack.train.data import (
     TokenCache,
     retrieval_sample,
@@ -68,6 +69,7 @@ class TrainConfig:
     heldout_percent: float = 2.0
     corpus: str = ""  # a directory of .py files; "" = the standard library
     model_overrides: dict = field(default_factory=dict)
+    init_from: str = ""  # a model directory whose weights and tokenizer start the run
 
     def model_config(self) -> ModelConfig:
         c = preset(self.preset)
@@ -80,6 +82,37 @@ class TrainConfig:
             changes["vocab_size"] = self.vocab_size
         changes.setdefault("max_seq_len", max(c.max_seq_len, self.seq_len))
         return c.replace(**changes)
+
+
+def _saved_config(path: Path) -> TrainConfig:
+    """A run directory's training config; keys added to TrainConfig since it was written
+    take their defaults, so older runs still resume."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    saved = json.loads(path.read_text())
+    unknown = sorted(set(saved) - fields)
+    if unknown:
+        raise ValueError(f"{path}: unknown training settings {', '.join(unknown)}")
+    return TrainConfig(**saved)
+
+
+def _initial_weights(tc: TrainConfig) -> dict[str, torch.Tensor]:
+    """The weights of tc.init_from, checked against the run's model: same parameter
+    shapes (settings that change no shape, such as the window or top-k, may differ)."""
+    directory = Path(tc.init_from)
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"init_from {directory}: not a model directory (no config.json)")
+    if not (directory / "tokenizer.json").is_file():
+        raise ValueError(f"init_from {directory}: tokenizer.json is missing (the run must "
+                         "use the tokenizer the model was trained with)")
+    source = Model.from_pretrained(directory)
+    want, have = parameter_shapes(tc.model_config()), parameter_shapes(source.config)
+    differ = sorted(n for n in want.keys() | have.keys() if want.get(n) != have.get(n))
+    if differ:
+        name = differ[0]
+        raise ValueError(f"init_from {directory}: its weights do not fit the run's model "
+                         f"({len(differ)} parameters differ; {name}: "
+                         f"{list(have.get(name, ()))} there, {list(want.get(name, ()))} here)")
+    return source.state_dict()
 
 
 def lr_at(tc: TrainConfig, step: int) -> float:
@@ -122,14 +155,18 @@ class Trainer:
         if tc.batch_size % self.world:
             raise ValueError(f"batch_size {tc.batch_size} does not split over {self.world} "
                              "processes")
-        tc.model_config()  # a bad model setting fails before the run directory is written
+        # A bad model setting or starting model fails before the run directory is written.
+        init_weights = _initial_weights(tc) if tc.init_from else None
         self.out.mkdir(parents=True, exist_ok=True)
         saved = self.out / "train_config.json"
-        if saved.exists() and json.loads(saved.read_text()) != asdict(tc):
+        if saved.exists() and _saved_config(saved) != tc:
             raise ValueError(f"{self.out} holds a run with another training config; use a "
                              "new --out or the same settings to resume")
         if self.rank == 0:
             saved.write_text(json.dumps(asdict(tc), indent=2))
+            tokenizer = self.out / "tokenizer.json"
+            if tc.init_from and not tokenizer.exists():  # its token ids are the model's
+                shutil.copy(Path(tc.init_from) / "tokenizer.json", tokenizer)
             self._prepare_data()
         if self.world > 1:
             dist.barrier()  # the tokenizer and token caches exist before the others read them
@@ -146,6 +183,8 @@ class Trainer:
              {"params": other, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
         self.step = 0
         self._resume()
+        if self.step == 0 and init_weights is not None:
+            self.model.load_state_dict(init_weights)
 
     def _prepare_data(self) -> None:
         tc = self.tc
