@@ -361,6 +361,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     tc = TrainConfig(preset=args.preset, steps=args.steps, seq_len=args.seq_len,
                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                     min_lr=args.min_lr,
                      warmup_steps=args.warmup_steps, dense_warmup_steps=args.dense_warmup_steps,
                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                      seed=args.seed, vocab_size=args.vocab_size, corpus=args.corpus or "",
@@ -583,6 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=_positive_int, default=8)
     train.add_argument("--grad-accum", type=_positive_int, default=1)
     train.add_argument("--lr", type=_positive_float, default=3e-3)
+    train.add_argument("--min-lr", type=float, default=3e-4,
+                       help="where the cosine schedule ends")
     train.add_argument("--warmup-steps", type=int, default=20)
     train.add_argument("--dense-warmup-steps", type=int, default=50)
     train.add_argument("--eval-every", type=_positive_int, default=50)

@@ -156,6 +156,9 @@ def test_a_run_directory_refuses_other_settings(tmp_path):
         Trainer(small_run(lr=1e-3), tmp_path)
     with pytest.raises(ValueError, match=r"0 held-out files at heldout_percent 0\.1"):
         Trainer(small_run(heldout_percent=0.1), tmp_path / "other")
+    with pytest.raises(ValueError, match=r"min_lr 0\.01 must lie between 0 and lr 0\.003"):
+        Trainer(small_run(min_lr=1e-2), tmp_path / "schedule")
+    assert not (tmp_path / "schedule").exists()
 
 
 def test_kvstack_train_command(tmp_path):

@@ -155,6 +155,8 @@ class Trainer:
         if tc.batch_size % self.world:
             raise ValueError(f"batch_size {tc.batch_size} does not split over {self.world} "
                              "processes")
+        if not 0 <= tc.min_lr <= tc.lr:
+            raise ValueError(f"min_lr {tc.min_lr} must lie between 0 and lr {tc.lr}")
         # A bad model setting or starting model fails before the run directory is written.
         init_weights = _initial_weights(tc) if tc.init_from else None
         self.out.mkdir(parents=True, exist_ok=True)
