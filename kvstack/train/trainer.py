@@ -158,6 +158,7 @@ class Trainer:
         if not 0 <= tc.min_lr <= tc.lr:
             raise ValueError(f"min_lr {tc.min_lr} must lie between 0 and lr {tc.lr}")
         # A bad model setting or starting model fails before the run directory is written.
+        tc.model_config()
         init_weights = _initial_weights(tc) if tc.init_from else None
         self.out.mkdir(parents=True, exist_ok=True)
         saved = self.out / "train_config.json"
