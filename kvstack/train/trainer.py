@@ -95,24 +95,23 @@ def _saved_config(path: Path) -> TrainConfig:
     return TrainConfig(**saved)
 
 
-def _initial_weights(tc: TrainConfig) -> dict[str, torch.Tensor]:
-    """The weights of tc.init_from, checked against the run's model: same parameter
-    shapes (settings that change no shape, such as the window or top-k, may differ)."""
+def _check_init_from(tc: TrainConfig) -> None:
+    """tc.init_from is a model directory with its tokenizer whose parameter shapes are the
+    run's (settings that change no shape, such as the window or top-k, may differ)."""
     directory = Path(tc.init_from)
     if not (directory / "config.json").is_file():
         raise ValueError(f"init_from {directory}: not a model directory (no config.json)")
     if not (directory / "tokenizer.json").is_file():
         raise ValueError(f"init_from {directory}: tokenizer.json is missing (the run must "
                          "use the tokenizer the model was trained with)")
-    source = Model.from_pretrained(directory)
-    want, have = parameter_shapes(tc.model_config()), parameter_shapes(source.config)
+    have = parameter_shapes(ModelConfig.from_json(directory / "config.json"))
+    want = parameter_shapes(tc.model_config())
     differ = sorted(n for n in want.keys() | have.keys() if want.get(n) != have.get(n))
     if differ:
         name = differ[0]
         raise ValueError(f"init_from {directory}: its weights do not fit the run's model "
                          f"({len(differ)} parameters differ; {name}: "
                          f"{list(have.get(name, ()))} there, {list(want.get(name, ()))} here)")
-    return source.state_dict()
 
 
 def lr_at(tc: TrainConfig, step: int) -> float:
@@ -159,7 +158,8 @@ class Trainer:
             raise ValueError(f"min_lr {tc.min_lr} must lie between 0 and lr {tc.lr}")
         # A bad model setting or starting model fails before the run directory is written.
         tc.model_config()
-        init_weights = _initial_weights(tc) if tc.init_from else None
+        if tc.init_from:
+            _check_init_from(tc)
         self.out.mkdir(parents=True, exist_ok=True)
         saved = self.out / "train_config.json"
         if saved.exists() and _saved_config(saved) != tc:
@@ -186,8 +186,9 @@ class Trainer:
              {"params": other, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
         self.step = 0
         self._resume()
-        if self.step == 0 and init_weights is not None:
-            self.model.load_state_dict(init_weights)
+        if self.step == 0 and tc.init_from:  # a resumed run has its own checkpoint
+            start = Model.from_pretrained(tc.init_from, device=self.device)
+            self.model.load_state_dict(start.state_dict())
 
     def _prepare_data(self) -> None:
         tc = self.tc
