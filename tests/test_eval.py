@@ -80,6 +80,8 @@ def test_retrieval_scores_the_greedy_answer(monkeypatch, data):
     result = retrieval(model, tokenizer, cache, lengths=[64, 96], depths=[0.2, 0.8], samples=2)
     assert len(result["accuracy"]) == 2 and all(len(r) == 2 for r in result["accuracy"])
     assert all(0 <= a <= 1 for r in result["accuracy"] for a in r)
+    with pytest.raises(ValueError, match=r"depth 1\.5 must lie in \[0, 1\]"):
+        retrieval(model, tokenizer, cache, lengths=[64], depths=[0.5, 1.5], samples=1)
     # A model made to emit exactly the answer scores; one that misses a token does not.
     ids = list(range(10, 40))
     answer_start = 25

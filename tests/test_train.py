@@ -73,6 +73,8 @@ def test_retrieval_samples_ask_for_a_key_defined_at_the_given_depth(tmp_path):
     defined_at = text.index(f"{key} =") / len(text)
     assert 0.1 < defined_at < 0.4 and sample.depth == 0.25
     assert abs(len(sample.ids) - 400) <= 2
+    with pytest.raises(ValueError, match=r"depth 1\.5 must lie in"):
+        retrieval_sample(cache, tokenizer, length=400, depth=1.5, generator=g)
 
 
 def test_training_retrieval_samples_ask_every_key_and_score_the_last(tmp_path):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kvstack.cache.contiguous import ContiguousCache
 from kvstack.model import Model
-from kvstack.train.data import TokenCache, retrieval_sample, split_corpus, stdlib_root
+from kvstack.train.data import TokenCache, check_depth, retrieval_sample, split_corpus, stdlib_root
 
 BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
 
@@ -124,6 +124,8 @@ def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
               depths: list[float], samples: int, replay: str = "exact",
               seed: int = 0) -> dict[str, Any]:
     """Accuracy of greedy answers by length and depth: [len(lengths)][len(depths)]."""
+    for depth in depths:  # before any sample is scored
+        check_depth(depth)
     accuracy = []
     for length in lengths:
         row = []

@@ -129,6 +129,12 @@ class RetrievalSample:
     length: int
 
 
+def check_depth(depth: float) -> None:
+    """A retrieval key's depth is a fraction of the sample."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth {depth} must lie in [0, 1] (a fraction of the sample)")
+
+
 def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
                      generator: torch.Generator, extra_keys: int = 0) -> RetrievalSample:
     """Real code of `length` tokens with `KEY_<n> = "<value>"` placed at `depth` and
@@ -137,6 +143,7 @@ def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
     Training samples may carry `extra_keys` more keys, defined at random depths and asked
     (answers included) just before the scored one: more answer tokens per sample, since one
     key's answer is a handful of tokens among hundreds."""
+    check_depth(depth)
     keys = [_key_value(generator) for _ in range(extra_keys + 1)]
     depths = [float(torch.rand((), generator=generator)) for _ in range(extra_keys)] + [depth]
     defines = [tokenizer.encode(f'\n{k} = "{v}"\n').ids for k, v in keys]
