@@ -35,6 +35,8 @@ def test_the_split_never_puts_a_file_in_both_halves():
     # Decided by the path alone: the same in any order, with any other files around.
     assert all(is_heldout(f, 2.0) for f in heldout)
     assert split_corpus(heldout_percent=2.0) == (train, heldout)
+    with pytest.raises(ValueError, match="heldout_percent 150 must lie strictly between"):
+        split_corpus(heldout_percent=150)
 
 
 def test_token_cache_is_written_once_and_batches_are_a_function_of_the_step(tmp_path):
@@ -158,9 +160,24 @@ def test_a_run_directory_refuses_other_settings(tmp_path):
         Trainer(small_run(lr=1e-3), tmp_path)
     with pytest.raises(ValueError, match=r"0 held-out files at heldout_percent 0\.1"):
         Trainer(small_run(heldout_percent=0.1), tmp_path / "other")
-    with pytest.raises(ValueError, match=r"min_lr 0\.01 must lie between 0 and lr 0\.003"):
-        Trainer(small_run(min_lr=1e-2), tmp_path / "schedule")
-    assert not (tmp_path / "schedule").exists()
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(min_lr=1e-2), r"min_lr 0\.01 must lie between 0 and lr 0\.003"),
+    (dict(retrieval_rate=1.5), r"retrieval_rate 1\.5 must lie in \[0, 1\]"),
+    (dict(warmup_steps=-1), "warmup_steps must be at least 0, got -1"),
+    (dict(dense_warmup_steps=-1), "dense_warmup_steps must be at least 0, got -1"),
+    (dict(grad_clip=0.0), "grad_clip must be positive"),
+    (dict(vocab_size=100), r"vocab_size 100 cannot hold the byte-level BPE alphabet"),
+    (dict(heldout_percent=100.0), "heldout_percent 100.0 must lie strictly between"),
+    (dict(corpus="/nonexistent"), "corpus /nonexistent: 0 training and 0 held-out files"),
+])
+def test_an_impossible_setting_is_refused_before_the_run_directory_is_written(
+        tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        Trainer(small_run(**change), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_kvstack_train_command(tmp_path):

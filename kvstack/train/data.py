@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
+MIN_VOCAB = 256 + len(SPECIALS)  # the byte-level alphabet and the special tokens
 
 
 def stdlib_root() -> Path:
@@ -54,6 +55,9 @@ def read_source(path: Path) -> str | None:
 def split_corpus(root: Path | None = None,
                  heldout_percent: float = 2.0) -> tuple[list[Path], list[Path]]:
     """(train, heldout) relative paths."""
+    if not 0 < heldout_percent < 100:
+        raise ValueError(f"heldout_percent {heldout_percent} must lie strictly between 0 and "
+                         "100 (both halves need files)")
     files = corpus_files(root)
     heldout = [f for f in files if is_heldout(f, heldout_percent)]
     train = [f for f in files if not is_heldout(f, heldout_percent)]

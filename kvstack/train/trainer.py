@@ -35,6 +35,7 @@ from kvstack.model import Model
 from kvstack.model.model import Gate, ModelOutput
 from kvstack.model.params import parameter_shapes
 from kvstack.train.data import (
+    MIN_VOCAB,
     TokenCache,
     retrieval_sample,
     split_corpus,
@@ -82,6 +83,28 @@ class TrainConfig:
             changes["vocab_size"] = self.vocab_size
         changes.setdefault("max_seq_len", max(c.max_seq_len, self.seq_len))
         return c.replace(**changes)
+
+    def check(self) -> None:
+        """Refuse an impossible setting by name (before a run directory is written)."""
+        at_least = {"steps": 1, "seq_len": 2, "batch_size": 1, "grad_accum": 1,
+                    "warmup_steps": 0, "dense_warmup_steps": 0, "eval_every": 1,
+                    "eval_batches": 1, "checkpoint_every": 1, "retrieval_keys": 1,
+                    "vocab_size": 0, "index_loss_weight": 0, "weight_decay": 0}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        for name in ("lr", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr {self.min_lr} must lie between 0 and lr {self.lr}")
+        if not 0 <= self.retrieval_rate <= 1:
+            raise ValueError(f"retrieval_rate {self.retrieval_rate} must lie in [0, 1] (a "
+                             "share of the rows)")
+        vocab = self.model_config().vocab_size
+        if vocab < MIN_VOCAB:
+            raise ValueError(f"vocab_size {vocab} cannot hold the byte-level BPE alphabet "
+                             f"and its special tokens ({MIN_VOCAB})")
 
 
 def _saved_config(path: Path) -> TrainConfig:
@@ -154,10 +177,15 @@ class Trainer:
         if tc.batch_size % self.world:
             raise ValueError(f"batch_size {tc.batch_size} does not split over {self.world} "
                              "processes")
-        if not 0 <= tc.min_lr <= tc.lr:
-            raise ValueError(f"min_lr {tc.min_lr} must lie between 0 and lr {tc.lr}")
-        # A bad model setting or starting model fails before the run directory is written.
-        tc.model_config()
+        # A bad setting, model, corpus or starting model fails before the run directory is
+        # written.
+        tc.check()
+        self.corpus = Path(tc.corpus) if tc.corpus else stdlib_root()
+        self.split = split_corpus(self.corpus, tc.heldout_percent)  # (train, held-out)
+        if not all(self.split):
+            raise ValueError(f"corpus {self.corpus}: {len(self.split[0])} training and "
+                             f"{len(self.split[1])} held-out files at heldout_percent "
+                             f"{tc.heldout_percent}; both halves need files")
         if tc.init_from:
             _check_init_from(tc)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -193,12 +221,7 @@ class Trainer:
     def _prepare_data(self) -> None:
         tc = self.tc
         self.config = tc.model_config()
-        root = Path(tc.corpus) if tc.corpus else stdlib_root()
-        train_files, heldout_files = split_corpus(root, tc.heldout_percent)
-        if not train_files or not heldout_files:
-            raise ValueError(f"corpus {root}: {len(train_files)} training and "
-                             f"{len(heldout_files)} held-out files at heldout_percent "
-                             f"{tc.heldout_percent}; both halves need files")
+        root, (train_files, heldout_files) = self.corpus, self.split
         tok_path = self.out / "tokenizer.json"
         if tok_path.exists():
             from tokenizers import Tokenizer
