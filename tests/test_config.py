@@ -1,6 +1,7 @@
 """ModelConfig: presets, mode resolution, JSON, and the validation rules of DESIGN.md."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +218,13 @@ def test_dense_control_keeps_width_depth_and_ffn():
 def test_unknown_preset():
     with pytest.raises(ValueError, match=r"unknown preset 'huge'; known: deepseek-v4\.1-flash"):
         preset("huge")
+
+
+def test_the_default_presets_are_the_shipped_models_configs():
+    """`--preset default` / `dense-default` must reproduce what kvstack/data/default and
+    models/dense-default were trained with: the model cards' commands rely on it."""
+    root = Path(__file__).resolve().parent.parent
+    for name, directory in (("default", root / "kvstack" / "data" / "default"),
+                            ("dense-default", root / "models" / "dense-default")):
+        shipped = ModelConfig.from_json(directory / "config.json")
+        assert preset(name) == shipped, name
