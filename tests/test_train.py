@@ -104,6 +104,16 @@ def test_a_few_steps_lower_the_loss(tmp_path):
     assert sum(last) < sum(first) - 0.3
 
 
+def test_the_heldout_set_does_not_depend_on_how_a_step_is_split(tmp_path):
+    """batch 4 x accumulation 2 is evaluated on the rows of batch 8 x 1, so a CPU recipe's
+    held-out loss compares with a GPU run's."""
+    split = Trainer(small_run(batch_size=4, grad_accum=2), tmp_path / "split").evaluate()
+    whole = Trainer(small_run(batch_size=8), tmp_path / "whole").evaluate()
+    assert split["heldout_loss"] == pytest.approx(whole["heldout_loss"], rel=1e-5)
+    half = Trainer(small_run(batch_size=4), tmp_path / "half").evaluate()
+    assert half["heldout_loss"] != pytest.approx(whole["heldout_loss"], rel=1e-5)
+
+
 def test_the_indexer_loss_trains_the_indexer():
     """Dense warm-up: with everything else frozen, the indexer's KL to the attention it
     should predict goes down."""

@@ -337,16 +337,23 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Held-out cross-entropy and perplexity, top-k attention as served."""
+        """Held-out cross-entropy and perplexity, top-k attention as served. The rows are
+        `eval_batches` draws of a whole step's rows (batch_size x grad_accum), fed in
+        micro-batches: a recipe gets the same held-out set however its step is split."""
         self.model.eval()
-        total = 0.0
-        for i in range(self.tc.eval_batches):
-            batch = self.heldout_data.batch(self.tc.batch_size, self.tc.seq_len,
-                                            self.tc.seed + 1, i).to(self.device)
-            with self._autocast():
-                logits = self.model(batch[:, :-1]).logits
-            total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
-        loss = total / self.tc.eval_batches
+        tc = self.tc
+        total, n_rows = 0.0, 0
+        for i in range(tc.eval_batches):
+            rows = self.heldout_data.batch(tc.batch_size * tc.grad_accum, tc.seq_len,
+                                           tc.seed + 1, i)  # [batch_size * grad_accum, T + 1]
+            for micro in rows.split(tc.batch_size):
+                micro = micro.to(self.device)
+                with self._autocast():
+                    logits = self.model(micro[:, :-1]).logits
+                total += F.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten(),
+                                         reduction="sum").item()
+                n_rows += micro.shape[0]
+        loss = total / (n_rows * tc.seq_len)
         return {"heldout_loss": loss, "heldout_ppl": math.exp(loss)}
 
     def run(self, progress: bool = True) -> None:
