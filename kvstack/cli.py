@@ -432,6 +432,29 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_knockout(args: argparse.Namespace) -> int:
+    from kvstack.eval.quality import knockout
+
+    model, tokenizer, data = _eval_data(args)
+    result = knockout(model, tokenizer, data, args.length, args.depths, args.samples)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    console = Console()
+    console.print(f"retrieval at {args.length} tokens (depths "
+                  f"{', '.join(f'{d:.0%}' for d in args.depths)}, {args.samples} questions "
+                  "each) with one layer's compressed entries left out of its attention")
+    table = Table(box=box.SIMPLE_HEAD)
+    for name in ("left out", "mode", "ratio", "answer NLL", "accuracy"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    for row in result["layers"]:
+        name = "none" if row["layer"] is None else f"layer {row['layer']}"
+        table.add_row(name, row.get("mode", ""), str(row.get("ratio", "")),
+                      f"{row['answer_nll']:.3f}", f"{row['accuracy']:.0%}")
+    console.print(table)
+    return 0
+
+
 def _cmd_eval_attention(args: argparse.Namespace) -> int:
     from kvstack.eval.quality import attention_mass
 
@@ -650,7 +673,13 @@ def build_parser() -> argparse.ArgumentParser:
     att.add_argument("--from-position", type=int,
                      help="probe queries from this position on (default: half of --seq-len)")
     att.set_defaults(run=_cmd_eval_attention)
-    for p in (ppl, ret, rep, att):
+    knock = kinds.add_parser("knockout", help="which layers' compressed attention "
+                             "retrieval needs: one layer at a time left to its window")
+    knock.add_argument("--length", type=_positive_int, default=512)
+    knock.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5])
+    knock.add_argument("--samples", type=_positive_int, default=8)
+    knock.set_defaults(run=_cmd_eval_knockout)
+    for p in (ppl, ret, rep, att, knock):
         p.add_argument("--model", required=True, help="a model directory")
         p.add_argument("--heldout-percent", type=_positive_float, default=2.0)
         p.add_argument("--json", action="store_true")

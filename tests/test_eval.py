@@ -1,4 +1,4 @@
-"""`kvstack eval ppl`, `kvstack eval retrieval` and `kvstack eval attention`."""
+"""`kvstack eval ppl`, `retrieval`, `attention` and `knockout`."""
 
 import json
 import math
@@ -10,6 +10,7 @@ from kvstack.cli import main
 from kvstack.eval.quality import (
     _answers,
     attention_mass,
+    knockout,
     perplexity,
     position_buckets,
     retrieval,
@@ -107,6 +108,9 @@ def test_eval_commands(trained, tmp_path, capsys):
     assert main(["eval", "attention", "--model", str(trained), "--seq-len", "64",
                  "--windows", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["from_position"] == 32
+    assert main(["eval", "knockout", "--model", str(trained), "--length", "64",
+                 "--depths", "0.2", "--samples", "1"]) == 0
+    assert "layer 1" in capsys.readouterr().out
     assert main(["eval", "ppl", "--model", str(tmp_path / "missing")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
@@ -176,3 +180,43 @@ def test_attention_probe_over_held_out_windows(trained, data):
     with pytest.raises(ValueError, match="dense control attends to every token"):
         attention_mass(Model(preset("dense-tiny")), data[1], seq_len=64, windows=1,
                        from_position=0)
+
+
+def test_a_knocked_out_layer_attends_to_its_window_and_sink_only():
+    from kvstack.config import preset
+    from kvstack.model import Model
+
+    torch.manual_seed(0)
+    model = Model(preset("tiny")).eval()
+    ids = torch.randint(0, 512, (1, 80))
+    compressed = [spec.index for spec in model.config.layers if spec.ratio]
+    with torch.no_grad():
+        plain = model(ids, probe=True)
+        for layer in compressed:
+            out = model(ids, probe=True, window_only=frozenset({layer}))
+            assert (out.attention_mass[layer][..., 1:3] == 0).all()
+            for earlier in range(layer):
+                torch.testing.assert_close(out.attention_mass[earlier],
+                                           plain.attention_mass[earlier], rtol=0, atol=0,
+                                           equal_nan=True)
+            assert not torch.equal(out.logits, plain.logits)
+
+
+def test_knockout_leaves_out_each_compressed_layer_in_turn(trained, data):
+    from kvstack.config import preset
+    from kvstack.eval.quality import load_eval_model
+    from kvstack.model import Model
+
+    model, tokenizer = load_eval_model(trained)
+    result = knockout(model, tokenizer, data[1], length=64, depths=[0.1, 0.5], samples=2)
+    rows = result["layers"]
+    assert rows[0]["layer"] is None
+    assert [r["layer"] for r in rows[1:]] == [s.index for s in model.config.layers if s.ratio]
+    for row in rows:
+        assert row["answer_nll"] > 0 and row["accuracy"] in (0, 0.25, 0.5, 0.75, 1)
+    assert len({round(r["answer_nll"], 9) for r in rows}) > 1  # leaving a layer out matters
+    with pytest.raises(ValueError, match=r"depth 1\.5 must lie in"):
+        knockout(model, tokenizer, data[1], length=64, depths=[1.5], samples=1)
+    with pytest.raises(ValueError, match="no compressed entries"):
+        knockout(Model(preset("dense-tiny")), tokenizer, data[1], length=64, depths=[0.5],
+                 samples=1)

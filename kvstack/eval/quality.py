@@ -8,7 +8,9 @@ weights), and reports the KL divergence between their next-token distributions, 
 llama.cpp does for quantised caches. Retrieval asks for a key defined at a given depth of
 real code and scores the greedy answer, through CED prefill and decode as served. The
 attention probe says where each layer's attention goes on held-out text: its window, the
-compressed entries the window also holds raw, the entries beyond it, the sink.
+compressed entries the window also holds raw, the entries beyond it, the sink. The
+knockout says which layers' compressed attention retrieval needs: the same questions with
+one layer at a time attending to its window and sink only.
 """
 
 import itertools
@@ -139,6 +141,41 @@ def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
         accuracy.append(row)
     return {"lengths": lengths, "depths": depths, "samples": samples, "replay": replay,
             "accuracy": accuracy}
+
+
+@torch.no_grad()
+def knockout(model: Model, tokenizer: Any, data: TokenCache, length: int,
+             depths: list[float], samples: int, seed: int = 0) -> dict[str, Any]:
+    """Retrieval with each compressed layer's compressed entries left out of its attention
+    in turn (`window_only`; its stream, indexer and top-k still serve later layers), on the
+    questions `retrieval` asks at this length. Answers are scored teacher-forced in the
+    reference forward: the mean NLL of the answer tokens, and exact when every answer
+    token is the argmax, which is when greedy decoding reproduces the answer."""
+    if model.config.arch == "dense":
+        raise ValueError("the dense control has no compressed entries to leave out")
+    for depth in depths:
+        check_depth(depth)
+    questions = []
+    for depth in depths:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + length * 101 + round(depth * 100))
+        questions += [retrieval_sample(data, tokenizer, length, depth, g) for _ in range(samples)]
+
+    def score(window_only: frozenset[int]) -> dict[str, float]:
+        nll, exact = 0.0, 0
+        for q in questions:
+            logits = model(torch.tensor([q.ids]), window_only=window_only).logits
+            logp = F.log_softmax(logits[0, q.answer_start - 1 : -1].double(), dim=-1)
+            answer = torch.tensor(q.ids[q.answer_start :])
+            nll += -logp.gather(-1, answer[:, None]).mean().item()
+            exact += bool((logp.argmax(-1) == answer).all())
+        return {"answer_nll": nll / len(questions), "accuracy": exact / len(questions)}
+
+    layers = [{"layer": None, **score(frozenset())}]
+    for spec in model.config.layers:
+        if spec.ratio:
+            layers.append({"layer": spec.index, "mode": str(spec.mode), "ratio": spec.ratio,
+                           **score(frozenset({spec.index}))})
+    return {"length": length, "depths": depths, "samples": samples, "layers": layers}
 
 
 def _answers(model: Model, ids: list[int], answer_start: int, replay: str) -> bool:

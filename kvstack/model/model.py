@@ -231,6 +231,10 @@ class StepContext:
     attention_targets: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N]
     probe: bool = False  # keep where each layer's attention went (`attention_mass`)
     attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,5]
+    # Layers that attend to their window and sink only, their compressed entries left out
+    # (their streams, indexers and top-k still serve later layers): what each layer's
+    # compressed attention is needed for (`kvstack eval knockout`).
+    window_only: frozenset[int] = frozenset()
 
 
 class Compressor(nn.Module):
@@ -485,6 +489,8 @@ class Attention(nn.Module):
                 topks.append(select_topk(s, c.index_topk))
             if spec.ratio and not ctx.dense:
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
+            if spec.index in ctx.window_only:
+                all_kv = selected = None  # window and sink only
             outs.append(self._attend(q[:, block], positions[:, block], window, window_positions,
                                      store, all_kv, selected, ctx, n_entries))
         if topks:
@@ -721,16 +727,18 @@ class Model(nn.Module):
 
     # ---- reference forward -------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, dense: bool = False,
-                collect: bool = False, probe: bool = False) -> ModelOutput:
+                collect: bool = False, probe: bool = False,
+                window_only: frozenset[int] = frozenset()) -> ModelOutput:
         """Every layer over every token. `dense`: attend to all visible compressed
         entries (the warm-up); `collect`: also return indexer scores and targets; `probe`:
-        also return where each layer's attention went."""
+        also return where each layer's attention went; `window_only`: layers whose
+        attention leaves their compressed entries out."""
         ids = self._check_ids(input_ids)
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"{ids.shape[1]} tokens exceed max_seq_len "
                              f"{self.config.max_seq_len}")
         store = ReferenceStore(self.config, ids.shape[0], ids.device)
-        ctx = StepContext(dense=dense, collect=collect, probe=probe)
+        ctx = StepContext(dense=dense, collect=collect, probe=probe, window_only=window_only)
         x = self._run(self._embed(ids), 0, store, range(self.config.n_layers), ctx)
         return ModelOutput(self._logits(x), ctx.index_scores, ctx.attention_targets,
                            ctx.attention_mass)
