@@ -185,11 +185,15 @@ def test_a_kill_at_any_moment_of_a_save_leaves_the_old_or_the_new_session(tmp_pa
     DiskTier(tmp_path, 1 << 30).save("s", "fp", 8, 64, *states[64], 100)
     rng = random.Random(0)
     seen = set()
-    for _ in range(24):
+    kills = 0
+    # At least 24 kills, and on until both states have been seen: on a loaded machine a
+    # save can take longer than the first delays, so they grow by 50 ms every 24 kills.
+    while kills < 24 or (seen != {64, 160} and kills < 240):
         child = subprocess.Popen([sys.executable, "-c", KILL_LOOP, disk_file, str(tmp_path)],
                                  stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.05))
+        time.sleep(rng.uniform(0.0, 0.05 * (1 + kills // 24)))
+        kills += 1
         child.send_signal(signal.SIGKILL)
         child.wait()
         tier = DiskTier(tmp_path, 1 << 30)
