@@ -132,7 +132,7 @@ def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
     for length in lengths:
         row = []
         for depth in depths:
-            g = torch.Generator().manual_seed(seed * 1_000_003 + length * 101 + round(depth * 100))
+            g = _question_generator(length, depth, seed)
             hits = 0
             for _ in range(samples):
                 sample = retrieval_sample(data, tokenizer, length, depth, g)
@@ -157,7 +157,7 @@ def knockout(model: Model, tokenizer: Any, data: TokenCache, length: int,
         check_depth(depth)
     questions = []
     for depth in depths:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + length * 101 + round(depth * 100))
+        g = _question_generator(length, depth, seed)
         questions += [retrieval_sample(data, tokenizer, length, depth, g) for _ in range(samples)]
 
     def score(window_only: frozenset[int]) -> dict[str, float]:
@@ -176,6 +176,12 @@ def knockout(model: Model, tokenizer: Any, data: TokenCache, length: int,
             layers.append({"layer": spec.index, "mode": str(spec.mode), "ratio": spec.ratio,
                            **score(frozenset({spec.index}))})
     return {"length": length, "depths": depths, "samples": samples, "layers": layers}
+
+
+def _question_generator(length: int, depth: float, seed: int) -> torch.Generator:
+    """The generator of the retrieval questions at one length and depth: `retrieval` and
+    `knockout` ask the same ones."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + length * 101 + round(depth * 100))
 
 
 def _answers(model: Model, ids: list[int], answer_start: int, replay: str) -> bool:
