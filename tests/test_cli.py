@@ -12,7 +12,7 @@ def test_generate_uses_the_bundled_model_without_model(capsys):
     assert main(["generate", "--prompt", "import os\n", "--max-tokens", "4", "--temperature",
                  "0", "--kv-budget", "16MiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["memory"]["planned_bytes_per_token"] == 79.5 and out["token_ids"]
+    assert out["memory"]["planned_bytes_per_token"] == 133.5 and out["token_ids"]
 
 
 def test_generate_json(capsys):

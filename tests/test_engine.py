@@ -318,4 +318,4 @@ def test_the_bundled_model_serves_by_default():
     assert llm.config.n_encoder_layers == 4 and llm.config.kv_format == "fp4_e4m3_16"
     out = llm.generate("def main():\n", SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.token_ids and out.text
-    assert llm.memory_report()["planned_bytes_per_token"] == 79.5
+    assert llm.memory_report()["planned_bytes_per_token"] == 133.5
