@@ -299,3 +299,22 @@ def test_a_run_written_before_a_setting_existed_still_resumes(tmp_path):
     (tmp_path / "train_config.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="unknown training settings future_setting"):
         Trainer(small_run(steps=1), tmp_path)
+
+
+def test_resuming_never_rewrites_the_saved_config(tmp_path):
+    # Under torchrun the other processes read it while process 0 starts: rewriting it
+    # then let one of them read an empty file.
+    Trainer(small_run(steps=1), tmp_path).run(progress=False)
+    saved = tmp_path / "train_config.json"
+    before = saved.stat()
+    assert Trainer(small_run(steps=1), tmp_path).step == 1
+    assert (saved.stat().st_ino, saved.stat().st_mtime_ns) == (before.st_ino,
+                                                                before.st_mtime_ns)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tmp") == []
+
+
+def test_a_corrupt_saved_config_is_named(tmp_path):
+    Trainer(small_run(steps=1), tmp_path)
+    (tmp_path / "train_config.json").write_text("")  # as a kill mid-write once left it
+    with pytest.raises(ValueError, match=r"train_config\.json is not a training config"):
+        Trainer(small_run(steps=1), tmp_path)

@@ -107,11 +107,22 @@ class TrainConfig:
                              f"and its special tokens ({MIN_VOCAB})")
 
 
+def _replace_text(path: Path, text: str) -> None:
+    """Swap in `text` as the whole of `path` by a rename, so no reader sees it half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _saved_config(path: Path) -> TrainConfig:
     """A run directory's training config; keys added to TrainConfig since it was written
     take their defaults, so older runs still resume."""
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not a training config ({e}); restore it or start a "
+                         "new --out") from e
     unknown = sorted(set(saved) - fields)
     if unknown:
         raise ValueError(f"{path}: unknown training settings {', '.join(unknown)}")
@@ -194,7 +205,10 @@ class Trainer:
             raise ValueError(f"{self.out} holds a run with another training config; use a "
                              "new --out or the same settings to resume")
         if self.rank == 0:
-            saved.write_text(json.dumps(asdict(tc), indent=2))
+            if not saved.exists():
+                # Written once, whole or not at all: the other processes of a resumed run
+                # read it at this moment, and a kill must not leave it empty.
+                _replace_text(saved, json.dumps(asdict(tc), indent=2))
             tokenizer = self.out / "tokenizer.json"
             if tc.init_from and not tokenizer.exists():  # its token ids are the model's
                 shutil.copy(Path(tc.init_from) / "tokenizer.json", tokenizer)
@@ -250,7 +264,7 @@ class Trainer:
         if self.rank == 0 and log.exists():  # steps after the checkpoint are run again
             kept = [line for line in log.read_text().splitlines()
                     if json.loads(line)["step"] <= self.step]
-            log.write_text("".join(line + "\n" for line in kept))
+            _replace_text(log, "".join(line + "\n" for line in kept))
 
     def save_checkpoint(self) -> None:
         """Write to a temporary directory, then swap it in: a kill leaves the old one."""
