@@ -66,10 +66,11 @@ def demo(model: str | Path | None = None, control: str | Path | None = None,
          context: int = 3072, max_tokens: int = 48, console: Console | None = None
          ) -> dict[str, Any]:
     console = console or Console()
+    why = "it holds no model.safetensors" if model else "the bundled model is not trained yet"
     model = Path(model) if model else bundled_model()
     control = Path(control) if control else REPO_CONTROL
     if not (model / "model.safetensors").is_file():
-        raise ValueError(f"no model at {model}: the bundled model is not trained yet")
+        raise ValueError(f"no model at {model}: {why}")
     path = Path(sysconfig.get_paths()["stdlib"]) / DEMO_FILE
     source = path.read_text()
     console.print(f"[bold]kvstack demo[/bold]: reading {path} ({len(source):,} characters) "

@@ -43,9 +43,16 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     return code | (_sign_bits(v) << 3)
 
 
+def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """table[codes] for uint8 codes: rows of table [256 or 16, ...] by code. index_select
+    on the flattened codes, which is several times faster on CPU than advanced indexing."""
+    rows = table.to(codes.device).index_select(0, codes.flatten().long())
+    return rows.view(*codes.shape, *table.shape[1:])
+
+
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, low 4 bits used) to float32."""
-    return _E2M1_TABLE.to(code.device)[(code & 0x0F).long()]
+    return _lookup(_E2M1_TABLE, code & 0x0F)
 
 
 # Both elements of every packed byte: row b is (value of the low nibble, of the high one).
@@ -57,7 +64,7 @@ _E2M1_PAIRS = torch.stack(
 def e2m1_decode_packed(packed: torch.Tensor) -> torch.Tensor:
     """Packed E2M1 bytes [..., n] to float32 [..., 2n] (element 2i from the low nibble),
     with one table lookup per byte."""
-    return _E2M1_PAIRS.to(packed.device)[packed.long()].flatten(-2)
+    return _lookup(_E2M1_PAIRS, packed).flatten(-2)
 
 
 def float32_exponent(x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +154,7 @@ _E4M3_TABLE = _e4m3_table()
 
 def e4m3_decode(code: torch.Tensor) -> torch.Tensor:
     """E4M3 (fn) codes (uint8) to float32; 0x7F and 0xFF are NaN."""
-    return _E4M3_TABLE.to(code.device)[code.long()]
+    return _lookup(_E4M3_TABLE, code)
 
 
 def ue8m0_decode(byte: torch.Tensor) -> torch.Tensor:
