@@ -140,6 +140,31 @@ def test_the_indexer_loss_trains_the_indexer():
     assert kls[-1] < 0.8 * kls[0], kls
 
 
+def test_the_indexer_loss_trains_the_indexer_alone():
+    """The KL term's gradient stays in the indexer and index-key projections (it must not
+    pull the trunk's queries, residual stream or compressed entries towards what is easy
+    to index), and the cross-entropy's never reaches them."""
+    torch.manual_seed(0)
+    from kvstack.config import preset
+    from kvstack.model import Model
+
+    model = Model(preset("tiny"))
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    ce, kl = losses(model(ids[:, :-1], dense=True, collect=True), ids[:, 1:])
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    indexer = {n for n in named if ".indexer." in n or "wk_index" in n or "index_norm" in n}
+    kl_grads = torch.autograd.grad(kl, list(named.values()), allow_unused=True,
+                                   retain_graph=True)
+    ce_grads = torch.autograd.grad(ce, list(named.values()), allow_unused=True)
+    def reached(grads: tuple) -> set[str]:
+        return {n for n, g in zip(named, grads, strict=True) if g is not None and g.any()}
+
+    reached_by_kl, reached_by_ce = reached(kl_grads), reached(ce_grads)
+    assert kl.item() > 0 and reached_by_kl, "the KL term trains nothing"
+    assert reached_by_kl <= indexer, sorted(reached_by_kl - indexer)
+    assert not reached_by_ce & indexer, sorted(reached_by_ce & indexer)
+
+
 def test_resume_after_a_kill_continues_exactly(tmp_path):
     whole = Trainer(small_run(), tmp_path / "whole")
     whole.run(progress=False)

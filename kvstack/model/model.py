@@ -287,7 +287,9 @@ class Compressor(nn.Module):
         first = store.stream_len(self.layer)
         positions = ((first + torch.arange(pooled.shape[1], device=x.device)) * r)[None]
         entries = self.norm(pooled)
-        keys = rotate(self.index_norm(self.wk_index(entries)), positions, self.freqs)
+        # Index keys read the entries detached: the indexer's KL loss trains the index-key
+        # projection, not the stream that attention reads as keys and values.
+        keys = rotate(self.index_norm(self.wk_index(entries.detach())), positions, self.freqs)
         store.append_stream(self.layer, {"kv": rotate(entries, positions, self.freqs),
                                          "index": keys})
 
@@ -477,8 +479,12 @@ class Attention(nn.Module):
             block = slice(i, i + QUERY_BLOCK)
             selected = None  # [B, q, k] entry indices, -1 for none; None = all visible
             if self.indexer is not None:
-                s = self.indexer.scores(x[:, block], qr[:, block], positions[:, block], store,
-                                        n_entries)
+                # Detached as in DeepSeek-V3.2: the KL loss trains the indexer alone (it
+                # reached the trunk through qr and x otherwise, a third of the
+                # cross-entropy's gradient on some compressors), and the cross-entropy
+                # never reaches the indexer (its scores only pick entries).
+                s = self.indexer.scores(x[:, block].detach(), qr[:, block].detach(),
+                                        positions[:, block], store, n_entries)
                 if ctx.collect:  # the indexer is trained on every visible entry it scores
                     scores.append(s)
                 if spec.is_candidate_source:
