@@ -2,9 +2,11 @@
 
 Loss: next-token cross-entropy plus, for each index source, the KL divergence from the
 main attention's distribution over compressed entries (summed over heads, renormalised,
-no gradient) to the softmax of the indexer scores. A dense warm-up (attention over every
-visible compressed entry) comes first, then top-k. The caches pass through their formats
-with a straight-through gradient (`ReferenceStore`), so the model learns the FP4 noise.
+no gradient) to the softmax of the indexer scores. The indexer reads its inputs detached
+(model.py), so the KL trains only the indexer and the cross-entropy only the rest. A dense
+warm-up (attention over every visible compressed entry) comes first, then top-k. The
+caches pass through their formats with a straight-through gradient (`ReferenceStore`), so
+the model learns the FP4 noise.
 The MoE routing bias is balanced outside backprop: after each step it moves toward the
 experts that got fewer tokens than the mean.
 
