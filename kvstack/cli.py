@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from kvstack.config import PRESETS, ModelConfig, preset
+from kvstack.config import NUMERICS, PRESETS, ModelConfig, preset
 from kvstack.plan import make_plan
 
 if TYPE_CHECKING:  # the engine pulls in the model; `kvstack plan` does not need it
@@ -101,6 +101,15 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         f"{_params(plan['params_active_prefill'])} per prefilled token"
         + (" under CED" if enc else "")
     )
+    if "engram" in plan:
+        e = plan["engram"]
+        console.print(
+            f"Engram tables (weights, apart from the cache): [bold]{_bytes(e['table_bytes'])}"
+            f"[/bold] ({e['table_bytes'] / 1e9:,.1f} GB) at layers "
+            f"{', '.join(map(str, e['layers']))} "
+            f"({' + '.join(f'{r:,}' for r in e['rows'])} rows of {e['row_bytes']} B, FP8); "
+            f"{e['rows_read_per_token_and_layer']} rows read per token and layer"
+        )
     fit = (
         f"; {plan['hbm_gib']:g} GiB of cache memory holds [bold]{plan['sequences_fit']:,}"
         "[/bold] such sequences"
@@ -191,7 +200,7 @@ def _load_llm(args: argparse.Namespace) -> "LLM":
     return LLM(args.model, kv_budget=args.kv_budget, replay=args.replay,
                random_init=args.random_init, seed=args.init_seed, device=args.device,
                cache_dir=args.cache_dir, host_budget=args.host_budget or 0,
-               disk_prefix_cache=args.disk_prefix_cache)
+               disk_prefix_cache=args.disk_prefix_cache, numerics=args.numerics)
 
 
 def _sampling(args: argparse.Namespace) -> "SamplingParams":
@@ -525,6 +534,44 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvstack.cache.paged import parse_bytes
+    from kvstack.engine.llm import bundled_model
+    from kvstack.engine.tokenizer import byte_level_tokenizer_json
+    from kvstack.model import Model
+    from kvstack.model.checkpoint import INDEX_FILE, export_v41, save_kvstack
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty: export writes a new directory")
+    shard_bytes = parse_bytes(args.shard_size, "shard-size")
+    if args.random_init:
+        if not args.preset:
+            raise ValueError("--random-init needs --preset")
+        torch.manual_seed(args.init_seed)
+        model = Model(preset(args.preset))
+        tokenizer_json = byte_level_tokenizer_json()
+    else:
+        if args.preset:
+            raise ValueError("--preset goes with --random-init; a model comes from --model")
+        source = bundled_model() if args.model == "default" else Path(args.model)
+        if not (source / "tokenizer.json").is_file():
+            raise ValueError(f"model {source}: tokenizer.json is missing (an export ships it)")
+        model = Model.from_pretrained(source)
+        tokenizer_json = (source / "tokenizer.json").read_text()
+    if args.format == "v41":
+        files = export_v41(model, out, shard_bytes)
+        written = f"{len(files)} shards + {INDEX_FILE}"
+    else:
+        save_kvstack(model, out)
+        written = "model.safetensors"
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    print(f"wrote {out}: config.json, {written}, tokenizer.json")
+    return 0
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="a model directory, or a preset name with --random-init "
@@ -541,6 +588,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", choices=("bounded", "exact"), default="bounded",
                    help="decoder replay span of CED prefill")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--numerics", choices=NUMERICS, default="default",
+                   help="reference: round activations to FP8 before FP8/FP4 weights and form "
+                        "RoPE angles in float32, as DeepSeek's code does (parity checks)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                    help="where the disk tier and saved sessions live (default: %(default)s)")
     p.add_argument("--max-tokens", type=_positive_int, default=128)
@@ -641,6 +691,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=_positive_int, default=48)
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(run=_cmd_demo)
+
+    export = sub.add_parser("export", help="write a model in DeepSeek's published V4.1 "
+                            "layout (FP8/FP4, sharded) or in kvstack's own (float)")
+    export.add_argument("out", metavar="DIR", help="the new model directory")
+    export.add_argument("--format", choices=("v41", "kvstack"), required=True)
+    export.add_argument("--model", default="default",
+                        help="a model directory, kvstack's or V4.1's (default: the bundled "
+                             "model)")
+    export.add_argument("--preset", choices=PRESETS, help="with --random-init: its config")
+    export.add_argument("--random-init", action="store_true",
+                        help="random weights of --preset (a tiny V4.1-format checkpoint)")
+    export.add_argument("--init-seed", type=int, default=0)
+    export.add_argument("--shard-size", default="4GiB", help="bytes per shard (v41)")
+    export.set_defaults(run=_cmd_export)
 
     evaluate = sub.add_parser("eval", help="evaluate a trained model")
     kinds = evaluate.add_subparsers(dest="eval_kind", required=True)

@@ -38,11 +38,23 @@ class LayerSpec:
     uses_candidates: bool  # restricts its top-k to that pool
 
 
-# Keys of the published V4.1 config.json for parts kvstack does not build yet (Engram,
-# DSpark, vision, weight dtypes). A real config.json loads; these are set aside.
-_UNBUILT_V41_PREFIXES = ("engram_", "dspark_", "vision_")
+# Keys of the published V4.1 config.json for parts kvstack does not build yet (DSpark,
+# vision) and the checkpoint's weight dtypes, which the loader reads. A real config.json
+# loads; these are set aside.
+_UNBUILT_V41_PREFIXES = ("dspark_", "vision_")
 _UNBUILT_V41_KEYS = frozenset({"dtype", "expert_dtype", "image_token_id"})
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+# How the hyper-connection residual collapses its copies (hc_mult > 1):
+# "single_pass" (DeepSeek's V4.1 code: the `pre` mix a sub-layer computes collapses the
+# next sub-layer's input, the head collapses with the last one, no head parameters) or
+# "per_site" (each sub-layer collapses with its own `pre`, the head with its own
+# hc_head_* parameters: kvstack models trained before single-pass existed).
+HC_RESIDUALS = ("single_pass", "per_site")
+# How a model computes (a runtime choice, not part of the config). "default": float32
+# activations into every projection, RoPE angles in float64 (a position rotates alike in
+# any chunk). "reference": as DeepSeek's V4.1 code, activations rounded to FP8 (UE8M0 per
+# 32) before each FP8/FP4 weight and RoPE angles in float32: for parity checks.
+NUMERICS = ("default", "reference")
 
 
 @dataclass(frozen=True)
@@ -64,7 +76,7 @@ class ModelConfig:
     index_n_heads: int = 32
     index_head_dim: int = 128
     index_topk: int = 512
-    candidate_source_layer: int | None = None
+    candidate_source_layer: int | None = None  # None (or < 0, as V4.1 writes it) = no pool
     candidate_topk_blocks: int = 2048
     candidate_block_size: int = 8
     # FFN: MoE when n_routed_experts > 0, else a dense SwiGLU of width inter_dim.
@@ -74,12 +86,15 @@ class ModelConfig:
     moe_inter_dim: int = 0
     inter_dim: int = 0
     score_func: str = "softmax"
+    gate_temp: float = 1.0  # router logits are divided by it before score_func
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights (when k > 1)
     route_scale: float = 1.0
     swiglu_limit: float = 0.0  # 0 = no clamp
     norm_eps: float = 1e-6
     hc_mult: int = 1  # > 1 turns on hyper-connections
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
+    hc_residual: str = "single_pass"  # one of HC_RESIDUALS
     max_seq_len: int = 4096
     rope_theta: float = 10000.0
     compress_rope_theta: float = 160000.0
@@ -88,6 +103,18 @@ class ModelConfig:
     beta_fast: int = 32
     beta_slow: int = 1
     n_mtp_layers: int = 0  # draft layers (DSpark); described, not built
+    # Engram (n-gram hash memory added to the residual before these layers); () = none.
+    # Each position hashes its 2..engram_max_ngram_size-grams of a normalised token map
+    # (engram_compressed_vocab_size ids) with engram_n_heads heads each, into the layer's
+    # table of engram_num_embeddings rows of engram_head_dim (FP8, UE8M0 per 32).
+    engram_layer_ids: tuple[int, ...] = ()
+    engram_vocab_size: int = 0  # each (n-gram size, head) bucket is the next prime above it
+    engram_num_embeddings: tuple[int, ...] = ()
+    engram_max_ngram_size: int = 0
+    engram_n_heads: int = 0
+    engram_head_dim: int = 0
+    engram_pad_id: int = 2  # token filling n-gram slots before the sequence starts
+    engram_compressed_vocab_size: int = 0
     # kvstack's own keys.
     # CED split: layers [0, n_encoder_layers) are the encoder; 0 = plain decoder-only.
     # None (the published config.json has no key for it) takes the split the layout
@@ -96,6 +123,9 @@ class ModelConfig:
     kv_format: str = "fp4_e4m3_16"
     index_format: str = "fp4_ue8m0_32"
     window_format: str = "fp8_ue8m0_32"
+    # Indexer queries are rounded to this format after RoPE before scoring, as V4.1 does;
+    # "none" scores them unrounded (kvstack models trained before the rounding existed).
+    index_query_format: str = "fp4_ue8m0_32"
     # "v41", or "dense": the control, a plain decoder-only transformer whose every layer
     # keeps its own GQA keys and values (n_kv_heads heads, kv_format) for every token.
     arch: str = "v41"
@@ -103,16 +133,21 @@ class ModelConfig:
     layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("compress_ratios", "kv_source_layers", "index_source_layers"):
+        for name in ("compress_ratios", "kv_source_layers", "index_source_layers",
+                     "engram_layer_ids", "engram_num_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, list | tuple) or not all(
                 isinstance(v, int) and not isinstance(v, bool) for v in value
             ):
                 raise ValueError(f"config key {name}: expected a list of integers, got {value!r}")
             object.__setattr__(self, name, tuple(value))
+        cand = self.candidate_source_layer
+        if isinstance(cand, int) and not isinstance(cand, bool) and cand < 0:
+            object.__setattr__(self, "candidate_source_layer", None)
         if self.n_encoder_layers is None:
             object.__setattr__(self, "n_encoder_layers", _implied_encoder_layers(self))
         _validate_scalars(self)
+        _validate_engram(self)
         _validate_arch(self)
         object.__setattr__(self, "layers", _resolve_layers(self))
 
@@ -124,6 +159,11 @@ class ModelConfig:
     @property
     def uses_moe(self) -> bool:
         return self.n_routed_experts > 0
+
+    @property
+    def single_pass_hc(self) -> bool:
+        """Hyper-connections whose `pre` mix is carried to the next sub-layer."""
+        return self.hc_mult > 1 and self.hc_residual == "single_pass"
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A validated copy with some keys changed."""
@@ -148,6 +188,8 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
         if not isinstance(data, dict):
             raise ValueError(f"config: expected a JSON object, got {type(data).__name__}")
+        if "text_config" in data or "hidden_size" in data:
+            data = _from_hf(data)
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(
             k
@@ -183,6 +225,81 @@ class ModelConfig:
             return cls.from_dict(data)
         except (ValueError, TypeError) as e:
             raise ValueError(f"config {path}: {e}") from e
+
+
+# HF transformers' form of DeepSeek's config.json (DeepseekV41Config: `text_config` beside
+# `vision_config` and `quantization_config`) -> kvstack's keys, the one translation table.
+# Keys spelled alike (vocab_size, head_dim, q_lora_rank, engram_*, ...) pass through.
+_HF_KEYS = {
+    "hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+    "qk_rope_head_dim": "rope_head_dim", "sliding_window": "window_size",
+    "kv_source_layer_ids": "kv_source_layers", "index_source_layer_ids": "index_source_layers",
+    "candidate_source_layer_id": "candidate_source_layer",
+    "moe_intermediate_size": "moe_inter_dim", "num_experts_per_tok": "n_activated_experts",
+    "scoring_func": "score_func", "routed_scaling_factor": "route_scale",
+    "rms_norm_eps": "norm_eps", "max_position_embeddings": "max_seq_len",
+    "num_nextn_predict_layers": "n_mtp_layers",
+    "dspark_num_experts_per_tok": "dspark_n_activated_experts",
+}
+_HF_YARN_KEYS = {"factor": "rope_factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow",
+                 "original_max_position_embeddings": "original_seq_len"}
+# What kvstack builds is only this: other values are refused, never ignored.
+_HF_FIXED = {"num_key_value_heads": 1, "attention_bias": False, "tie_word_embeddings": False,
+             "hidden_act": "silu", "topk_method": "noaux_tc"}
+# HF's defaults where they differ from kvstack's: a key the file leaves out means these.
+_HF_DEFAULTS = {
+    "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
+    "rms_norm_eps": 1e-20, "max_position_embeddings": 1048576, "num_nextn_predict_layers": 3,
+    "engram_vocab_size": 16000000, "engram_max_ngram_size": 4, "engram_n_heads": 8,
+    "engram_head_dim": 256, "engram_compressed_vocab_size": 99092,
+}
+# Training, cache-dispatch and bookkeeping keys that change nothing kvstack computes.
+_HF_INERT = frozenset({
+    "model_type", "initializer_range", "use_cache", "pad_token_id", "bos_token_id",
+    "eos_token_id", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
+    "attention_dropout", "layer_types", "rope_parameters", "torch_dtype", "dtype",
+    "transformers_version", "architectures",
+})
+
+
+def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
+    """An HF-form config (outer with `text_config`, or the text config alone) in kvstack's
+    keys. The outer level's vision and quantisation settings are the loader's business."""
+    outer = data
+    text = data.get("text_config", data)
+    if not isinstance(text, dict):
+        raise ValueError("config key text_config: expected an object")
+    if outer is not text and outer.get("tie_word_embeddings", False):
+        raise ValueError("config key tie_word_embeddings = true: V4.1's head is its own tensor")
+    out: dict[str, Any] = {}
+    for key, value in {**_HF_DEFAULTS, **text}.items():
+        if key in _HF_INERT:
+            continue
+        if key in _HF_FIXED:
+            if value != _HF_FIXED[key]:
+                raise ValueError(f"config key text_config.{key} = {value!r}: kvstack builds "
+                                 f"only {_HF_FIXED[key]!r}")
+            continue
+        if key == "rope_scaling":
+            for yarn_key, yarn_value in (value or {}).items():
+                if yarn_key in ("rope_type", "type"):
+                    if yarn_value not in ("yarn", "default"):
+                        raise ValueError(f"config key text_config.rope_scaling.{yarn_key} = "
+                                         f"{yarn_value!r}: only yarn is built")
+                elif yarn_key in _HF_YARN_KEYS:
+                    out[_HF_YARN_KEYS[yarn_key]] = yarn_value
+                elif yarn_key != "attention_factor" or yarn_value != 1.0:
+                    raise ValueError(f"config key text_config.rope_scaling.{yarn_key}: "
+                                     "not built")
+            continue
+        out[_HF_KEYS.get(key, key)] = value
+    ratios, n, mtp = out.get("compress_ratios"), out.get("n_layers"), out.get("n_mtp_layers", 0)
+    if isinstance(ratios, list) and isinstance(n, int) and isinstance(mtp, int) and \
+            len(ratios) == n and mtp:
+        out["compress_ratios"] = ratios + [0] * mtp  # HF lists the draft layers' 0s optionally
+    if out.get("candidate_source_layer") is None and out.get("kv_source_layers"):
+        out["candidate_source_layer"] = out["kv_source_layers"][-1]  # HF: the last kv source
+    return out
 
 
 def _implied_encoder_layers(c: ModelConfig) -> int:
@@ -224,16 +341,54 @@ def _validate_scalars(c: ModelConfig) -> None:
     else:
         need(c.inter_dim > 0, "inter_dim", "must be positive for a dense FFN (no experts)")
     need(c.score_func in SCORE_FUNCS, "score_func", f"must be one of {', '.join(SCORE_FUNCS)}")
+    need(isinstance(c.gate_temp, int | float) and c.gate_temp > 0, "gate_temp",
+         "must be a positive number")
+    need(isinstance(c.norm_topk_prob, bool), "norm_topk_prob", "must be true or false")
+    need(c.hc_residual in HC_RESIDUALS, "hc_residual", f"must be one of {', '.join(HC_RESIDUALS)}")
     need(c.rope_factor >= 1, "rope_factor", "must be at least 1")
     need(c.rope_factor == 1 or c.original_seq_len > 0, "original_seq_len",
          "must be positive when rope_factor > 1 (YaRN)")
-    for key, width in (("kv_format", c.head_dim), ("index_format", c.index_head_dim),
-                       ("window_format", c.head_dim)):
+    formats = [("kv_format", c.head_dim), ("index_format", c.index_head_dim),
+               ("window_format", c.head_dim)]
+    if c.index_query_format != "none":
+        formats.append(("index_query_format", c.index_head_dim))
+    for key, width in formats:
         try:
             get_format(getattr(c, key))
             bytes_per_entry(getattr(c, key), width)
         except ValueError as e:
             raise ValueError(f"config key {key}: {e}") from e
+
+
+def _validate_engram(c: ModelConfig) -> None:
+    if not c.engram_layer_ids:
+        if c.engram_num_embeddings:
+            raise ValueError("config key engram_num_embeddings: given without engram_layer_ids")
+        return
+    ids = list(c.engram_layer_ids)
+    if ids != sorted(set(ids)) or not all(0 <= i < c.n_layers for i in ids):
+        raise ValueError(f"config key engram_layer_ids: must be strictly increasing layers in "
+                         f"0..{c.n_layers - 1}, got {ids}")
+    if len(c.engram_num_embeddings) != len(ids):
+        raise ValueError(f"config key engram_num_embeddings: has {len(c.engram_num_embeddings)} "
+                         f"entries, engram_layer_ids has {len(ids)}")
+    if not all(n > 0 for n in c.engram_num_embeddings):
+        raise ValueError("config key engram_num_embeddings: every table needs rows")
+    for key in ("engram_vocab_size", "engram_n_heads", "engram_head_dim",
+                "engram_compressed_vocab_size"):
+        value = getattr(c, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"config key {key} = {value!r}: must be a positive integer "
+                             "with Engram layers")
+    if c.engram_max_ngram_size < 2:
+        raise ValueError(f"config key engram_max_ngram_size = {c.engram_max_ngram_size!r}: "
+                         "must be at least 2 (a 2-gram) with Engram layers")
+    if c.engram_head_dim % 32:
+        raise ValueError(f"config key engram_head_dim = {c.engram_head_dim}: must be a multiple "
+                         "of 32 (one UE8M0 scale per 32 values of a table row)")
+    if not 0 <= c.engram_pad_id < c.vocab_size:
+        raise ValueError(f"config key engram_pad_id = {c.engram_pad_id!r}: must be a token id "
+                         f"in 0..{c.vocab_size - 1}")
 
 
 def _validate_arch(c: ModelConfig) -> None:
@@ -368,6 +523,9 @@ _V41_FLASH = dict(
     hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, max_seq_len=1048576,
     rope_theta=10000.0, compress_rope_theta=160000.0, rope_factor=16.0,
     original_seq_len=65536, beta_fast=32, beta_slow=1, n_mtp_layers=3,
+    engram_layer_ids=[1, 14], engram_vocab_size=16000000,
+    engram_num_embeddings=[384006168, 384016682], engram_max_ngram_size=4, engram_n_heads=8,
+    engram_head_dim=256, engram_pad_id=2, engram_compressed_vocab_size=99092,
 )
 
 # Every mechanism in 8 layers: window-only (0); ratio-2 Full (1), Reuse (2), Reindex (3)
@@ -386,6 +544,19 @@ _TINY = dict(
     rope_factor=4.0, original_seq_len=128, n_encoder_layers=4,
 )
 
+# The tiny layout with the rest of V4.1's trunk: four residual copies (single-pass
+# hyper-connections) and Engram before an encoder layer and the first decoder layer. Its
+# Engram hashes token ids as they are (no tokenizer to normalise them), so the compressed
+# vocabulary is the vocabulary.
+_TINY_V41 = {
+    **_TINY,
+    **dict(
+        hc_mult=4, engram_layer_ids=[1, 4], engram_vocab_size=50,
+        engram_num_embeddings=[240, 306], engram_max_ngram_size=3, engram_n_heads=2,
+        engram_head_dim=32, engram_pad_id=0, engram_compressed_vocab_size=512,
+    ),
+}
+
 # V4.1-Flash's exact layer pattern, head_dim, index_head_dim and window (so the cache
 # layout is the real one, 890 B/token) on a tiny, dense trunk.
 _V41_LAYOUT_SMALL = {
@@ -395,19 +566,21 @@ _V41_LAYOUT_SMALL = {
         index_n_heads=2, n_routed_experts=0, n_activated_experts=0, moe_inter_dim=0,
         inter_dim=128, hc_mult=1, norm_eps=1e-6, max_seq_len=65536, rope_factor=1.0,
         original_seq_len=0, n_mtp_layers=0, compress_ratios=[0, 0] + [2] * 18 + [1] * 20,
+        engram_layer_ids=[], engram_num_embeddings=[],
     ),
 }
 
 def dense_control(config: ModelConfig) -> ModelConfig:
     """The dense control of a model: same vocabulary, width, depth, heads and FFN, with
     ordinary per-layer GQA keys and values in bf16 (one KV head per 8 query heads), full
-    RoPE, no compression, no CED, no hyper-connections."""
+    RoPE, no compression, no CED, no hyper-connections, no Engram, no indexer."""
     return config.replace(
         arch="dense", n_kv_heads=max(1, config.n_heads // 8),
         compress_ratios=[0] * config.n_layers, n_mtp_layers=0,
         kv_source_layers=[], index_source_layers=[], candidate_source_layer=None,
         n_encoder_layers=0, rope_head_dim=config.head_dim, index_head_dim=config.head_dim,
         rope_factor=1.0, original_seq_len=0, hc_mult=1,
+        engram_layer_ids=[], engram_num_embeddings=[], index_query_format="none",
         kv_format="bf16", index_format="bf16", window_format="bf16",
     )
 
@@ -425,11 +598,15 @@ _DEFAULT = dict(
     index_n_heads=2, index_head_dim=32, index_topk=32,
     candidate_source_layer=4, candidate_topk_blocks=16, candidate_block_size=8,
     inter_dim=384, max_seq_len=4096, n_encoder_layers=4,
+    # The bundled model was trained before V4.1's FP4 indexer queries were modelled; the
+    # preset stays what its model card's command trains.
+    index_query_format="none",
 )
 
 _PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "deepseek-v4.1-flash": lambda: ModelConfig.from_dict(_V41_FLASH),
     "tiny": lambda: ModelConfig.from_dict(_TINY),
+    "tiny-v41": lambda: ModelConfig.from_dict(_TINY_V41),
     "v41-layout-small": lambda: ModelConfig.from_dict(_V41_LAYOUT_SMALL),
     "dense-v4.1-flash": lambda: dense_control(preset("deepseek-v4.1-flash")),
     "dense-tiny": lambda: dense_control(preset("tiny")),
@@ -444,7 +621,7 @@ PRESETS = tuple(_PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
-    """A named config: deepseek-v4.1-flash, tiny, v41-layout-small, default (the bundled
+    """A named config: deepseek-v4.1-flash, tiny, tiny-v41, v41-layout-small, default (the bundled
     model's shape), and the dense controls dense-v4.1-flash, dense-tiny, dense-default."""
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(_PRESETS)}")

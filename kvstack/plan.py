@@ -8,7 +8,7 @@ from typing import Any
 
 from kvstack.cache.layout import CacheLayout
 from kvstack.config import ModelConfig, dense_control
-from kvstack.model.params import count_parameters
+from kvstack.model.params import count_parameters, engram_columns, engram_table_bytes
 
 BASIS = "computed from the config (a plan; the engine measures what it allocates)"
 GIB = 1 << 30
@@ -145,6 +145,15 @@ def make_plan(
     }
     if hbm_gib is not None:
         plan["hbm_gib"] = hbm_gib
+    if config.engram_layer_ids:
+        # Weights, not cache: budgeted beside the KV cache, never in bytes per token.
+        plan["engram"] = {
+            "layers": list(config.engram_layer_ids),
+            "rows": list(config.engram_num_embeddings),
+            "row_bytes": config.engram_head_dim + config.engram_head_dim // 32,
+            "rows_read_per_token_and_layer": engram_columns(config),
+            "table_bytes": sum(engram_table_bytes(config)),
+        }
 
     base_hbm = layout.sequence_bytes(context)
     base_persistent = layout.bytes_per_token

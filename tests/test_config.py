@@ -25,8 +25,8 @@ PUBLISHED_V41_INFERENCE_CONFIG = {
     "candidate_block_size": 8, "hc_mult": 4, "hc_sinkhorn_iters": 20,
     "hc_eps": 1e-06, "engram_layer_ids": [1, 14], "engram_vocab_size": 16000000,
     "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4,
-    "engram_pad_id": 2, "engram_compressed_vocab_size": 99092,
-    "dtype": "fp8", "expert_dtype": "fp4", "compress_rope_theta": 160000,
+    "engram_pad_id": 2, "engram_compressed_vocab_size": 99092, "engram_n_heads": 8,
+    "engram_head_dim": 256, "dtype": "fp8", "expert_dtype": "fp4", "compress_rope_theta": 160000,
     "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0] * 3,
     "vision_n_layers": 32, "vision_dim": 1024, "image_token_id": 129264,
 }

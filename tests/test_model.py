@@ -45,8 +45,10 @@ def test_parameters_are_exactly_the_contract(name):
 
 def test_v41_flash_builds_with_the_planned_parameter_count():
     c = preset("deepseek-v4.1-flash")
+    # Engram needs a token map of engram_compressed_vocab_size ids (its tokenizer's).
+    token_map = torch.arange(c.vocab_size) % c.engram_compressed_vocab_size
     with torch.device("meta"):
-        model = Model(c)
+        model = Model(c, token_map)
     assert sum(p.numel() for p in model.parameters()) == count_parameters(c).total
 
 
@@ -320,7 +322,7 @@ def test_yarn_scales_only_the_low_frequencies():
 def test_hyper_connection_mixing_is_doubly_stochastic():
     model = make_model()
     x = torch.randn(1, 5, 2, model.config.dim)
-    _, post, comb = model.layers[0].hc_attn.pre(x)
+    _, post, comb = model.layers[0].hc_attn.mixes(x)
     assert torch.allclose(comb.sum(-1), torch.ones(1, 5, 2), atol=1e-3)
     assert torch.allclose(comb.sum(-2), torch.ones(1, 5, 2), atol=1e-3)
     assert torch.all((post > 0) & (post < 2))

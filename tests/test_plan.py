@@ -141,7 +141,8 @@ def test_plan_table_for_v41_flash(capsys):
     out = capsys.readouterr().out
     assert "890 bytes/token" in out
     assert "computed from the config" in out
-    assert "551.6B total" in out and "16.5B active per decoded token" in out
+    assert "551.9B total" in out and "16.8B active per decoded token" in out
+    assert "Engram tables (weights, apart from the cache): 188.83 GiB (202.8 GB)" in out
     for variant in ("bf16 cache", "no sharing", "no CED", "window persisted", "all four off"):
         assert variant in out
 

@@ -211,6 +211,9 @@ class PagedSequenceStore(KVStore):
     def token_ids(self) -> torch.Tensor:
         return torch.tensor([self._tokens], dtype=torch.long, device=self.device)
 
+    def token_slice(self, start: int, stop: int) -> torch.Tensor:
+        return torch.tensor([self._tokens[start:stop]], dtype=torch.long, device=self.device)
+
     @property
     def held_ids(self) -> list[int]:
         """The token ids the store holds, as a list (read-only)."""

@@ -11,13 +11,7 @@ import torch
 from kvstack.cache.layout import CacheLayout
 from kvstack.cache.store import KVStore
 from kvstack.config import ModelConfig
-from kvstack.formats import fake_quantize
-
-
-def straight_through(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """fake_quantize(x) in the forward, identity in the backward."""
-    rounded = fake_quantize(x.detach(), fmt).to(x.dtype)
-    return x + (rounded - x).detach()
+from kvstack.formats import straight_through
 
 
 class ReferenceStore(KVStore):

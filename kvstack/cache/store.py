@@ -45,6 +45,11 @@ class KVStore(ABC):
     def append_tokens(self, ids: torch.Tensor) -> None:
         """Record ids [B, n] as positions num_tokens..num_tokens+n-1."""
 
+    def token_slice(self, start: int, stop: int) -> torch.Tensor:
+        """Positions start..stop-1 of token_ids(): [B, stop-start] (what Engram hashes
+        before a chunk, read without copying every earlier id)."""
+        return self.token_ids()[:, start:stop]
+
     def start_positions(self) -> int | torch.Tensor:
         """Position of the next token: one for the whole batch, or one per sequence [B]
         when the sequences are at different positions."""

@@ -1,7 +1,8 @@
 """`kvstack.LLM`: the engine's front door, with vLLM's names.
 
-LLM(model, kv_budget="1GiB") loads a model directory (config.json, model.safetensors,
-tokenizer.json) or, with random_init=True, a preset name or a ModelConfig with random
+LLM(model, kv_budget="1GiB") loads a model directory (kvstack's own: config.json,
+model.safetensors, tokenizer.json; or DeepSeek's published V4.1 checkpoint) or, with
+random_init=True, a preset name or a ModelConfig with random
 weights and a byte tokenizer; sizes the paged cache from the byte budget; and serves
 requests with continuous batching.
 """
@@ -40,11 +41,12 @@ def bundled_model() -> Path:
 
 
 def _load(model: str | Path | ModelConfig, random_init: bool, seed: int,
-          device: torch.device) -> tuple[Model, Tokenizer]:
+          device: torch.device, numerics: str) -> tuple[Model, Tokenizer]:
     if random_init:
         torch.manual_seed(seed)
         config = model if isinstance(model, ModelConfig) else preset(str(model))
         loaded, tokenizer = Model(config), ByteTokenizer()
+        loaded.set_numerics(numerics)
     else:
         directory = bundled_model() if str(model) == "default" else Path(model)
         if str(model) == "default" and not (directory / "model.safetensors").is_file():
@@ -53,10 +55,10 @@ def _load(model: str | Path | ModelConfig, random_init: bool, seed: int,
         if not directory.is_dir():
             raise ValueError(f"model {directory}: not a directory (nor random_init=True with "
                              "a preset name)")
-        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        for name in ("config.json", "tokenizer.json"):
             if not (directory / name).is_file():
                 raise ValueError(f"model {directory}: {name} is missing")
-        loaded = Model.from_pretrained(directory)
+        loaded = Model.from_pretrained(directory, numerics=numerics)
         tokenizer = JsonTokenizer(directory / "tokenizer.json")
     if tokenizer.vocab_size > loaded.config.vocab_size:
         raise ValueError(f"model {model}: the tokenizer has {tokenizer.vocab_size} tokens, the "
@@ -82,9 +84,10 @@ class LLM:
         disk_budget: int | str = "16GiB",
         host_budget: int | str = 0,
         disk_prefix_cache: bool = False,
+        numerics: str = "default",
     ) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, self.tokenizer = _load(model, random_init, seed, device)
+        self.model, self.tokenizer = _load(model, random_init, seed, device, numerics)
         self.model.decoder_span(replay)  # refuses an unknown replay mode now, not later
         self.config = self.model.config
         self.fingerprint = self.model.fingerprint()
@@ -339,6 +342,10 @@ class LLM:
             "kv_budget": cache.budget,
             "context": context,
             "sequences_fit": min(pools.n_blocks // per_seq, len(cache.ring_slots)),
+            # Model weights, not cache: their own line, never in bytes per token.
+            "engram": [{"layer": block.spec.index, "bytes": block.engram.table_bytes,
+                        "device": str(block.engram.table_codes.device)}
+                       for block in self.model.layers if block.engram is not None],
             "prefix_cache": {
                 "enabled": cache.prefix_seed is not None,
                 "queried_tokens": cache.prefix_queried_tokens,

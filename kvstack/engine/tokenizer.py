@@ -26,6 +26,21 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+def byte_level_tokenizer_json() -> str:
+    """A tokenizer.json of bytes alone (byte-level BPE without merges: 256 byte symbols,
+    then <|bos|> and <|eos|>): what a model directory written from random weights ships,
+    so that any tool loading the directory finds a tokenizer."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|bos|>", "<|eos|>"])
+    return tok.to_str()
+
+
 class JsonTokenizer:
     """A `tokenizers` tokenizer.json; eos is the first of its special tokens named like
     an end of sequence."""

@@ -10,6 +10,7 @@ from kvstack.formats.quantize import (
     get_format,
     pack_rows,
     quantize,
+    straight_through,
     unpack_rows,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "get_format",
     "pack_rows",
     "quantize",
+    "straight_through",
     "unpack_rows",
 ]

@@ -144,6 +144,13 @@ def fake_quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return dequantize(quantize(x, fmt))
 
 
+def straight_through(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """fake_quantize(x) in the forward, identity in the backward (quantisation-aware
+    training learns the rounding noise without a zero gradient)."""
+    rounded = fake_quantize(x.detach(), fmt).to(x.dtype)
+    return x + (rounded - x).detach()
+
+
 def pack_rows(q: Quantized) -> torch.Tensor:
     """One uint8 row per entry, [..., bytes_per_entry]: codes then scales."""
     return torch.cat((q.codes, q.scales), dim=-1)

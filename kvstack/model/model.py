@@ -12,20 +12,20 @@ reference cannot drift apart.
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kvstack.cache.reference import ReferenceStore
 from kvstack.cache.store import KVStore
-from kvstack.config import LayerSpec, Mode, ModelConfig
-from kvstack.model.params import parameter_shapes
+from kvstack.config import NUMERICS, LayerSpec, Mode, ModelConfig
+from kvstack.formats import straight_through
+from kvstack.model.engram import Engram, EngramHash
+from kvstack.model.packed import Experts, PackedExperts, PackedLinear
 
 QUERY_BLOCK = 256  # queries scored at once: bounds the [block, keys] score matrices
 KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
@@ -48,19 +48,23 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).type_as(x)
 
 
-def rope_frequencies(config: ModelConfig, compressed: bool) -> torch.Tensor:
-    """Inverse frequencies [R/2] (float64). Layers with a compressed stream use
-    compress_rope_theta, with YaRN when rope_factor > 1; window-only layers rope_theta."""
+def rope_frequencies(config: ModelConfig, compressed: bool,
+                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Inverse frequencies [R/2], computed in `dtype`, the precision `rotate` then forms
+    its angles in. Layers with a compressed stream use compress_rope_theta, with YaRN
+    when rope_factor > 1; window-only layers rope_theta."""
     dim = config.rope_head_dim
     base = config.compress_rope_theta if compressed else config.rope_theta
-    freqs = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    # An explicit device: the model may be built on the meta device (checkpoint loading).
+    steps = torch.arange(0, dim, 2, dtype=dtype, device="cpu")
+    freqs = 1.0 / base ** (steps / dim)
     if compressed and config.rope_factor > 1:
         def correction(rotations: float) -> float:
             return (dim * math.log(config.original_seq_len / (rotations * 2 * math.pi))
                     / (2 * math.log(base)))
         low = max(math.floor(correction(config.beta_fast)), 0)
         high = min(math.ceil(correction(config.beta_slow)), dim - 1)
-        ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        ramp = (torch.arange(dim // 2, dtype=dtype, device="cpu") - low) / max(high - low, 1e-3)
         keep = 1 - ramp.clamp(0, 1)  # 1: high frequencies kept, 0: low ones scaled down
         freqs = freqs / config.rope_factor * (1 - keep) + freqs * keep
     return freqs
@@ -69,10 +73,10 @@ def rope_frequencies(config: ModelConfig, compressed: bool) -> torch.Tensor:
 def rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
            inverse: bool = False) -> torch.Tensor:
     """RoPE on the last len(freqs)*2 dims of x [B, n, ..., width], pairs interleaved;
-    positions [P, n] with P = 1 or B. Angles in float64, so a position rotates the same in
-    any chunk."""
+    positions [P, n] with P = 1 or B. Angles in the precision of freqs (float64 by
+    default, so a position rotates the same in any chunk)."""
     rd = freqs.shape[0] * 2
-    angles = positions.to(torch.float64)[..., None] * freqs.to(positions.device)
+    angles = positions.to(freqs.dtype)[..., None] * freqs.to(positions.device)
     cos, sin = angles.cos().float(), angles.sin().float()
     if inverse:
         sin = -sin
@@ -93,12 +97,21 @@ def token_positions(start: int | torch.Tensor, n: int, device: torch.device) -> 
     return (start + steps)[None]
 
 
-def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-           limit: float) -> torch.Tensor:
-    gate, up = F.linear(x, w1), F.linear(x, w3)
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def swiglu(x: torch.Tensor, w1: Projection, w2: Projection, w3: Projection, limit: float,
+           weights: torch.Tensor | None = None) -> torch.Tensor:
+    """w2(silu(w1 x) * w3 x), the up branch clamped to +-limit and the gate from above;
+    a routing weight [T, 1] scales the hidden activation before w2, as V4.1 does (its
+    FP8 rounding of w2's input sees the scaled values)."""
+    gate, up = w1(x).float(), w3(x).float()
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.linear(F.silu(gate) * up, w2)
+    hidden = F.silu(gate) * up
+    if weights is not None:
+        hidden = hidden * weights
+    return w2(hidden)
 
 
 class DenseFFN(nn.Module):
@@ -110,12 +123,13 @@ class DenseFFN(nn.Module):
         self.w3 = nn.Linear(dim, inter_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.w1.weight, self.w2.weight, self.w3.weight, self.limit)
+        return swiglu(x, self.w1, self.w2, self.w3, self.limit)
 
 
 class Gate(nn.Module):
     """Routing: top-k experts per token by score + bias (the bias only selects), weights
-    from the scores, renormalised over the chosen experts and scaled by route_scale."""
+    from the scores of logits / gate_temp, renormalised over the chosen experts when more
+    than one is chosen (norm_topk_prob), scaled by route_scale."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -126,7 +140,7 @@ class Gate(nn.Module):
         self.load: torch.Tensor | None = None  # tokens per expert since the last balancing
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = F.linear(x.float(), self.weight.float()) / self.config.gate_temp  # [T, E]
         func = self.config.score_func
         if func == "softmax":
             scores = logits.softmax(-1)
@@ -139,8 +153,9 @@ class Gate(nn.Module):
             load = torch.bincount(chosen.flatten(), minlength=self.config.n_routed_experts)
             self.load = load if self.load is None else self.load + load
         weights = scores.gather(-1, chosen)
-        weights = weights / weights.sum(-1, keepdim=True) * self.config.route_scale
-        return weights, chosen
+        if self.config.norm_topk_prob and self.config.n_activated_experts > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # as V4.1 trains
+        return weights * self.config.route_scale, chosen
 
 
 class MoE(nn.Module):
@@ -149,11 +164,7 @@ class MoE(nn.Module):
         e, d, i = config.n_routed_experts, config.dim, config.moe_inter_dim
         self.limit = config.swiglu_limit
         self.gate = Gate(config)
-        self.experts = nn.ParameterDict({
-            "w1": nn.Parameter(torch.empty(e, i, d)),
-            "w2": nn.Parameter(torch.empty(e, d, i)),
-            "w3": nn.Parameter(torch.empty(e, i, d)),
-        })
+        self.experts: Experts | PackedExperts = Experts(e, d, i)
         shared = config.n_shared_experts * config.moe_inter_dim
         self.shared = DenseFFN(d, shared, self.limit) if shared else None
 
@@ -161,15 +172,15 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.gate(x)  # [T, k] each
-        out = torch.zeros_like(x)
-        w = self.experts
+        out = torch.zeros_like(x, dtype=torch.float32)
         for e in torch.unique(chosen).tolist():
             token, slot = torch.nonzero(chosen == e, as_tuple=True)
-            y = swiglu(x[token], w["w1"][e], w["w2"][e], w["w3"][e], self.limit)
-            out.index_add_(0, token, y * weights[token, slot, None].type_as(y))
+            y = swiglu(x[token], *self.experts.projections(e), self.limit,
+                       weights[token, slot, None])
+            out.index_add_(0, token, y.float())
         if self.shared is not None:
             out = out + self.shared(x)
-        return out.view(shape)
+        return out.type_as(x).view(shape)
 
 
 # ---- hyper-connections ----------------------------------------------------------------
@@ -183,8 +194,12 @@ def hc_weights(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class HyperConnection(nn.Module):
-    """One sublayer's hyper-connection: `pre` mixes the h copies into the sublayer input,
-    `post` spreads the output back, and a doubly stochastic `comb` mixes the copies."""
+    """One sublayer's hyper-connection, computed from the h residual copies: `pre` weights
+    that collapse the copies into one sublayer input, `post` weights that spread the
+    output back, and a doubly stochastic `comb` that mixes the copies.
+
+    Which `pre` collapses which input is the residual's rule (`ModelConfig.hc_residual`):
+    single-pass V4.1 collapses a sublayer's input with the previous sublayer's `pre`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -194,7 +209,8 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + h) * h))
         self.scale = nn.Parameter(torch.ones(3))
 
-    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def mixes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, n, h, dim] -> pre [B, n, h], post [B, n, h], comb [B, n, h, h]."""
         h, c = self.h, self.config
         mix = hc_weights(x, self.fn, c.norm_eps)
         pre = torch.sigmoid(mix[..., :h] * self.scale[0] + self.base[:h]) + c.hc_eps
@@ -205,8 +221,12 @@ class HyperConnection(nn.Module):
         for _ in range(c.hc_sinkhorn_iters - 1):
             comb = comb / (comb.sum(-1, keepdim=True) + c.hc_eps)
             comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
-        y = (pre.unsqueeze(-1) * x.float()).sum(2)
-        return y.type_as(x), post, comb
+        return pre, post, comb
+
+    @staticmethod
+    def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """sum_i pre_i * copy i: [B, n, h, dim] -> [B, n, dim]."""
+        return (pre.unsqueeze(-1) * x.float()).sum(2).type_as(x)
 
     @staticmethod
     def post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
@@ -311,6 +331,8 @@ class Indexer(nn.Module):
         c = self.config
         hi, di = c.index_n_heads, c.index_head_dim
         q = rotate(self.wq(qr).unflatten(-1, (hi, di)), positions, self.freqs).float()
+        if c.index_query_format != "none":  # V4.1 scores FP4 queries against FP4 keys
+            q = straight_through(q, c.index_query_format)
         w = self.wweights(x).float() * (di**-0.5 * hi**-0.5)  # [B, n, Hi]
         chunks = []
         for start in range(0, n_entries, KEY_CHUNK):
@@ -453,6 +475,13 @@ class Attention(nn.Module):
         self.compressor = Compressor(c, spec, self.freqs) if full else None
         own_index = spec.mode in (Mode.FULL, Mode.REINDEX)
         self.indexer = Indexer(c, spec, self.freqs) if own_index else None
+
+    def set_rope_precision(self, dtype: torch.dtype) -> None:
+        """Form this layer's RoPE angles (its compressor's and indexer's too) in dtype."""
+        self.freqs = rope_frequencies(self.config, self.spec.ratio > 0, dtype)
+        for part in (self.compressor, self.indexer):
+            if part is not None:
+                part.freqs = self.freqs
 
     def forward(self, x: torch.Tensor, start: int, store: KVStore,
                 ctx: StepContext) -> torch.Tensor:
@@ -632,10 +661,35 @@ class DenseAttention(nn.Module):
 # ---- the stack ------------------------------------------------------------------------
 
 
+@dataclass
+class TokenStates:
+    """What runs through the layers for each token of a chunk: the residual x [B, n, dim],
+    or [B, n, h, dim] with hyper-connections; with single-pass hyper-connections the `pre`
+    mix [B, n, h] the next sublayer collapses x with; and the Engram table rows
+    [B, n, engram layers, columns] of the tokens (None without Engram)."""
+
+    x: torch.Tensor
+    mix: torch.Tensor | None = None
+    engram_rows: torch.Tensor | None = None
+
+    def __getitem__(self, tokens: slice) -> "TokenStates":
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, tokens]
+        return TokenStates(self.x[:, tokens], cut(self.mix), cut(self.engram_rows))
+
+    @staticmethod
+    def cat(parts: list["TokenStates"]) -> "TokenStates":
+        def join(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if ts[0] is None else torch.cat(ts, dim=1)
+        return TokenStates(torch.cat([p.x for p in parts], dim=1), join([p.mix for p in parts]),
+                           join([p.engram_rows for p in parts]))
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.spec = spec
+        self.single_pass = config.single_pass_hc
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = (Attention(config, spec) if config.arch == "v41"
@@ -644,23 +698,46 @@ class Block(nn.Module):
                     else DenseFFN(config.dim, config.inter_dim, config.swiglu_limit))
         self.hc_attn = HyperConnection(config) if config.hc_mult > 1 else None
         self.hc_ffn = HyperConnection(config) if config.hc_mult > 1 else None
+        self.engram_index = (config.engram_layer_ids.index(spec.index)
+                             if spec.index in config.engram_layer_ids else None)
+        self.engram = None
+        if self.engram_index is not None:
+            self.engram = Engram(config.dim, config.hc_mult,
+                                 config.engram_num_embeddings[self.engram_index],
+                                 (config.engram_max_ngram_size - 1) * config.engram_n_heads,
+                                 config.engram_head_dim, config.norm_eps)
 
-    def forward(self, x: torch.Tensor, start: int, store: KVStore,
-                ctx: StepContext) -> torch.Tensor:
-        """x: [B, n, dim], or [B, n, h, dim] with hyper-connections."""
+    def _add_engram(self, s: TokenStates) -> torch.Tensor:
+        """The residual with this layer's Engram lookup added (V4.1 adds it before the
+        layer: its hyper-connection mixes are computed from the result)."""
+        if self.engram is None:
+            return s.x
+        rows = s.engram_rows[:, :, self.engram_index]
+        if self.hc_attn is None:  # one residual copy
+            return self.engram(s.x.unsqueeze(2), rows).squeeze(2)
+        return self.engram(s.x, rows)
+
+    def forward(self, s: TokenStates, start: int | torch.Tensor, store: KVStore,
+                ctx: StepContext) -> TokenStates:
+        x = self._add_engram(s)
         if self.hc_attn is None:
             x = x + self.attn(self.attn_norm(x), start, store, ctx)
-            return x + self.ffn(self.ffn_norm(x))
-        y, post, comb = self.hc_attn.pre(x)
+            return TokenStates(x + self.ffn(self.ffn_norm(x)), None, s.engram_rows)
+        attn_pre, post, comb = self.hc_attn.mixes(x)
+        y = self.hc_attn.collapse(x, s.mix if self.single_pass else attn_pre)
         x = self.hc_attn.post(self.attn(self.attn_norm(y), start, store, ctx), x, post, comb)
-        y, post, comb = self.hc_ffn.pre(x)
-        return self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb)
+        ffn_pre, post, comb = self.hc_ffn.mixes(x)
+        y = self.hc_ffn.collapse(x, attn_pre if self.single_pass else ffn_pre)
+        x = self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb)
+        return TokenStates(x, ffn_pre if self.single_pass else None, s.engram_rows)
 
-    def write_stream(self, x: torch.Tensor, start: int, store: KVStore) -> None:
+    def write_stream(self, s: TokenStates, start: int, store: KVStore) -> None:
         """Only this layer's compressed stream, for tokens no later layer runs on (the
-        CED decoder's stream during prefill)."""
-        y = x if self.hc_attn is None else self.hc_attn.pre(x)[0]
-        self.attn.compressor(self.attn_norm(y), start, store)
+        CED decoder's stream during prefill): its attention input as `forward` makes it."""
+        x = self._add_engram(s)
+        if self.hc_attn is not None:
+            x = self.hc_attn.collapse(x, s.mix if self.single_pass else self.hc_attn.mixes(x)[0])
+        self.attn.compressor(self.attn_norm(x), start, store)
 
 
 @dataclass
@@ -673,17 +750,26 @@ class ModelOutput:
 
 
 class Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, token_map: torch.Tensor | None = None) -> None:
+        """`token_map`: the normalised token map Engram hashes (`engram.build_token_map` of
+        the tokenizer; `from_pretrained` builds it from tokenizer.json). Without one, token
+        ids hash as they are, which needs engram_compressed_vocab_size == vocab_size."""
         super().__init__()
         c = self.config = config
         self.embed = nn.Embedding(c.vocab_size, c.dim)
+        self.engram_hash = _engram_hash(c, token_map) if c.engram_layer_ids else None
         self.layers = nn.ModuleList(Block(c, spec) for spec in c.layers)
-        if c.hc_mult > 1:
+        if c.hc_mult > 1 and not c.single_pass_hc:  # per-site: the head collapses on its own
             self.hc_head_fn = nn.Parameter(torch.empty(c.hc_mult, c.hc_mult * c.dim))
             self.hc_head_base = nn.Parameter(torch.zeros(c.hc_mult))
             self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.norm = RMSNorm(c.dim, c.norm_eps)
-        self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.head: nn.Linear | PackedLinear = nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.numerics = "default"
+        # SHA-256 of the checkpoint files the weights came from (from_pretrained): the
+        # fingerprint then needs no pass over the tensors.
+        self.checkpoint_digest: str | None = None
+        self.checkpoint_report = None  # kvstack.model.checkpoint.CheckpointReport, if loaded
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -691,7 +777,7 @@ class Model(nn.Module):
         out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith(("norm.weight", "scale")):
+                if name.endswith(("norm.weight", "scale", "q_weight", "k_weight")):
                     p.fill_(1.0)
                 elif name.endswith(("base", "sink", "gate.bias")):
                     p.zero_()
@@ -699,26 +785,66 @@ class Model(nn.Module):
                     residual_out = name.endswith(("wo_b.weight", "wo.weight", "w2.weight", ".w2"))
                     p.normal_(0.0, out_std if residual_out else 0.02)
 
-    # ---- running layers over a chunk ---------------------------------------------------
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        if self.config.hc_mult > 1:
-            x = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        return x
+    def set_numerics(self, numerics: str) -> None:
+        """"default" or "reference" (NUMERICS): how activations meet quantised weights and
+        in what precision RoPE angles are formed."""
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+        self.numerics = numerics
+        reference = numerics == "reference"
+        for m in self.modules():
+            if isinstance(m, PackedLinear | PackedExperts):
+                m.round_inputs = reference and m.quantized_matmul
+            elif isinstance(m, Attention):
+                m.set_rope_precision(torch.float32 if reference else torch.float64)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.config.hc_mult > 1:
-            mix = hc_weights(x, self.hc_head_fn, self.config.norm_eps)
-            pre = torch.sigmoid(mix * self.hc_head_scale + self.hc_head_base) + self.config.hc_eps
-            x = (pre.unsqueeze(-1) * x.float()).sum(2).type_as(x)
+    # ---- running layers over a chunk ---------------------------------------------------
+    def _states(self, ids: torch.Tensor, start: int | torch.Tensor,
+                store: KVStore) -> TokenStates:
+        """The chunk's token states entering layer 0: each token's embedding (as h equal
+        copies with hyper-connections; single-pass collapses the first with a one-hot mix
+        on copy 0) and its Engram rows."""
+        c = self.config
+        x = self.embed(ids).float()
+        mix = None
+        if c.hc_mult > 1:
+            x = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
+            if c.single_pass_hc:
+                mix = x.new_zeros(x.shape[:3])
+                mix[..., 0] = 1.0
+        return TokenStates(x, mix, self._engram_rows(ids, start, store))
+
+    def _engram_rows(self, ids: torch.Tensor, start: int | torch.Tensor,
+                     store: KVStore) -> torch.Tensor | None:
+        """Table rows of the chunk's n-grams [B, n, engram layers, columns]; the tokens
+        before the chunk come from the store (which already holds the chunk's ids)."""
+        if self.engram_hash is None:
+            return None
+        h = self.config.engram_max_ngram_size - 1
+        history = ids.new_zeros(ids.shape[0], h)  # positions < 0 are padded by the hash
+        for rows, view in store.sequences():
+            first = int(start[rows][0]) if isinstance(start, torch.Tensor) else start
+            if first > 0:
+                past = view.token_slice(max(0, first - h), first)
+                history[rows, h - past.shape[1] :] = past.to(ids.device)
+        return self.engram_hash(ids, history, start)
+
+    def _logits(self, s: TokenStates) -> torch.Tensor:
+        c, x = self.config, s.x
+        if c.single_pass_hc:
+            x = HyperConnection.collapse(x, s.mix)
+        elif c.hc_mult > 1:
+            mix = hc_weights(x, self.hc_head_fn, c.norm_eps)
+            pre = torch.sigmoid(mix * self.hc_head_scale + self.hc_head_base) + c.hc_eps
+            x = HyperConnection.collapse(x, pre)
         return self.head(self.norm(x)).float()
 
-    def _run(self, x: torch.Tensor, start: int, store: KVStore, layers: range,
-             ctx: StepContext | None = None) -> torch.Tensor:
+    def _run(self, s: TokenStates, start: int | torch.Tensor, store: KVStore, layers: range,
+             ctx: StepContext | None = None) -> TokenStates:
         ctx = ctx or StepContext()
         for i in layers:
-            x = self.layers[i](x, start, store, ctx)
-        return x
+            s = self.layers[i](s, start, store, ctx)
+        return s
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
@@ -745,8 +871,8 @@ class Model(nn.Module):
                              f"{self.config.max_seq_len}")
         store = ReferenceStore(self.config, ids.shape[0], ids.device)
         ctx = StepContext(dense=dense, collect=collect, probe=probe, window_only=window_only)
-        x = self._run(self._embed(ids), 0, store, range(self.config.n_layers), ctx)
-        return ModelOutput(self._logits(x), ctx.index_scores, ctx.attention_targets,
+        s = self._run(self._states(ids, 0, store), 0, store, range(self.config.n_layers), ctx)
+        return ModelOutput(self._logits(s), ctx.index_scores, ctx.attention_targets,
                            ctx.attention_mass)
 
     # ---- incremental -------------------------------------------------------------------
@@ -797,19 +923,20 @@ class Model(nn.Module):
         cache.append_tokens(ids)
         enc = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
         span = min(self.decoder_span(replay), n) if c.n_encoder_layers else 0
-        tail = []  # encoder output of the decoder span
-        x = None
+        tail = []  # token states of the decoder span as the encoder leaves them
+        s = None
         for i in range(0, n, chunk_size):
-            x = self._run(self._embed(ids[:, i : i + chunk_size]), start + i, cache, range(enc))
+            chunk = self._states(ids[:, i : i + chunk_size], start + i, cache)
+            s = self._run(chunk, start + i, cache, range(enc))
             if c.n_encoder_layers:
-                self.layers[enc].write_stream(x, start + i, cache)
+                self.layers[enc].write_stream(s, start + i, cache)
                 keep = max(0, n - span - i)
-                if keep < x.shape[1]:
-                    tail.append(x[:, keep:])
+                if keep < s.x.shape[1]:
+                    tail.append(s[keep:])
         if c.n_encoder_layers:
-            x = self._run_chunked(torch.cat(tail, dim=1), start + n - span, cache,
+            s = self._run_chunked(TokenStates.cat(tail), start + n - span, cache,
                                   range(enc, c.n_layers), chunk_size)
-        return self._logits(x[:, -1:])[:, 0]
+        return self._logits(s[-1:])[:, 0]
 
     @torch.no_grad()
     def decode(self, token_ids: torch.Tensor, cache: KVStore) -> torch.Tensor:
@@ -818,8 +945,8 @@ class Model(nn.Module):
         self._check_room(cache, ids)
         start = cache.start_positions()
         cache.append_tokens(ids)
-        x = self._run(self._embed(ids), start, cache, range(self.config.n_layers))
-        return self._logits(x)[:, 0]
+        s = self._run(self._states(ids, start, cache), start, cache, range(self.config.n_layers))
+        return self._logits(s)[:, 0]
 
     @torch.no_grad()
     def rebuild_window(self, cache: KVStore, replay: str = "bounded",
@@ -838,18 +965,19 @@ class Model(nn.Module):
         cache.drop_window_state()
         enc = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
         ids = cache.token_ids()[:, n - span :]
-        x = self._run_chunked(self._embed(ids), n - span, cache, range(enc), chunk_size)
+        s = self._run_chunked(self._states(ids, n - span, cache), n - span, cache, range(enc),
+                              chunk_size)
         if c.n_encoder_layers:
-            x = self._run_chunked(x[:, span - dec_span :], n - dec_span, cache,
+            s = self._run_chunked(s[span - dec_span :], n - dec_span, cache,
                                   range(enc, c.n_layers), chunk_size)
-        return self._logits(x[:, -1:])[:, 0]
+        return self._logits(s[-1:])[:, 0]
 
-    def _run_chunked(self, x: torch.Tensor, start: int, store: KVStore, layers: range,
-                     chunk_size: int) -> torch.Tensor:
-        return torch.cat([
-            self._run(x[:, i : i + chunk_size], start + i, store, layers)
-            for i in range(0, x.shape[1], chunk_size)
-        ], dim=1)
+    def _run_chunked(self, s: TokenStates, start: int, store: KVStore, layers: range,
+                     chunk_size: int) -> TokenStates:
+        return TokenStates.cat([
+            self._run(s[i : i + chunk_size], start + i, store, layers)
+            for i in range(0, s.x.shape[1], chunk_size)
+        ])
 
     def _check_room(self, cache: KVStore, ids: torch.Tensor) -> None:
         if cache.batch_size != ids.shape[0]:
@@ -861,45 +989,51 @@ class Model(nn.Module):
 
     # ---- checkpoints -------------------------------------------------------------------
     def fingerprint(self) -> str:
-        """SHA-256 of the config (shapes and cache formats) and every weight: what cached
-        stream blocks were computed by, so that no other model reuses them."""
+        """What cached stream blocks were computed by, so that no other model reuses them:
+        SHA-256 of the config (shapes and cache formats), the numerics, and the weights --
+        the digest of the checkpoint files they were loaded from, or, for a model made in
+        memory, every tensor. (A model changed in memory after loading should be saved and
+        loaded again before its caches are shared.)"""
         digest = hashlib.sha256(self.config.to_json().encode())
+        digest.update(self.numerics.encode())
+        if self.checkpoint_digest is not None:
+            digest.update(self.checkpoint_digest.encode())
+            return digest.hexdigest()
         for name, tensor in self.state_dict().items():
             digest.update(name.encode())
             digest.update(tensor.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """config.json + model.safetensors."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.config.to_json(directory / "config.json")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        """kvstack's own layout: config.json + model.safetensors (float weights; weights
+        loaded packed are written dequantised, Engram tables stay packed)."""
+        from kvstack.model.checkpoint import save_kvstack
+
+        save_kvstack(self, Path(directory))
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path,
-                        device: torch.device | str = "cpu") -> "Model":
-        directory = Path(directory)
-        config = ModelConfig.from_json(directory / "config.json")
-        weights = directory / "model.safetensors"
-        try:
-            state = load_file(str(weights), device=str(device))
-        except (OSError, SafetensorError) as e:
-            raise ValueError(f"checkpoint {weights}: cannot load ({e})") from e
-        expected = parameter_shapes(config)
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {weights} does not match {directory / 'config.json'}: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for name, shape in expected.items():
-            if tuple(state[name].shape) != shape:
-                raise ValueError(f"checkpoint {weights}: {name} has shape "
-                                 f"{list(state[name].shape)}, the config needs {list(shape)}")
-        model = cls(config).to(device)
-        model.load_state_dict(state)
-        return model
+    def from_pretrained(cls, directory: str | Path, device: torch.device | str = "cpu",
+                        numerics: str = "default") -> "Model":
+        """kvstack's own layout, or DeepSeek's published V4.1 checkpoint directory (sharded
+        safetensors, FP8/FP4 weights kept packed). `numerics`: see NUMERICS."""
+        from kvstack.model.checkpoint import load_pretrained
+
+        return load_pretrained(Path(directory), torch.device(device), numerics)
+
+
+def _engram_hash(config: ModelConfig, token_map: torch.Tensor | None) -> EngramHash:
+    c = config
+    if token_map is None:
+        if c.engram_compressed_vocab_size != c.vocab_size:
+            raise ValueError(
+                f"Engram hashes a normalised token map of {c.engram_compressed_vocab_size} "
+                "ids: give the model its tokenizer's map (Model.from_pretrained builds it from "
+                "tokenizer.json); without one, ids hash as they are, which needs "
+                f"engram_compressed_vocab_size == vocab_size ({c.vocab_size})")
+        token_map = torch.arange(c.vocab_size, device="cpu")
+    return EngramHash(c.engram_layer_ids, c.engram_num_embeddings, c.engram_vocab_size,
+                      c.engram_max_ngram_size, c.engram_n_heads, c.engram_compressed_vocab_size,
+                      c.engram_pad_id, token_map)
 
 
 def _check_replay(replay: str) -> None:

@@ -1,8 +1,9 @@
 """Every parameter of a model of the family, by name and shape, derived from its config.
 
 This is the model's parameter contract (DESIGN.md section 2): the module tree of
-`kvstack.model` creates exactly these tensors, and the planner counts them. The draft
-(MTP) layers are not part of the trunk and are not listed.
+`kvstack.model` creates exactly these tensors (kvstack's own checkpoint layout), and the
+planner counts them. The draft (MTP) layers are not part of the trunk and are not listed.
+Engram tables are listed as stored: E4M3 codes and UE8M0 scales (uint8).
 """
 
 import math
@@ -20,6 +21,8 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{spec.index}."
         shapes[p + "attn_norm.weight"] = (c.dim,)
         shapes[p + "ffn_norm.weight"] = (c.dim,)
+        if spec.index in c.engram_layer_ids:
+            _engram_shapes(c, c.engram_layer_ids.index(spec.index), p + "engram.", shapes)
         if c.hc_mult > 1:
             for site in ("attn", "ffn"):
                 shapes[p + f"hc_{site}.fn"] = (n_mix, hc_dim)
@@ -50,13 +53,34 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f + "w1.weight"] = (c.inter_dim, c.dim)
             shapes[f + "w2.weight"] = (c.dim, c.inter_dim)
             shapes[f + "w3.weight"] = (c.inter_dim, c.dim)
-    if c.hc_mult > 1:
+    if c.hc_mult > 1 and not c.single_pass_hc:
         shapes["hc_head_fn"] = (c.hc_mult, hc_dim)
         shapes["hc_head_base"] = (c.hc_mult,)
         shapes["hc_head_scale"] = (1,)
     shapes["norm.weight"] = (c.dim,)
     shapes["head.weight"] = (c.vocab_size, c.dim)
     return shapes
+
+
+def engram_columns(c: ModelConfig) -> int:
+    """Table rows an Engram layer reads per token: (max n-gram size - 1) x heads."""
+    return (c.engram_max_ngram_size - 1) * c.engram_n_heads
+
+
+def engram_table_bytes(c: ModelConfig) -> list[int]:
+    """Bytes of each Engram layer's table as stored: a code byte per entry and a scale
+    byte per 32 (V4.1-Flash: ~203 GB for its two tables)."""
+    return [rows * (c.engram_head_dim + c.engram_head_dim // 32)
+            for rows in c.engram_num_embeddings]
+
+
+def _engram_shapes(c: ModelConfig, i: int, e: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    rows = c.engram_num_embeddings[i]
+    shapes[e + "table_codes"] = (rows, c.engram_head_dim)
+    shapes[e + "table_scales"] = (rows, c.engram_head_dim // 32)
+    shapes[e + "wkv.weight"] = ((c.hc_mult + 1) * c.dim, engram_columns(c) * c.engram_head_dim)
+    shapes[e + "q_weight"] = (c.hc_mult, c.dim)
+    shapes[e + "k_weight"] = (c.hc_mult, c.dim)
 
 
 def _v41_attention_shapes(c: ModelConfig, spec: LayerSpec, a: str,
@@ -85,9 +109,11 @@ def _v41_attention_shapes(c: ModelConfig, spec: LayerSpec, a: str,
 
 @dataclass(frozen=True)
 class ParamCounts:
-    total: int  # every trunk parameter
+    total: int  # every trunk parameter (Engram's projections, not its tables)
     active_decode: int  # used for one decoded token (routed experts: only the chosen k)
     active_prefill: int  # used for each prompt token under CED prefill
+    engram: int = 0  # Engram table entries (one per stored code), apart from the trunk
+    engram_active: int = 0  # of those, what one token reads (every Engram layer)
 
 
 def count_parameters(config: ModelConfig) -> ParamCounts:
@@ -95,8 +121,10 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
 
     Active per decoded token: everything but the routed experts a token is not sent to.
     Active per prefilled token under CED: the embedding, the encoder layers, and the first
-    decoder layer's input mixing, norm and stream projections (the decoder runs over only
-    the last few prompt tokens, and the head over the last one). Without CED, every layer.
+    decoder layer's Engram, input mixing, norm and stream projections (the decoder runs
+    over only the last few prompt tokens, and the head over the last one). Without CED,
+    every layer. Engram tables are counted apart, as V4.1's figures count them (552B trunk
+    beside 196B of tables); their scales are not parameters.
     """
     shapes = parameter_shapes(config)
     expert_share = (
@@ -107,11 +135,17 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
         f"layers.{enc}.attn_norm.",
         f"layers.{enc}.hc_attn.",
         f"layers.{enc}.attn.compressor.",
+        f"layers.{enc}.engram.",
     )
-    total = 0
+    total = engram = 0
     decode = prefill = 0.0
     for name, shape in shapes.items():
+        if name.endswith(".engram.table_scales"):
+            continue
         n = math.prod(shape)
+        if name.endswith(".engram.table_codes"):
+            engram += n
+            continue
         active = n * expert_share if ".ffn.experts." in name else n
         total += n
         decode += active
@@ -121,4 +155,5 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
                 prefill += active
         elif name == "embed.weight":
             prefill += active
-    return ParamCounts(total, round(decode), round(prefill))
+    engram_active = len(config.engram_layer_ids) * engram_columns(config) * config.engram_head_dim
+    return ParamCounts(total, round(decode), round(prefill), engram, engram_active)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from kvstack.config import ModelConfig, preset
 from kvstack.model import Model
+from kvstack.model.checkpoint import float_state_dict
 from kvstack.model.model import Gate, ModelOutput
 from kvstack.model.params import parameter_shapes
 from kvstack.train.data import (
@@ -232,7 +233,8 @@ class Trainer:
         self._resume()
         if self.step == 0 and tc.init_from:  # a resumed run has its own checkpoint
             start = Model.from_pretrained(tc.init_from, device=self.device)
-            self.model.load_state_dict(start.state_dict())
+            # float_state_dict: a checkpoint loaded packed (V4.1's FP8/FP4) trains in float.
+            self.model.load_state_dict(float_state_dict(start))
 
     def _prepare_data(self) -> None:
         tc = self.tc

@@ -1,0 +1,630 @@
+"""Checkpoints: kvstack's own layout and DeepSeek's published V4.1 layout.
+
+kvstack's layout: `config.json` (ModelConfig keys), `model.safetensors` (the tensors of
+`parameter_shapes`: float weights, Engram tables packed), `tokenizer.json`.
+
+DeepSeek's V4.1 layout, as published and as `export_v41` writes it: `config.json` in the
+inference form (DeepSeek's ModelArgs keys plus `dtype` "fp8" / `expert_dtype` "fp4") or
+the HF form (`text_config` + `quantization_config`); `model.safetensors.index.json`
+naming the shard of every tensor (or one `model.safetensors`); `tokenizer.json`. Dense
+projections are FP8 E4M3 with a UE8M0 `.scale` per 32x32 block, routed experts E2M1
+packed two per byte (I8) with a UE8M0 `.scale` per row per 32, Engram tables FP8 with a
+UE8M0 scale per row per 32, everything else bf16 or float32. `V41_NAMES` is the one table
+from those names to kvstack's modules.
+
+Loading builds the model on the meta device and assigns each tensor as safetensors maps
+it from the shard: FP8/FP4 weights stay packed (`kvstack.model.packed`) and stay backed by
+the mapped file (pages the OS can drop and read again, not copies), so resident memory is
+about the checkpoint's size. Only small bf16 tensors (norms, routers, compressors) are
+widened to float32.
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kvstack.config import Mode, ModelConfig
+from kvstack.formats import quantize
+from kvstack.formats.weights import EXPERT_FORMAT, fp8_block_scale_shape, quantize_fp8_blocks
+from kvstack.model.engram import build_token_map
+from kvstack.model.model import Model
+from kvstack.model.packed import Experts, PackedExpert, PackedExperts, PackedLinear
+from kvstack.model.params import engram_columns, parameter_shapes
+
+log = logging.getLogger("kvstack")
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+SHARD_BYTES = 4 << 30  # export: bytes per shard, as DeepSeek's and HF's shards run
+_DIGEST_CHUNK = 1 << 24
+
+# safetensors dtype names of what the published checkpoint stores.
+_F8, _E8M0, _I8, _BF16, _F32 = "F8_E4M3", "F8_E8M0", "I8", "BF16", "F32"
+_TORCH_DTYPES = {_F8: torch.float8_e4m3fn, _E8M0: torch.float8_e8m0fnu, _I8: torch.int8,
+                 _BF16: torch.bfloat16, _F32: torch.float32}
+_FLOAT_DTYPES = frozenset({_BF16, _F32, "F16"})
+
+# Tensors of the published checkpoint that kvstack does not build, by prefix, with why.
+SKIPPED_PREFIXES = {
+    "mtp.": "DSpark draft layers (speculative decoding is not built)",
+    "vision.": "vision tower (kvstack takes text only)",
+    "aligner.": "vision aligner (kvstack takes text only)",
+    "image_": "image span embeddings (kvstack takes text only)",
+}
+SKIPPED_SUFFIXES = {".ffn.gate.bias_vl": "routing bias of image tokens (kvstack takes text only)"}
+
+# DeepSeek's ModelArgs keys that kvstack's config holds under the same name: what an
+# exported config.json carries (with dtype / expert_dtype).
+_INFERENCE_KEYS = (
+    "vocab_size", "dim", "moe_inter_dim", "n_layers", "n_mtp_layers", "n_heads",
+    "n_routed_experts", "n_shared_experts", "n_activated_experts", "score_func", "gate_temp",
+    "norm_topk_prob", "route_scale", "swiglu_limit", "q_lora_rank", "head_dim",
+    "rope_head_dim", "norm_eps", "o_groups", "o_lora_rank", "window_size", "compress_ratios",
+    "kv_source_layers", "index_source_layers", "compress_rope_theta", "original_seq_len",
+    "rope_theta", "rope_factor", "beta_fast", "beta_slow", "index_n_heads", "index_head_dim",
+    "index_topk", "candidate_source_layer", "candidate_topk_blocks", "candidate_block_size",
+    "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids", "engram_vocab_size",
+    "engram_num_embeddings", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
+    "engram_pad_id", "engram_compressed_vocab_size", "max_seq_len",
+)
+
+
+# ---- the name table -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class V41Tensor:
+    """One tensor of the published layout and where it goes in kvstack's model."""
+
+    target: str  # a tensor name, or for linear / expert kinds a module path
+    kind: str  # "float" | "embed" | "head" | "linear" | "linear_scale" | "expert" |
+    #            "expert_scale" | "table" | "table_scale"
+    shape: tuple[int, ...]  # as stored (FP4: in/2 bytes)
+    dtype: str  # safetensors dtype name
+    expert: int = -1  # expert kinds: which expert
+    proj: str = ""  # expert kinds: w1 | w2 | w3
+    # linear: whether DeepSeek's code runs it as an FP8 GEMM (it makes wo_a bf16 first)
+    quantized_matmul: bool = True
+
+
+def v41_names(c: ModelConfig) -> dict[str, V41Tensor]:
+    """Every tensor of the published V4.1 layout of config c, by its published name."""
+    if c.arch != "v41" or not c.uses_moe or not c.single_pass_hc:
+        raise ValueError("DeepSeek's V4.1 layout holds V4.1's trunk only: MoE feed-forward "
+                         "layers and single-pass hyper-connections (hc_mult > 1); this "
+                         "model has " + ("a dense FFN" if not c.uses_moe else
+                                         "no single-pass hyper-connections"
+                                         if c.arch == "v41" else "the dense control"))
+    names: dict[str, V41Tensor] = {}
+
+    def add(name: str, target: str, kind: str, shape: tuple[int, ...], dtype: str,
+            **extra: Any) -> None:
+        names[name] = V41Tensor(target, kind, shape, dtype, **extra)
+
+    def fp8(name: str, target: str, out_f: int, in_f: int, matmul: bool = True) -> None:
+        add(name + ".weight", target, "linear", (out_f, in_f), _F8, quantized_matmul=matmul)
+        add(name + ".scale", target, "linear_scale", fp8_block_scale_shape(out_f, in_f), _E8M0)
+
+    def bf16(name: str, target: str, *shape: int) -> None:
+        add(name, target, "float", shape, _BF16)
+
+    def f32(name: str, target: str, *shape: int) -> None:
+        add(name, target, "float", shape, _F32)
+
+    d, h = c.dim, c.hc_mult
+    add("embed.weight", "embed.weight", "embed", (c.vocab_size, d), _BF16)
+    for spec in c.layers:
+        p = f"layers.{spec.index}."
+        a = p + "attn."
+        bf16(p + "attn_norm.weight", p + "attn_norm.weight", d)
+        bf16(p + "ffn_norm.weight", p + "ffn_norm.weight", d)
+        for site in ("attn", "ffn"):
+            f32(p + f"hc_{site}_fn", p + f"hc_{site}.fn", (2 + h) * h, h * d)
+            f32(p + f"hc_{site}_base", p + f"hc_{site}.base", (2 + h) * h)
+            f32(p + f"hc_{site}_scale", p + f"hc_{site}.scale", 3)
+        f32(a + "attn_sink", a + "sink", c.n_heads)
+        fp8(a + "wq_a", a + "wq_a", c.q_lora_rank, d)
+        bf16(a + "q_norm.weight", a + "q_norm.weight", c.q_lora_rank)
+        fp8(a + "wq_b", a + "wq_b", c.n_heads * c.head_dim, c.q_lora_rank)
+        fp8(a + "wkv", a + "wkv", c.head_dim, d)
+        bf16(a + "kv_norm.weight", a + "kv_norm.weight", c.head_dim)
+        fp8(a + "wo_a", a + "wo_a", c.o_groups * c.o_lora_rank,
+            c.n_heads * c.head_dim // c.o_groups, matmul=False)
+        fp8(a + "wo_b", a + "wo_b", d, c.o_groups * c.o_lora_rank)
+        if spec.mode is Mode.FULL:
+            k = a + "compressor."
+            bf16(k + "wkv.weight", k + "wkv.weight", c.head_dim, d)
+            if spec.ratio > 1:
+                bf16(k + "wgate.weight", k + "wgate.weight", c.head_dim, d)
+            bf16(k + "norm.weight", k + "norm.weight", c.head_dim)
+            # V4.1 keeps the index-key projection on the indexer of the layer that owns it.
+            bf16(a + "indexer.wk.weight", k + "wk_index.weight", c.index_head_dim, c.head_dim)
+            bf16(a + "indexer.k_norm.weight", k + "index_norm.weight", c.index_head_dim)
+        if spec.mode in (Mode.FULL, Mode.REINDEX):
+            fp8(a + "indexer.wq_b", a + "indexer.wq", c.index_n_heads * c.index_head_dim,
+                c.q_lora_rank)
+            bf16(a + "indexer.weights_proj.weight", a + "indexer.wweights.weight",
+                 c.index_n_heads, d)
+        if spec.index in c.engram_layer_ids:
+            e = p + "engram."
+            rows = c.engram_num_embeddings[c.engram_layer_ids.index(spec.index)]
+            add(e + "embed.weight", e + "table_codes", "table", (rows, c.engram_head_dim), _F8)
+            add(e + "embed.scale", e + "table_scales", "table_scale",
+                (rows, c.engram_head_dim // 32), _E8M0)
+            fp8(e + "wkv", e + "wkv", (h + 1) * d, engram_columns(c) * c.engram_head_dim)
+            bf16(e + "q_weight", e + "q_weight", h, d)
+            bf16(e + "k_weight", e + "k_weight", h, d)
+        f = p + "ffn."
+        bf16(f + "gate.weight", f + "gate.weight", c.n_routed_experts, d)
+        f32(f + "gate.bias", f + "gate.bias", c.n_routed_experts)
+        for e in range(c.n_routed_experts):
+            for proj, out_f, in_f in _expert_projections(c):
+                name = f"{f}experts.{e}.{proj}"
+                add(name + ".weight", f + "experts", "expert", (out_f, in_f // 2), _I8,
+                    expert=e, proj=proj)
+                add(name + ".scale", f + "experts", "expert_scale", (out_f, in_f // 32), _E8M0,
+                    expert=e, proj=proj)
+        for proj, out_f, in_f in _expert_projections(c):
+            fp8(f"{f}shared_experts.{proj}", f"{f}shared.{proj}", out_f, in_f)
+    bf16("norm.weight", "norm.weight", d)
+    add("head.weight", "head", "head", (c.vocab_size, d), _BF16)
+    return names
+
+
+def _expert_projections(c: ModelConfig) -> tuple[tuple[str, int, int], ...]:
+    i, d = c.moe_inter_dim, c.dim
+    return ("w1", i, d), ("w2", d, i), ("w3", i, d)
+
+
+def skip_reason(name: str) -> str | None:
+    """Why a published tensor is not loaded, or None if kvstack builds it."""
+    for prefix, why in SKIPPED_PREFIXES.items():
+        if name.startswith(prefix):
+            return why
+    for suffix, why in SKIPPED_SUFFIXES.items():
+        if name.endswith(suffix):
+            return why
+    return None
+
+
+# ---- reading ----------------------------------------------------------------------------
+
+
+@dataclass
+class CheckpointReport:
+    """What a load read and what it left out."""
+
+    directory: Path
+    layout: str  # "kvstack" | "v41"
+    files: list[str]
+    bytes: int  # size of the weight files
+    skipped: dict[str, str] = field(default_factory=dict)  # tensor -> why
+
+
+def is_v41_checkpoint(directory: Path) -> bool:
+    """DeepSeek's published layout (by its config or its shard index), not kvstack's."""
+    if (directory / INDEX_FILE).exists():
+        return True
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False  # the kvstack loader names the problem
+    return isinstance(raw, dict) and any(k in raw for k in ("quantization_config", "dtype",
+                                                            "expert_dtype"))
+
+
+def load_pretrained(directory: Path, device: torch.device, numerics: str) -> Model:
+    model = _load_v41(directory) if is_v41_checkpoint(directory) else _load_kvstack(directory)
+    model.set_numerics(numerics)
+    return model.to(device)
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"config {path}: cannot read ({e.strerror})") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config {path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"config {path}: expected a JSON object")
+    return raw
+
+
+def _token_map(directory: Path, config: ModelConfig) -> torch.Tensor | None:
+    """Engram's normalised token map, from the model's tokenizer.json."""
+    # A compressed vocabulary as large as the vocabulary merges no tokens: the map is the
+    # identity whatever the tokenizer (numbered first-seen, ids keep their order).
+    if not config.engram_layer_ids or config.engram_compressed_vocab_size == config.vocab_size:
+        return None
+    path = directory / "tokenizer.json"
+    if not path.exists():
+        raise ValueError(f"model {directory}: Engram hashes the normalised token map of "
+                         f"tokenizer.json, which is missing")
+    from tokenizers import Tokenizer
+
+    token_map, size = build_token_map(Tokenizer.from_file(str(path)))
+    if size != config.engram_compressed_vocab_size:
+        raise ValueError(f"model {directory}: tokenizer.json normalises to {size} ids, the "
+                         f"config's engram_compressed_vocab_size is "
+                         f"{config.engram_compressed_vocab_size} (every Engram hash depends on "
+                         "it: this is not the model's tokenizer)")
+    return token_map
+
+
+def _file_digest(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            while chunk := f.read(_DIGEST_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _load_kvstack(directory: Path) -> Model:
+    config = ModelConfig.from_json(directory / "config.json")
+    weights = directory / SINGLE_FILE
+    try:
+        state = load_file(str(weights))
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"checkpoint {weights}: cannot load ({e})") from e
+    expected = parameter_shapes(config)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        hint = ""
+        if any(n.startswith("hc_head_") for n in unexpected) and config.single_pass_hc:
+            hint = ('; its hc_head_* tensors are those of per-site hyper-connections: add '
+                    '"hc_residual": "per_site" to its config.json')
+        raise ValueError(f"checkpoint {weights} does not match {directory / 'config.json'}: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}{hint}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"checkpoint {weights}: {name} has shape "
+                             f"{list(state[name].shape)}, the config needs {list(shape)}")
+    token_map = _token_map(directory, config)
+    with torch.device("meta"):
+        model = Model(config, token_map)
+    model.load_state_dict(state, assign=True)
+    _check_materialised(model, weights)
+    model.checkpoint_digest = _file_digest([directory / "config.json", weights])
+    model.checkpoint_report = CheckpointReport(directory, "kvstack", [SINGLE_FILE],
+                                               weights.stat().st_size)
+    return model
+
+
+def _check_materialised(model: Model, source: Path) -> None:
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            raise ValueError(f"checkpoint {source}: nothing was loaded into {name}")
+
+
+def _check_v41_config(raw: dict[str, Any], path: Path) -> None:
+    """Refuse what is not DeepSeek-V4.1 or not stored as kvstack reads it."""
+    text = raw.get("text_config", raw)
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type not in ("deepseek_v41", "deepseek_v41_text"):
+        raise ValueError(f"config {path}: model_type {model_type!r} is not DeepSeek-V4.1 "
+                         "(deepseek_v41); kvstack runs V4.1 checkpoints only")
+    if not isinstance(text, dict) or not any(
+            k in text for k in ("kv_source_layers", "kv_source_layer_ids")):
+        raise ValueError(f"config {path}: not a DeepSeek-V4.1 config (it names no kv source "
+                         "layers, which every V4.1 config does; DeepSeek-V3 and V4 "
+                         "checkpoints are other architectures)")
+    if "quantization_config" in raw:
+        q = raw["quantization_config"] or {}
+        wanted = {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
+                  "expert_dtype": "fp4"}
+        wrong = {k: q.get(k) for k, v in wanted.items() if q.get(k) != v}
+        if wrong:
+            raise ValueError(f"config {path}: quantization_config has {wrong}; kvstack reads "
+                             f"the published V4.1 storage {wanted}")
+    else:
+        for key, value in (("dtype", "fp8"), ("expert_dtype", "fp4")):
+            if raw.get(key, value) != value:
+                raise ValueError(f"config {path}: {key} is {raw[key]!r}; kvstack reads the "
+                                 f"published V4.1 storage ({key} {value!r})")
+
+
+def _shards(directory: Path) -> dict[str, list[str]]:
+    """Shard file -> the tensors the index places in it (one file: its own names)."""
+    index = directory / INDEX_FILE
+    if not index.exists():
+        if not (directory / SINGLE_FILE).exists():
+            raise ValueError(f"checkpoint {directory}: neither {INDEX_FILE} nor {SINGLE_FILE}")
+        return {SINGLE_FILE: []}
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint index {index}: unreadable ({e})") from e
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        files.setdefault(file, []).append(name)
+    for file, held in files.items():
+        if Path(file).name != file:
+            raise ValueError(f"checkpoint index {index}: shard {file!r} is not a file name")
+        if not (directory / file).exists():
+            raise ValueError(f"checkpoint {directory}: shard {file} is missing (the index "
+                             f"places {len(held)} tensors in it, e.g. {held[0]})")
+    return files
+
+
+class _Assembler:
+    """Puts tensors read from the shards into a model built on the meta device."""
+
+    def __init__(self, model: Model, names: dict[str, V41Tensor]) -> None:
+        self.model, self.names = model, names
+        self.linears: dict[str, dict[str, Any]] = {}
+        self.experts: dict[str, dict[tuple[str, int, str], torch.Tensor]] = {}
+        self.seen: set[str] = set()
+
+    def put(self, name: str, entry: V41Tensor, t: torch.Tensor) -> None:
+        self.seen.add(name)
+        kind = entry.kind
+        if kind == "float":
+            _set_tensor(self.model, entry.target, t.float())
+        elif kind == "embed":
+            _set_tensor(self.model, entry.target, t)
+        elif kind == "head":
+            _set_module(self.model, entry.target, PackedLinear("bf16", t))
+        elif kind in ("table", "table_scale"):
+            _set_tensor(self.model, entry.target, t.view(torch.uint8))
+        elif kind in ("linear", "linear_scale"):
+            parts = self.linears.setdefault(entry.target, {})
+            parts[kind] = t.view(torch.uint8)
+            if kind == "linear":
+                parts["matmul"] = entry.quantized_matmul
+            if len(parts) == 3:
+                _set_module(self.model, entry.target,
+                            PackedLinear("fp8", parts["linear"], parts["linear_scale"],
+                                         parts["matmul"]))
+                del self.linears[entry.target]
+        else:  # expert, expert_scale: one of a layer's experts' six tensors
+            n_experts = self.model.config.n_routed_experts
+            parts = self.experts.setdefault(entry.target, {})
+            parts[kind, entry.expert, entry.proj] = t.view(torch.uint8)
+            if len(parts) == 2 * 3 * n_experts:
+                _set_module(self.model, entry.target, PackedExperts([PackedExpert(
+                    {p: parts["expert", e, p] for p in PackedExpert.NAMES},
+                    {p: parts["expert_scale", e, p] for p in PackedExpert.NAMES})
+                    for e in range(n_experts)]))
+                del self.experts[entry.target]
+
+
+def _set_tensor(model: nn.Module, name: str, t: torch.Tensor) -> None:
+    path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(path)
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        module._parameters[leaf] = nn.Parameter(t, requires_grad=old.requires_grad
+                                                and t.is_floating_point())
+    else:
+        module._buffers[leaf] = t
+
+
+def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def _load_v41(directory: Path) -> Model:
+    raw = _read_config(directory)
+    _check_v41_config(raw, directory / "config.json")
+    config = ModelConfig.from_json(directory / "config.json")
+    names = v41_names(config)
+    shards = _shards(directory)
+    token_map = _token_map(directory, config)
+    with torch.device("meta"):
+        model = Model(config, token_map)
+    assembler = _Assembler(model, names)
+    indexed = {name: file for file, held in shards.items() for name in held}
+    skipped: dict[str, str] = {}
+    where: dict[str, str] = {}
+    for file in shards:
+        path = directory / file
+        for name, read in _tensors(path):
+            if indexed and indexed.get(name) != file:
+                raise ValueError(f"checkpoint {directory}: tensor {name} is in {file}, but "
+                                 f"{INDEX_FILE} places it in {indexed.get(name, 'no shard')}")
+            if name in where:
+                raise ValueError(f"checkpoint {directory}: tensor {name} is in both "
+                                 f"{where[name]} and {file}")
+            where[name] = file
+            why = skip_reason(name)
+            if why is not None:
+                skipped[name] = why
+                continue
+            entry = names.get(name)
+            if entry is None:
+                raise ValueError(f"checkpoint {path}: tensor {name} is not part of DeepSeek-"
+                                 "V4.1's layout for this config (unknown to kvstack's name "
+                                 "table: a foreign checkpoint, or a config that contradicts "
+                                 "its tensors)")
+            assembler.put(name, entry, read(entry))
+    missing = sorted(set(names) - assembler.seen)
+    if missing:
+        shown = ", ".join(f"{n} ({indexed.get(n, 'in no shard')})" for n in missing[:5])
+        raise ValueError(f"checkpoint {directory}: {len(missing)} tensors of the V4.1 layout "
+                         f"are missing: {shown}")
+    _check_materialised(model, directory)
+    files = sorted(shards)
+    model.checkpoint_digest = _file_digest([directory / "config.json"]
+                                           + [directory / f for f in files])
+    size = sum((directory / f).stat().st_size for f in files)
+    model.checkpoint_report = CheckpointReport(directory, "v41", files, size, skipped)
+    _log_skipped(skipped)
+    return model
+
+
+def _tensors(path: Path) -> Iterator[tuple[str, Any]]:
+    """(name, read) for each tensor of a shard; read(entry) checks the stored dtype and
+    shape against the name table before the bytes are read."""
+    try:
+        f = safe_open(str(path), framework="pt", device="cpu")
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"checkpoint shard {path}: cannot read ({e})") from e
+
+    def reader(name: str) -> Any:
+        def read(entry: V41Tensor) -> torch.Tensor:
+            piece = f.get_slice(name)
+            dtype, shape = piece.get_dtype(), tuple(piece.get_shape())
+            ok = (dtype in _FLOAT_DTYPES) if entry.kind == "float" else dtype == entry.dtype
+            if not ok:
+                raise ValueError(f"checkpoint shard {path}: tensor {name} is {dtype}, the V4.1 "
+                                 f"layout stores it as {entry.dtype}")
+            if shape != entry.shape:
+                raise ValueError(f"checkpoint shard {path}: tensor {name} has shape "
+                                 f"{list(shape)}, the config needs {list(entry.shape)}")
+            try:
+                return f.get_tensor(name)
+            except SafetensorError as e:
+                raise ValueError(f"checkpoint shard {path}: tensor {name}: cannot read "
+                                 f"({e})") from e
+        return read
+
+    with f:
+        held = f.keys()  # a safe_open handle is not a dict
+        for name in held:
+            yield name, reader(name)
+
+
+def _log_skipped(skipped: dict[str, str]) -> None:
+    by_reason: dict[str, list[str]] = {}
+    for name, why in skipped.items():
+        by_reason.setdefault(why, []).append(name)
+    for why, held in by_reason.items():
+        log.info("skipped %d tensors, %s: %s%s", len(held), why, ", ".join(held[:3]),
+                 ", ..." if len(held) > 3 else "")
+
+
+# ---- writing ----------------------------------------------------------------------------
+
+
+def float_state_dict(model: Model) -> dict[str, torch.Tensor]:
+    """The model's tensors in kvstack's own layout: packed weights dequantised to float32
+    (Engram tables, which kvstack stores packed, stay packed)."""
+    state = {}
+    for name, t in model.state_dict().items():
+        path, _, leaf = name.rpartition(".")
+        module = model.get_submodule(path) if path else model
+        if isinstance(module, PackedLinear):
+            if leaf == "stored":
+                state[path + ".weight"] = module.weight
+        elif isinstance(module, PackedExpert):
+            experts, _, e = path.rpartition(".")
+            if e == "0" and leaf.endswith("_codes"):
+                proj = leaf.removesuffix("_codes")
+                state[f"{experts}.{proj}"] = torch.stack(
+                    [expert.weight(proj) for expert in model.get_submodule(experts)])
+        else:
+            state[name] = t
+    return state
+
+
+def save_kvstack(model: Model, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.to_json(directory / "config.json")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in float_state_dict(model).items()}
+    save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
+
+
+def inference_config(config: ModelConfig) -> dict[str, Any]:
+    """config.json in DeepSeek's inference form; refused when it cannot say everything
+    the kvstack config says (kvstack-only keys away from what V4.1 implies)."""
+    out = {k: list(v) if isinstance(v := getattr(config, k), tuple) else v
+           for k in _INFERENCE_KEYS}
+    if out["candidate_source_layer"] is None:
+        out["candidate_source_layer"] = -1
+    out.update(dtype="fp8", expert_dtype="fp4")
+    back = ModelConfig.from_dict(out)
+    differs = [f for f in config.to_dict() if getattr(back, f) != getattr(config, f)]
+    if differs:
+        said = ", ".join(f"{k} = {getattr(config, k)!r} (V4.1 implies {getattr(back, k)!r})"
+                         for k in differs)
+        raise ValueError(f"DeepSeek's V4.1 config.json has no keys for {said}")
+    return out
+
+
+def _stored(model: Model, name: str, entry: V41Tensor) -> torch.Tensor:
+    """The published tensor `name` from the model, quantised where the model holds
+    floats."""
+    kind = entry.kind
+    dtype = _TORCH_DTYPES[entry.dtype]
+    if kind in ("float", "embed"):
+        return model.get_parameter(entry.target).detach().to(dtype)
+    if kind == "head":
+        return model.head.weight.detach().to(dtype)
+    if kind in ("table", "table_scale"):
+        return model.get_buffer(entry.target).view(dtype)
+    module = model.get_submodule(entry.target)
+    if kind in ("linear", "linear_scale"):
+        if isinstance(module, PackedLinear) and module.fmt == "fp8":
+            codes, scales = module.stored, module.scales
+        else:
+            codes, scales = quantize_fp8_blocks(module.weight)
+        return (codes if kind == "linear" else scales).view(dtype)
+    if isinstance(module, PackedExperts):
+        part = "codes" if kind == "expert" else "scales"
+        return getattr(module[entry.expert], f"{entry.proj}_{part}").view(dtype)
+    assert isinstance(module, Experts)
+    q = quantize(getattr(module, entry.proj)[entry.expert].detach(), EXPERT_FORMAT)
+    return (q.codes if kind == "expert" else q.scales).view(dtype)
+
+
+def _nbytes(entry: V41Tensor) -> int:
+    return math.prod(entry.shape) * _TORCH_DTYPES[entry.dtype].itemsize
+
+
+def export_v41(model: Model, directory: Path, shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Write the model in DeepSeek's published V4.1 layout: FP8 dense projections with
+    32x32 UE8M0 scales, FP4 experts, names and shards with their index, and config.json
+    in the inference form (the tokenizer is the caller's to copy). Weights the model holds
+    packed are written as they are; float weights are quantised. Returns the shard
+    names."""
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    names = v41_names(model.config)
+    config = inference_config(model.config)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, entry in names.items():
+        if groups[-1] and size + _nbytes(entry) > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += _nbytes(entry)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map = {}
+    for file, group in zip(files, groups, strict=True):
+        tensors = {name: _stored(model, name, names[name]).contiguous().cpu() for name in group}
+        tmp = directory / (file + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, directory / file)
+        weight_map.update(dict.fromkeys(group, file))
+    total = sum(_nbytes(e) for e in names.values())
+    _write_json(directory / INDEX_FILE, {"metadata": {"total_size": total},
+                                         "weight_map": weight_map})
+    _write_json(directory / "config.json", config)
+    return files
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)

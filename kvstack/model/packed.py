@@ -1,0 +1,113 @@
+"""Projections whose weights stay in their checkpoint format and are dequantised per use.
+
+DeepSeek's V4.1 checkpoint holds its dense projections in FP8 (E4M3, one UE8M0 scale per
+32x32 block) and its routed experts in FP4 (E2M1 packed two per byte, one UE8M0 scale per
+row per 32): ~510 GB that expand to ~1.1 TB as bf16. The loader swaps these modules in
+for `nn.Linear` and the float experts, so resident memory stays close to the checkpoint's
+bytes: a weight is dequantised when a call uses it (one projection, or one selected
+expert, at a time) and dropped after.
+
+`round_inputs`: DeepSeek's kernels multiply FP8 activations (UE8M0 per 32) by these
+weights; with `numerics="reference"` the input is rounded the same way first. kvstack's
+default multiplies the float32 activations, which serves better on hardware without FP8
+GEMMs.
+"""
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstack.formats import Quantized, dequantize, fake_quantize
+from kvstack.formats.weights import EXPERT_FORMAT, dequantize_fp8_blocks
+
+ACTIVATION_FORMAT = "fp8_ue8m0_32"  # what DeepSeek's kernels round activations to
+WEIGHT_FORMATS = ("fp8", "bf16")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, round_inputs: bool = False) -> torch.Tensor:
+    if round_inputs:
+        x = fake_quantize(x, ACTIVATION_FORMAT)
+    return F.linear(x, weight)
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T for W [out, in] held as stored: "fp8" (E4M3 codes uint8 [out, in] and
+    UE8M0 scales uint8 [ceil(out/32), ceil(in/32)]) or "bf16" (`stored` is bf16)."""
+
+    def __init__(self, fmt: str, stored: torch.Tensor, scales: torch.Tensor | None = None,
+                 round_inputs: bool = False) -> None:
+        super().__init__()
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}")
+        self.fmt = fmt
+        self.out_features, self.in_features = stored.shape
+        self.register_buffer("stored", stored)
+        self.register_buffer("scales", scales)
+        # Whether DeepSeek's code runs this weight as an FP8/FP4 GEMM (it dequantises some
+        # FP8 weights to bf16 at load), and whether to mimic that now (set_numerics).
+        self.quantized_matmul = round_inputs
+        self.round_inputs = False
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float32 weight [out, in], dequantised now."""
+        if self.fmt == "bf16":
+            return self.stored.float()
+        return dequantize_fp8_blocks(self.stored, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x.float(), self.weight, self.round_inputs)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights as float parameters: w1, w3 [E, inter, dim] and
+    w2 [E, dim, inter]."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+
+    def projections(self, e: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+        """Expert e's w1, w2, w3 as functions of their input."""
+        return tuple(partial(F.linear, weight=w[e]) for w in (self.w1, self.w2, self.w3))
+
+
+class PackedExpert(nn.Module):
+    """One routed expert as DeepSeek stores it: per projection, E2M1 codes uint8
+    [out, in/2] and UE8M0 scales uint8 [out, in/32]."""
+
+    NAMES = ("w1", "w2", "w3")
+
+    def __init__(self, codes: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name in self.NAMES:
+            self.register_buffer(f"{name}_codes", codes[name])
+            self.register_buffer(f"{name}_scales", scales[name])
+
+    def weight(self, name: str) -> torch.Tensor:
+        return dequantize(Quantized(EXPERT_FORMAT, getattr(self, f"{name}_codes"),
+                                    getattr(self, f"{name}_scales")))
+
+
+class PackedExperts(nn.ModuleList):
+    """The routed experts, each held packed as read (one tensor per expert and
+    projection, as the checkpoint holds them: a loader maps them, never copies them into
+    one stack). Only a selected expert is dequantised, when a token is routed to it."""
+
+    def __init__(self, experts: list[PackedExpert]) -> None:
+        super().__init__(experts)
+        self.quantized_matmul = True
+        self.round_inputs = False
+
+    def projections(self, e: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+        expert = self[e]
+        return tuple(partial(linear, weight=expert.weight(name), round_inputs=self.round_inputs)
+                     for name in PackedExpert.NAMES)
