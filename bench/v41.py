@@ -170,7 +170,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, nargs="+", default=[32, 128],
                         help="routed experts of the written checkpoints (~3 MB each)")
-    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--prompt", type=int, default=448,
+                        help="prompt tokens (with --decode within tiny-v41's 512)")
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true")
