@@ -32,8 +32,8 @@ from kvstack.engine.llm import bundled_model
 from kvstack.engine.tokenizer import byte_level_tokenizer_json
 from kvstack.model import Model
 from kvstack.model.checkpoint import (
-    _TORCH_DTYPES,
     INDEX_FILE,
+    STORED_DTYPES,
     float_state_dict,
     inference_config,
     v41_names,
@@ -65,7 +65,7 @@ def write_random_v41(directory: Path, config: ModelConfig, shard_bytes: int = 1 
         shard, size, index = {}, 0, index + 1
 
     for name, entry in v41_names(config).items():
-        dtype = _TORCH_DTYPES[entry.dtype]
+        dtype = STORED_DTYPES[entry.dtype]
         if entry.dtype == "F8_E4M3":
             t = (torch.randn(entry.shape, generator=g) * 100).clamp(-448, 448).to(dtype)
         elif entry.dtype == "F8_E8M0":

@@ -49,9 +49,9 @@ SINGLE_FILE = "model.safetensors"
 SHARD_BYTES = 4 << 30  # export: bytes per shard, as DeepSeek's and HF's shards run
 _DIGEST_CHUNK = 1 << 24
 
-# safetensors dtype names of what the published checkpoint stores.
+# safetensors dtype names of what the published checkpoint stores, and their torch dtypes.
 _F8, _E8M0, _I8, _BF16, _F32 = "F8_E4M3", "F8_E8M0", "I8", "BF16", "F32"
-_TORCH_DTYPES = {_F8: torch.float8_e4m3fn, _E8M0: torch.float8_e8m0fnu, _I8: torch.int8,
+STORED_DTYPES = {_F8: torch.float8_e4m3fn, _E8M0: torch.float8_e8m0fnu, _I8: torch.int8,
                  _BF16: torch.bfloat16, _F32: torch.float32}
 _FLOAT_DTYPES = frozenset({_BF16, _F32, "F16"})
 
@@ -564,7 +564,7 @@ def _stored(model: Model, name: str, entry: V41Tensor) -> torch.Tensor:
     """The published tensor `name` from the model, quantised where the model holds
     floats."""
     kind = entry.kind
-    dtype = _TORCH_DTYPES[entry.dtype]
+    dtype = STORED_DTYPES[entry.dtype]
     if kind in ("float", "embed"):
         return model.get_parameter(entry.target).detach().to(dtype)
     if kind == "head":
@@ -587,7 +587,7 @@ def _stored(model: Model, name: str, entry: V41Tensor) -> torch.Tensor:
 
 
 def _nbytes(entry: V41Tensor) -> int:
-    return math.prod(entry.shape) * _TORCH_DTYPES[entry.dtype].itemsize
+    return math.prod(entry.shape) * STORED_DTYPES[entry.dtype].itemsize
 
 
 def export_v41(model: Model, directory: Path, shard_bytes: int = SHARD_BYTES) -> list[str]:
