@@ -104,6 +104,15 @@ def test_the_hf_form_of_the_config_loads_the_same_model(tmp_path, v41_dir):
     assert torch.equal(a(ids).logits, b(ids).logits)
 
 
+def test_a_single_file_v41_checkpoint_loads_like_the_sharded_one(tmp_path, v41_dir):
+    write_v41_checkpoint(tmp_path, preset("tiny-v41"), seed=1, shards=0)
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    one = Model.from_pretrained(tmp_path)
+    assert one.checkpoint_report.files == ["model.safetensors"]
+    ids = tokens(20)
+    assert torch.equal(one(ids).logits, Model.from_pretrained(v41_dir)(ids).logits)
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     dst.mkdir()
     for f in src.iterdir():

@@ -118,20 +118,24 @@ def published_tensors(c: ModelConfig, g: torch.Generator) -> dict[str, torch.Ten
 def write_v41_checkpoint(directory: Path, config: ModelConfig, seed: int = 0,
                          shards: int = 3, hf_form: bool = False) -> dict[str, torch.Tensor]:
     """The published layout of `config` with random values in `shards` files plus
-    model.safetensors.index.json, config.json and a byte-level tokenizer.json; returns the
-    tensors written."""
+    model.safetensors.index.json (shards=0: one model.safetensors, no index), config.json
+    and a byte-level tokenizer.json; returns the tensors written."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = published_tensors(config, torch.Generator().manual_seed(seed))
     names = list(tensors)
-    per_shard = -(-len(names) // shards)
-    weight_map = {}
-    for s in range(shards):
-        part = names[s * per_shard : (s + 1) * per_shard]
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(directory / file))
-        weight_map.update(dict.fromkeys(part, file))
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if shards == 0:
+        save_file(tensors, str(directory / "model.safetensors"))
+        shards = -1  # no index below
+    if shards > 0:
+        per_shard = -(-len(names) // shards)
+        weight_map = {}
+        for s in range(shards):
+            part = names[s * per_shard : (s + 1) * per_shard]
+            file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            save_file({n: tensors[n] for n in part}, str(directory / file))
+            weight_map.update(dict.fromkeys(part, file))
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}))
     (directory / "config.json").write_text(json.dumps(
         hf_config(config) if hf_form else inference_config(config)))
     (directory / "tokenizer.json").write_text(byte_level_tokenizer_json())
