@@ -1,5 +1,10 @@
 """kvstack: the DeepSeek-V4.1 compressed KV-cache stack."""
 
-from kvstack.engine import LLM, RequestOutput, SamplingParams
+from kvstack._lazy import lazy_exports
 
+__getattr__ = lazy_exports(__name__, {
+    "LLM": "kvstack.engine.llm",
+    "RequestOutput": "kvstack.engine.sequence",
+    "SamplingParams": "kvstack.engine.sampling",
+})
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]

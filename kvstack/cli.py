@@ -1,6 +1,7 @@
 """The `kvstack` command."""
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import sys
@@ -607,6 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvstack",
         description="The DeepSeek-V4.1 compressed KV-cache stack.",
     )
+    parser.add_argument("--version", action="version",
+                        version=f"kvstack {importlib.metadata.version('kvstack')}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser(
         "plan",

@@ -57,3 +57,18 @@ def test_chat_keeps_the_conversation_in_the_cache(capsys, monkeypatch):
     # Turn two extends turn one's cache; after /reset the cache starts over.
     assert held[1] > held[0] and held[2] < held[1]
     assert '"bytes_per_token"' in err and "unknown command /nope" in err
+
+
+def test_the_command_and_the_config_start_without_torch_or_the_engine():
+    import subprocess
+    import sys
+
+    script = ("import sys, kvstack.config, kvstack.plan, kvstack.cli, kvstack.formats; "
+              "print(sorted(m for m in ('torch', 'kvstack.engine.llm', 'kvstack.model.model') "
+              "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]"
+    version = subprocess.run([sys.executable, "-m", "kvstack.cli", "--version"],
+                             capture_output=True, text=True, check=True)
+    assert version.stdout.startswith("kvstack 0.")

@@ -1,8 +1,11 @@
 """KV-cache storage: the layout of a config, the storage interface, and its stores."""
 
-from kvstack.cache.contiguous import ContiguousCache
-from kvstack.cache.layout import CacheLayout
-from kvstack.cache.reference import ReferenceStore
-from kvstack.cache.store import KVStore
+from kvstack._lazy import lazy_exports
 
+__getattr__ = lazy_exports(__name__, {
+    "CacheLayout": "kvstack.cache.layout",
+    "ContiguousCache": "kvstack.cache.contiguous",
+    "KVStore": "kvstack.cache.store",
+    "ReferenceStore": "kvstack.cache.reference",
+})
 __all__ = ["CacheLayout", "ContiguousCache", "KVStore", "ReferenceStore"]

@@ -1,7 +1,10 @@
 """The inference engine: paged cache, continuous batching, the LLM front door."""
 
-from kvstack.engine.llm import LLM
-from kvstack.engine.sampling import SamplingParams
-from kvstack.engine.sequence import RequestOutput
+from kvstack._lazy import lazy_exports
 
+__getattr__ = lazy_exports(__name__, {
+    "LLM": "kvstack.engine.llm",
+    "RequestOutput": "kvstack.engine.sequence",
+    "SamplingParams": "kvstack.engine.sampling",
+})
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]

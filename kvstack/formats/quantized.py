@@ -23,56 +23,7 @@ from kvstack.formats.codecs import (
     pow2,
     ue8m0_decode,
 )
-
-
-@dataclass(frozen=True)
-class Format:
-    name: str
-    element: str  # "e2m1" | "e4m3" | "bf16"
-    block: int  # elements per scale; 1 for bf16, which has no scales
-    scale: str | None  # "e4m3" | "ue8m0" | None
-    # Largest magnitude stored without the dequantised value overflowing float32; None
-    # when the format saturates instead (fp4_e4m3_16 clamps at 6 * 448 by its rule).
-    max_magnitude: float | None
-
-    def code_bytes(self, d: int) -> int:
-        return {"e2m1": d // 2, "e4m3": d, "bf16": 2 * d}[self.element]
-
-    def scale_bytes(self, d: int) -> int:
-        return d // self.block if self.scale else 0
-
-
-FORMATS: dict[str, Format] = {
-    f.name: f
-    for f in (
-        Format("fp4_e4m3_16", "e2m1", 16, "e4m3", None),
-        # Above 6 * 2^125 the scale is 2^126 and codes 4 and 6 dequantise to infinity.
-        Format("fp4_ue8m0_32", "e2m1", 32, "ue8m0", 6 * 2.0**125),
-        # Above 448 * 2^119 the scale is 2^120 and 256 * 2^120 is infinity.
-        Format("fp8_ue8m0_32", "e4m3", 32, "ue8m0", 448 * 2.0**119),
-        Format("bf16", "bf16", 1, None, float(torch.finfo(torch.bfloat16).max)),
-    )
-}
-
-
-def get_format(fmt: str) -> Format:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown storage format {fmt!r}; known: {', '.join(FORMATS)}")
-    return FORMATS[fmt]
-
-
-def _check_width(f: Format, d: int) -> None:
-    if d <= 0 or d % f.block or (f.element == "e2m1" and d % 2):
-        raise ValueError(
-            f"format {f.name}: width {d} is not a positive multiple of its block of {f.block}"
-        )
-
-
-def bytes_per_entry(fmt: str, d: int) -> int:
-    """Bytes one cache entry of width d occupies in format fmt (codes + scales)."""
-    f = get_format(fmt)
-    _check_width(f, d)
-    return f.code_bytes(d) + f.scale_bytes(d)
+from kvstack.formats.spec import bytes_per_entry, check_width, get_format
 
 
 @dataclass(frozen=True)
@@ -90,7 +41,7 @@ def quantize(x: torch.Tensor, fmt: str) -> Quantized:
     if x.dim() == 0:
         raise ValueError(f"format {fmt}: expected a tensor [..., d], got a scalar")
     d = x.shape[-1]
-    _check_width(f, d)
+    check_width(f, d)
     x = x.to(torch.float32)
     if x.numel():
         magnitude = x.abs().amax().item()  # NaN if any element is NaN
