@@ -201,7 +201,8 @@ def _load_llm(args: argparse.Namespace) -> "LLM":
     return LLM(args.model, kv_budget=args.kv_budget, replay=args.replay,
                random_init=args.random_init, seed=args.init_seed, device=args.device,
                cache_dir=args.cache_dir, host_budget=args.host_budget or 0,
-               disk_prefix_cache=args.disk_prefix_cache, numerics=args.numerics)
+               disk_prefix_cache=args.disk_prefix_cache, numerics=args.numerics,
+               threads=args.threads, max_model_len=args.max_model_len)
 
 
 def _sampling(args: argparse.Namespace) -> "SamplingParams":
@@ -243,6 +244,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({
             "text": out.text, "token_ids": out.token_ids,
             "prompt_token_ids": out.prompt_token_ids, "finish_reason": out.finish_reason,
+            "error": out.error, "num_cached_tokens": out.num_cached_tokens,
             "timings": {**out.metrics, "total_s": time.perf_counter() - start},
             "memory": llm.memory_report(),
         }))
@@ -251,6 +253,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     for out in llm.stream(prompt, params, keep_cache=True):
         print(out.text[len(shown):], end="", flush=True)
         shown = out.text
+    if out.finish_reason == "error":
+        print(f"\nkvstack generate: the engine failed on the request: {out.error}",
+              file=sys.stderr)
+        return 1
     rate = out.metrics.get("decode_tokens_per_s", 0.0)
     print(f"\n[{len(out.token_ids)} tokens, {out.finish_reason}; first token after "
           f"{out.metrics['time_to_first_token_s']:.2f} s; {rate:.1f} tokens/s; "
@@ -262,6 +268,8 @@ CHAT_HELP = "/reset starts a new conversation, /stats shows the cache, /exit lea
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from kvstack.engine.core import EngineError
+
     llm = _load_llm(args)
     params = _sampling(args)
     console = Console(stderr=True)
@@ -294,7 +302,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 shown = out.text
             if args.session:
                 session.save()
-        except ValueError as e:  # a turn too long for the pool or the model: say so, go on
+        except (ValueError, EngineError) as e:  # a turn refused or failed: say so, go on
             console.print(f"[red]{e}[/red]")
             continue
         rate = out.metrics.get("decode_tokens_per_s", 0.0)
@@ -589,6 +597,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", choices=("bounded", "exact"), default="bounded",
                    help="decoder replay span of CED prefill")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=_positive_int,
+                   help="torch threads (default: half the cores, at most 8: all of them "
+                        "collapse on a busy machine)")
+    p.add_argument("--max-model-len", type=_positive_int, metavar="N",
+                   help="tokens a sequence may hold, below the model's max_seq_len")
     p.add_argument("--numerics", choices=NUMERICS, default="default",
                    help="reference: round activations to FP8 before FP8/FP4 weights and form "
                         "RoPE angles in float32, as DeepSeek's code does (parity checks)")
@@ -760,6 +773,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvstack {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # the engine's own failures (EngineError) and torch's
+        print(f"kvstack {args.command}: engine error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ HC_RESIDUALS = ("single_pass", "per_site")
 # any chunk). "reference": as DeepSeek's V4.1 code, activations rounded to FP8 (UE8M0 per
 # 32) before each FP8/FP4 weight and RoPE angles in float32: for parity checks.
 NUMERICS = ("default", "reference")
+# How window state is rebuilt by replay (DESIGN.md section 2): "bounded" re-runs the last
+# window tokens (approximate), "exact" enough for the reference forward's result.
+REPLAY_MODES = ("bounded", "exact")
 
 
 @dataclass(frozen=True)

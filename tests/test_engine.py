@@ -200,7 +200,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving():
     assert finished[good].finish_reason == "length"
     out = llm.generate("after the refusals", GREEDY)[0]
     assert len(out.token_ids) == 10
-    assert llm._requests == {}  # finished requests are not kept around
+    assert llm.core.requests == {}  # finished requests are not kept around
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

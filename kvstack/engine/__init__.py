@@ -3,8 +3,12 @@
 from kvstack._lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {
+    "EngineConfig": "kvstack.engine.config",
+    "EngineCore": "kvstack.engine.core",
+    "EngineError": "kvstack.engine.core",
     "LLM": "kvstack.engine.llm",
     "RequestOutput": "kvstack.engine.sequence",
     "SamplingParams": "kvstack.engine.sampling",
 })
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "EngineCore", "EngineError", "RequestOutput",
+           "SamplingParams"]

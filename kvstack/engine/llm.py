@@ -4,13 +4,12 @@ LLM(model, kv_budget="1GiB") loads a model directory (kvstack's own: config.json
 model.safetensors, tokenizer.json; or DeepSeek's published V4.1 checkpoint) or, with
 random_init=True, a preset name or a ModelConfig with random
 weights and a byte tokenizer; sizes the paged cache from the byte budget; and serves
-requests with continuous batching.
+requests with continuous batching. It is a front end over the `EngineCore`, which alone
+runs the step; its settings are one `EngineConfig` (given whole, or as keyword arguments).
 """
 
-import itertools
 import logging
 import math
-import time
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -19,9 +18,10 @@ from typing import Any
 import torch
 
 from kvstack.cache.disk import DiskTier
-from kvstack.cache.paged import PagedCache, block_bytes, parse_bytes
-from kvstack.cache.prefix import chain_seed
+from kvstack.cache.paged import PagedCache, block_bytes
 from kvstack.config import ModelConfig, preset
+from kvstack.engine.config import EngineConfig
+from kvstack.engine.core import EngineCore
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.scheduler import Scheduler
@@ -67,108 +67,82 @@ def _load(model: str | Path | ModelConfig, random_init: bool, seed: int,
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path | ModelConfig = "default",
-        kv_budget: int | str = "1GiB",
-        replay: str = "bounded",
-        random_init: bool = False,
-        seed: int = 0,
-        block_tokens: int = 64,
-        max_num_seqs: int = 8,
-        max_num_batched_tokens: int = 16384,
-        chunk_size: int = 512,
-        device: str | None = None,
-        enable_prefix_caching: bool = True,
-        cache_dir: str | Path = "~/.cache/kvstack",
-        disk_budget: int | str = "16GiB",
-        host_budget: int | str = 0,
-        disk_prefix_cache: bool = False,
-        numerics: str = "default",
-    ) -> None:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, self.tokenizer = _load(model, random_init, seed, device, numerics)
-        self.model.decoder_span(replay)  # refuses an unknown replay mode now, not later
+    def __init__(self, model: str | Path | ModelConfig = "default",
+                 engine_config: EngineConfig | None = None, *, random_init: bool = False,
+                 seed: int = 0, **settings: Any) -> None:
+        """model: a model directory, "default" (the bundled model), or with
+        random_init=True a preset name or a ModelConfig. engine_config, or its fields as
+        keyword arguments (kv_budget="1GiB", replay="bounded", threads=..., max_model_len=...,
+        ...: see EngineConfig)."""
+        if engine_config is not None and settings:
+            raise ValueError("give an EngineConfig or its settings as keywords, not both")
+        try:
+            config = engine_config or EngineConfig(**settings)
+        except TypeError as e:  # an unknown keyword
+            raise ValueError(f"LLM: {e}") from None
+        self.engine_config = config
+        config.apply_threads()
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model, self.tokenizer = _load(model, random_init, seed, device, config.numerics)
         self.config = self.model.config
         self.fingerprint = self.model.fingerprint()
-        prefix_seed = chain_seed(self.fingerprint, block_tokens) if enable_prefix_caching else None
-        host = parse_bytes(host_budget, "host_budget") if host_budget else 0
-        self.cache_dir = Path(cache_dir).expanduser()
-        self.disk_budget = parse_bytes(disk_budget, "disk_budget")
+        self.replay = config.replay
+        self.cache_dir = Path(config.cache_dir).expanduser()
         self._disk: DiskTier | None = None  # opened on first use
-        lowest = self.disk if disk_prefix_cache and prefix_seed is not None else None
-        self.cache = PagedCache(self.config, kv_budget, block_tokens, max_num_seqs, device,
-                                prefix_seed, host, lowest)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, replay, chunk_size)
-        self.replay = replay
-        self._requests: dict[str, Sequence] = {}
-        self._ids = itertools.count()
+        lowest = (self.disk if config.disk_prefix_cache and config.enable_prefix_caching
+                  else None)
+        self.core = EngineCore(self.model, self.tokenizer, config, self.fingerprint, lowest)
         report = self.memory_report()
         log.info(
             "kvstack cache: %d blocks of %d tokens = %d tokens; measured %.1f B/token "
             "(planned %.1f); window rings %d B per sequence x %d; %d sequences of %d tokens fit",
-            report["blocks_total"], block_tokens, report["capacity_tokens"],
+            report["blocks_total"], config.block_tokens, report["capacity_tokens"],
             report["bytes_per_token"], report["planned_bytes_per_token"],
-            report["window_bytes_per_sequence"], max_num_seqs, report["sequences_fit"],
+            report["window_bytes_per_sequence"], config.max_num_seqs, report["sequences_fit"],
             report["context"],
         )
+
+    # The core's parts, for tests, benchmarks and tools that look inside.
+    @property
+    def cache(self) -> PagedCache:
+        return self.core.cache
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, continue_from: str | None = None,
-                    keep_cache: bool = False) -> str:
+                    keep_cache: bool = False, watch: bool = False) -> str:
         """Queue a request; it joins the running batch at the next step. Bad input raises
         ValueError here, before anything is queued.
 
         continue_from: a finished request that kept its cache (keep_cache=True); the new
         prompt follows its tokens and only the new tokens are prefilled (multi-turn chat).
+        watch: its outputs wait for `wait(request_id)` (front ends that run requests to
+        their end say so; step() returns every output either way).
         """
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         # A continuation may add nothing: the previous turn's last token is still to feed.
         ids = [] if continue_from is not None and not prompt else self.encode(prompt)
-        previous = None
-        if continue_from is not None:
-            previous = self._requests.get(continue_from)
-            if previous is None or previous.status is not Status.FINISHED:
-                raise ValueError(f"request {continue_from!r} is not a finished request to "
-                                 "continue")
-            ids = previous.all_ids + ids
-        limit = self.config.max_seq_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room under max_seq_len "
-                             f"{limit}")
-        capacity = self.cache.pools.capacity_tokens
-        if len(ids) + 1 > capacity:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the cache pool of "
-                             f"{capacity} tokens (kv_budget {self.cache.budget:,} bytes)")
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
-        seq = Sequence(request_id, ids, params, prompt if isinstance(prompt, str) else None,
-                       generator=generator, keep_cache=keep_cache)
-        if previous is not None:
-            # The kept store (if not evicted for room meanwhile) moves to the new request.
-            if self.scheduler.take_kept(continue_from) is not None:
-                seq.store, previous.store = previous.store, None
-            self._requests.pop(continue_from)
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
-        return request_id
+        return self.core.add_request(ids, params or SamplingParams(),
+                                     prompt if isinstance(prompt, str) else None, request_id,
+                                     continue_from, keep_cache, watch)
+
+    def wait(self, request_id: str) -> RequestOutput:
+        """The watched request's newest output, running steps until there is one."""
+        return self.core.wait(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop the cache a finished request kept for a follow-up turn."""
-        seq = self._requests.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.release(seq)
+        self.core.release(request_id)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self.core.requests
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (a string, or token ids checked against the vocabulary)."""
@@ -189,70 +163,15 @@ class LLM:
         return ids
 
     def abort(self, request_id: str) -> None:
-        seq = self._requests.get(request_id)
-        if seq is not None and seq.status is not Status.FINISHED:
-            self._finish(seq, "abort")
-            self._requests.pop(request_id)
+        self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work
+        return self.core.has_unfinished_requests()
 
-    # ---- stepping ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler step: prefill the admitted sequences or decode the running ones.
-        Returns the state of every sequence that moved."""
-        seqs, is_prefill = self.scheduler.schedule()
-        if seqs and not is_prefill:
-            try:
-                tokens = self.runner.decode(seqs)
-            except (ValueError, RuntimeError):  # find the failing request: one at a time
-                tokens = None
-            if tokens is not None:
-                for seq, token in zip(seqs, tokens, strict=True):
-                    self.cache.register_full_blocks(seq.store)
-                    self._append(seq, token)
-                return self._outputs(seqs)
-        for seq in seqs:
-            try:
-                token = (self.runner.prefill(seq) if is_prefill
-                         else self.runner.decode([seq])[0])
-            except (ValueError, RuntimeError) as e:  # one request must not stop the others
-                log.error("request %s failed: %s", seq.request_id, e)
-                seq.error = str(e)
-                self._finish(seq, "error")
-                continue
-            self.cache.register_full_blocks(seq.store)
-            self._append(seq, token)
-        return self._outputs(seqs)
-
-    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Their outputs; a finished request is forgotten once reported, unless it kept
-        its cache for a follow-up turn."""
-        outputs = [RequestOutput.of(s) for s in seqs]
-        for seq in seqs:
-            if seq.status is Status.FINISHED and seq.store is None:
-                self._requests.pop(seq.request_id, None)
-        return outputs
-
-    def _append(self, seq: Sequence, token: int) -> None:
-        seq.output_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
-        seq.text = self.tokenizer.decode(seq.output_ids)
-        stops = [seq.text.find(s) for s in seq.params.stop if s in seq.text]
-        if not seq.params.ignore_eos and token == self.tokenizer.eos_id:
-            self._finish(seq, "stop")
-        elif stops:
-            seq.text = seq.text[: min(stops)]
-            self._finish(seq, "stop")
-        elif (len(seq.output_ids) >= seq.params.max_tokens
-              or seq.num_tokens >= self.config.max_seq_len):
-            self._finish(seq, "length")
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        keep = seq.keep_cache and reason in ("stop", "length")
-        self.scheduler.finish(seq, reason, keep_cache=keep)
-        seq.finish_time = time.perf_counter()
+        """One engine step (EngineCore.step): the outputs of every request that moved;
+        each also reaches the front end waiting for it."""
+        return self.core.step()
 
     # ---- the vLLM-style calls ----------------------------------------------------------
     def generate(
@@ -260,7 +179,8 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the order of the prompts."""
+        """Run prompts to completion; outputs in the order of the prompts. A request the
+        engine failed on ends with finish_reason "error" and its message."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
@@ -271,27 +191,42 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            done |= {out.request_id: out for out in self.step() if out.finished}
-        return [done[i] for i in ids]
+        ids = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                ids.append(self.add_request(p, sp, watch=True))
+        except ValueError:
+            for request_id in ids:  # all or nothing: queued ones go
+                self.abort(request_id)
+                self.core.router.forget(request_id)
+            raise
+        outputs = []
+        for request_id in ids:
+            out = self.wait(request_id)
+            while not out.finished:
+                out = self.wait(request_id)
+            outputs.append(out)
+        return outputs
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                continue_from: str | None = None,
                keep_cache: bool = False) -> Iterator[RequestOutput]:
         """Yield the request's output each time it grows, until it finishes; requests
-        added meanwhile keep running alongside. With keep_cache the finished request can
-        be continued (continue_from=its request_id) without recomputing it."""
+        added meanwhile keep running alongside, other streams included. With keep_cache
+        the finished request can be continued (continue_from=its request_id) without
+        recomputing it."""
         request_id = self.add_request(prompt, sampling_params, continue_from=continue_from,
-                                      keep_cache=keep_cache)
-        seq = self._requests[request_id]
+                                      keep_cache=keep_cache, watch=True)
+        finished = False
         try:
-            while seq.status is not Status.FINISHED:
-                if any(out.request_id == request_id for out in self.step()):
-                    yield RequestOutput.of(seq)
+            while not finished:
+                out = self.wait(request_id)
+                finished = out.finished
+                yield out
         finally:
-            self.abort(request_id)
+            if not finished:  # the caller stopped early
+                self.abort(request_id)
+                self.core.router.forget(request_id)
 
     # ---- memory ------------------------------------------------------------------------
     def memory_report(self, context: int | None = None) -> dict[str, Any]:
@@ -320,7 +255,7 @@ class LLM:
             log.warning("kvstack cache MISMATCH: %s", w)
         tokens = cache.tokens_in_use
         blocks_used = pools.n_blocks - cache.manager.num_free
-        context = context or self.config.max_seq_len
+        context = context or self.core.max_model_len
         per_seq = -(-context // pools.block_tokens)
         measured_total = sum(r["bytes_per_token"] for r in streams)
         return {
@@ -370,7 +305,7 @@ class LLM:
     def disk(self) -> DiskTier:
         """The disk tier under cache_dir (opened on first use)."""
         if self._disk is None:
-            self._disk = DiskTier(self.cache_dir, self.disk_budget)
+            self._disk = DiskTier(self.cache_dir, self.engine_config.disk_budget_bytes)
         return self._disk
 
     def session(self, name: str) -> Session:
@@ -386,11 +321,10 @@ class LLM:
         if payloads and saved.block_tokens != pools.block_tokens:
             raise ValueError(f"session {name!r} was saved with blocks of {saved.block_tokens} "
                              f"tokens; this LLM uses {pools.block_tokens}")
-        if len(saved.token_ids) >= self.config.max_seq_len:
+        if len(saved.token_ids) >= self.core.max_model_len:
             raise ValueError(f"session {name!r} holds {len(saved.token_ids)} tokens, at or "
-                             f"over max_seq_len {self.config.max_seq_len}")
-        request_id = str(next(self._ids))
-        seq = Sequence(request_id, saved.token_ids, SamplingParams(max_tokens=1),
+                             f"over {self.core.limit_name} {self.core.max_model_len}")
+        seq = Sequence("", saved.token_ids, SamplingParams(max_tokens=1),
                        status=Status.FINISHED, finish_reason="resumed")
         if payloads:
             if not self.scheduler.reclaim(len(payloads)):
@@ -402,9 +336,10 @@ class LLM:
             for block, payload in zip(blocks, payloads, strict=True):
                 pools.write_block(block, payload)
             seq.store.attach(blocks, saved.token_ids[: saved.held_tokens], [])
+        request_id = self.core.adopt(seq)
+        if payloads:
             self.cache.register_full_blocks(seq.store)
             self.scheduler.keep(seq)
-        self._requests[request_id] = seq
         return Session(self, name, saved.token_ids, request_id)
 
     def save_session(self, name: str, token_ids: list[int], request_id: str | None) -> None:
@@ -412,7 +347,7 @@ class LLM:
         if its cache was evicted: then resuming prefills it all)."""
         if not token_ids:
             raise ValueError(f"session {name!r} is empty: nothing to save")
-        seq = self._requests.get(request_id) if request_id is not None else None
+        seq = self.core.requests.get(request_id) if request_id is not None else None
         store = seq.store if seq is not None else None
         held = store.num_tokens if store is not None else 0
         pools = self.cache.pools
@@ -425,7 +360,7 @@ class LLM:
 
     def session_report(self, name: str, request_id: str | None, n_tokens: int) -> dict[str, Any]:
         """A session's bytes per tier, beside what saving its window rings would add."""
-        seq = self._requests.get(request_id) if request_id is not None else None
+        seq = self.core.requests.get(request_id) if request_id is not None else None
         store = seq.store if seq is not None else None
         per_block = block_bytes(self.cache.layout, self.cache.pools.block_tokens)
         disk = self.disk.show(name).disk_bytes if name in self.disk.names() else 0

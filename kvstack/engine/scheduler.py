@@ -26,6 +26,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         # Finished sequences whose cache is kept for a follow-up turn, oldest first.
         self.kept: OrderedDict[str, Sequence] = OrderedDict()
+        # Running sequences the whole pool cannot hold one more token of: the engine
+        # finishes them ("length") and reports them.
+        self.unservable: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -60,14 +63,21 @@ class Scheduler:
             while not self._reserve(seq):
                 victim = self.running[-1]  # the newest yields first
                 if victim is seq and len(self.running) == 1:
-                    self.finish(seq, "length")  # alone and still no room: the pool's limit
+                    self.unservable.append(seq)  # alone and still no room: the pool's limit
                     break
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
                 decoding.append(seq)
-        return decoding, False
+        # A sequence whose batch failed decodes alone until it has stepped once, so that
+        # one failing request cannot fail the others again.
+        suspects = [s for s in decoding if s.suspect]
+        return (suspects[:1] if suspects else decoding), False
+
+    def take_unservable(self) -> list[Sequence]:
+        taken, self.unservable = self.unservable, []
+        return taken
 
     def _admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence a store with room for all its tokens, started on the

@@ -3,11 +3,15 @@
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstack.cache.paged import PagedSequenceStore
 from kvstack.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvstack.engine.output import Detokenizer
 
 
 class Status(Enum):
@@ -31,6 +35,9 @@ class Sequence:
     generator: torch.Generator | None = None
     keep_cache: bool = False  # keep the store after finishing, for a follow-up turn
     preemptions: int = 0
+    faults: int = 0  # steps that failed while advancing it (rolled back, recomputed)
+    suspect: bool = False  # its last batch failed: it decodes alone next
+    detokenizer: "Detokenizer | None" = None  # its text, token by token
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

@@ -10,6 +10,7 @@ the rings by replay (`bounded` or `exact`, as the LLM is configured).
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvstack.engine.core import EngineError
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.sequence import RequestOutput
 
@@ -37,24 +38,30 @@ class Session:
         return last
 
     def stream(self, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """generate(), yielding the output each time it grows."""
+        """generate(), yielding the output each time it grows. A turn the engine failed
+        on raises EngineError (the conversation keeps the appended text, to retry)."""
         if not self.token_ids:
             raise ValueError(f"session {self.name!r} is empty: append() text first")
         llm = self.llm
         if self._request_id is not None and llm.has_request(self._request_id):
             request_id = llm.add_request(self._pending, params, keep_cache=True,
-                                         continue_from=self._request_id)
+                                         continue_from=self._request_id, watch=True)
         else:  # a new session, or its cache was dropped: the prefix cache may still help
-            request_id = llm.add_request(self.token_ids, params, keep_cache=True)
+            request_id = llm.add_request(self.token_ids, params, keep_cache=True, watch=True)
         self._request_id, self._pending = request_id, []
-        while True:
-            for out in llm.step():
-                if out.request_id == request_id:
-                    if out.finished:
-                        self.token_ids += out.token_ids
-                    yield out
-                    if out.finished:
-                        return
+        finished = False
+        try:
+            while not finished:
+                out = llm.wait(request_id)
+                finished = out.finished
+                if out.finish_reason == "error":
+                    raise EngineError(f"session {self.name!r}: {out.error}")
+                if finished:
+                    self.token_ids += out.token_ids
+                yield out
+        finally:
+            if not finished:  # the caller stopped early: the turn is dropped
+                llm.abort(request_id)
 
     def save(self) -> None:
         """Write the session to the disk tier (atomically; a saved session of the same

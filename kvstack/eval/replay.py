@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from kvstack.cache.contiguous import ContiguousCache
+from kvstack.config import REPLAY_MODES
 from kvstack.model import Model
-from kvstack.model.model import REPLAY_MODES
 from kvstack.train.data import TokenCache
 
 LENGTHS = (512, 1024, 2048, 4000)  # the bundled model's; each must leave room to decode

@@ -22,7 +22,7 @@ from torch import nn
 
 from kvstack.cache.reference import ReferenceStore
 from kvstack.cache.store import KVStore
-from kvstack.config import NUMERICS, LayerSpec, Mode, ModelConfig
+from kvstack.config import NUMERICS, REPLAY_MODES, LayerSpec, Mode, ModelConfig
 from kvstack.formats import straight_through
 from kvstack.model.engram import Engram, EngramHash
 from kvstack.model.packed import Experts, PackedExperts, PackedLinear
@@ -30,7 +30,6 @@ from kvstack.model.packed import Experts, PackedExperts, PackedLinear
 QUERY_BLOCK = 256  # queries scored at once: bounds the [block, keys] score matrices
 KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
 GATHER_FLOATS = 1 << 22  # per-query gathers of selected rows: floats held at once
-REPLAY_MODES = ("bounded", "exact")
 
 
 # ---- small pieces ---------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""The engine's settings in one validated object (vLLM's EngineArgs / nano-vllm's Config)."""
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstack.cache.paged import parse_bytes
+from kvstack.config import NUMERICS, REPLAY_MODES, ModelConfig
+
+log = logging.getLogger("kvstack")
+
+
+def default_threads() -> int:
+    """Half the cores, at most 8 and at least 1: torch's default (every core) collapses
+    on a machine that is busy with other work (4-10x slower on a loaded 2-core machine
+    than one thread), and a model this size gains little past a few threads."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_budget: int | str = "1GiB"  # bytes for the device pools and window rings
+    block_tokens: int = 64  # tokens per cache block (a multiple of every ratio)
+    max_num_seqs: int = 8  # sequences holding a window-ring slot at once
+    max_num_batched_tokens: int = 16384  # prompt tokens a prefill step admits
+    chunk_size: int = 512  # tokens per prefill chunk
+    replay: str = "bounded"  # window rebuild after a prefix hit or a resume
+    enable_prefix_caching: bool = True
+    cache_dir: str | Path = "~/.cache/kvstack"  # the disk tier and saved sessions
+    disk_budget: int | str = "16GiB"
+    host_budget: int | str = 0  # host memory for prefix blocks the pool gave up; 0 = none
+    disk_prefix_cache: bool = False  # prefix blocks the host tier gives up go to disk
+    device: str | None = None  # None: cuda when available, else cpu
+    max_model_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
+    threads: int | None = None  # torch intra-op threads; None: default_threads()
+    numerics: str = "default"  # one of kvstack.config.NUMERICS
+
+    def __post_init__(self) -> None:
+        def positive(key: str) -> None:
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"engine setting {key} must be a positive integer, got "
+                                 f"{value!r}")
+
+        for key in ("block_tokens", "max_num_seqs", "max_num_batched_tokens", "chunk_size"):
+            positive(key)
+        for key in ("max_model_len", "threads"):
+            if getattr(self, key) is not None:
+                positive(key)
+        if self.replay not in REPLAY_MODES:
+            raise ValueError(f"replay must be one of {', '.join(REPLAY_MODES)}, got "
+                             f"{self.replay!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got "
+                             f"{self.numerics!r}")
+        for key in ("enable_prefix_caching", "disk_prefix_cache"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"engine setting {key} must be true or false, got "
+                                 f"{getattr(self, key)!r}")
+        parse_bytes(self.kv_budget, "kv_budget")
+        parse_bytes(self.disk_budget, "disk_budget")
+        if self.host_budget:
+            parse_bytes(self.host_budget, "host_budget")
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return parse_bytes(self.kv_budget, "kv_budget")
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        return parse_bytes(self.disk_budget, "disk_budget")
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return parse_bytes(self.host_budget, "host_budget") if self.host_budget else 0
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def model_len(self, model: ModelConfig) -> int:
+        """Tokens a sequence may hold: max_model_len, which may lower the model's
+        max_seq_len but not raise it."""
+        if self.max_model_len is None:
+            return model.max_seq_len
+        if self.max_model_len > model.max_seq_len:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_seq_len {model.max_seq_len}")
+        return self.max_model_len
+
+    def apply_threads(self) -> int:
+        """Set torch's intra-op threads (process-wide) and say so; the count used."""
+        import torch
+
+        threads = self.threads or default_threads()
+        torch.set_num_threads(threads)
+        log.info("kvstack: %d torch thread%s of %d cores%s", threads,
+                 "" if threads == 1 else "s", os.cpu_count() or 1,
+                 "" if self.threads else " (threads=N / --threads to change)")
+        return threads

@@ -1,0 +1,225 @@
+"""The engine core: the one owner of the step (vLLM v1's EngineCore, nano-vllm's engine).
+
+It holds the scheduler, the model runner and the paged cache, admits requests, runs one
+step at a time and routes every request's outputs to whoever waits for it. Front ends
+(`LLM.generate`, `LLM.stream`, `Session`, the CLI) add requests and wait on their own ids;
+any number of them can interleave, each seeing exactly its own outputs.
+
+A step is atomic for its requests: when the model fails inside one (a kernel error, out
+of memory, a bug), the requests it was advancing are rolled back to what they had before
+it -- their caches freed, to be recomputed from their tokens as after a preemption -- and
+a request that fails MAX_FAULTS times without a decode step between finishes with
+`finish_reason="error"` and the message, while the others go on. A batch that failed is
+not retried as a batch: its requests decode one at a time until each has stepped once, so
+one bad request cannot take others down.
+"""
+
+import itertools
+import logging
+import time
+
+import torch
+
+from kvstack.cache.disk import DiskTier
+from kvstack.cache.paged import PagedCache
+from kvstack.cache.prefix import chain_seed
+from kvstack.engine.config import EngineConfig
+from kvstack.engine.output import Detokenizer, OutputRouter
+from kvstack.engine.runner import ModelRunner
+from kvstack.engine.sampling import SamplingParams
+from kvstack.engine.scheduler import Scheduler
+from kvstack.engine.sequence import RequestOutput, Sequence, Status
+from kvstack.engine.tokenizer import Tokenizer
+from kvstack.model import Model
+
+log = logging.getLogger("kvstack")
+MAX_FAULTS = 2  # failed steps in a row (no decode between) before a request ends in error
+
+
+class EngineError(RuntimeError):
+    """The engine could not go on (not a bad request: those are ValueError)."""
+
+
+class EngineCore:
+    def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig,
+                 fingerprint: str, disk_tier: DiskTier | None = None) -> None:
+        """disk_tier: where prefix blocks the host tier gives up go (None: dropped)."""
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.max_model_len = config.model_len(model.config)
+        self.limit_name = "max_seq_len" if config.max_model_len is None else "max_model_len"
+        seed = (chain_seed(fingerprint, config.block_tokens) if config.enable_prefix_caching
+                else None)
+        self.cache = PagedCache(model.config, config.kv_budget, config.block_tokens,
+                                config.max_num_seqs, model.embed.weight.device, seed,
+                                config.host_budget_bytes, disk_tier)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, config.replay, config.chunk_size)
+        self.router = OutputRouter()
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._idle_steps = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None, continue_from: str | None = None,
+                    keep_cache: bool = False, watch: bool = False) -> str:
+        """Queue a request of token ids; it joins the running batch at the next step. Bad
+        input raises ValueError here, before anything is queued. `watch`: route its
+        outputs to `wait` (front ends that wait on it say so).
+
+        continue_from: a finished request that kept its cache (keep_cache=True); the new
+        ids follow its tokens and only they are prefilled (multi-turn chat)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        previous = None
+        if continue_from is not None:
+            previous = self.requests.get(continue_from)
+            if previous is None or previous.status is not Status.FINISHED:
+                raise ValueError(f"request {continue_from!r} is not a finished request to "
+                                 "continue")
+            ids = previous.all_ids + ids
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room under "
+                             f"{self.limit_name} {self.max_model_len}")
+        capacity = self.cache.pools.capacity_tokens
+        if len(ids) + 1 > capacity:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the cache pool of "
+                             f"{capacity} tokens (kv_budget {self.cache.budget:,} bytes)")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, prompt, generator=generator,
+                       keep_cache=keep_cache,
+                       detokenizer=Detokenizer(self.tokenizer, tuple(params.stop)))
+        if previous is not None:
+            # The kept store (if not evicted for room meanwhile) moves to the new request.
+            if self.scheduler.take_kept(continue_from) is not None:
+                seq.store, previous.store = previous.store, None
+            self.requests.pop(continue_from)
+        self.requests[request_id] = seq
+        if watch:
+            self.router.watch(request_id)
+        self.scheduler.add(seq)
+        return request_id
+
+    def adopt(self, seq: Sequence) -> str:
+        """Take in a finished sequence made outside a step (a resumed session)."""
+        seq.request_id = str(next(self._ids))
+        self.requests[seq.request_id] = seq
+        return seq.request_id
+
+    def release(self, request_id: str) -> None:
+        """Drop the cache a finished request kept for a follow-up turn."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.release(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and seq.status is not Status.FINISHED:
+            self._finish(seq, "abort")
+            self.requests.pop(request_id)
+            self.router.put(RequestOutput.of(seq))  # a waiting front end ends too
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step: prefill the admitted sequences or decode the running ones.
+        Returns the output of every request that moved (and of every one that finished,
+        however); each also goes to the front end waiting for it."""
+        seqs, is_prefill = self.scheduler.schedule()
+        moved = self.scheduler.take_unservable()
+        for seq in moved:
+            self._finish(seq, "length")
+        if not seqs:
+            self._idle_steps = self._idle_steps + 1 if self.scheduler.has_work else 0
+            if self._idle_steps > 1:
+                raise EngineError(
+                    f"the scheduler can run none of its {len(self.scheduler.waiting)} waiting "
+                    f"and {len(self.scheduler.running)} running requests "
+                    f"({self.cache.manager.num_free} free blocks)")
+            return self._outputs(moved)
+        self._idle_steps = 0
+        if is_prefill:
+            for seq in seqs:
+                try:
+                    token = self.runner.prefill(seq)
+                except Exception as e:  # one request must not stop the others
+                    self._fault([seq], e)
+                    continue
+                self._advance(seq, token)
+        else:
+            try:
+                tokens = self.runner.decode(seqs)
+            except Exception as e:
+                self._fault(seqs, e)
+            else:
+                for seq, token in zip(seqs, tokens, strict=True):
+                    seq.suspect, seq.faults = False, 0  # it steps again: start over
+                    self._advance(seq, token)
+        return self._outputs(moved + seqs)
+
+    def wait(self, request_id: str) -> RequestOutput:
+        """The request's newest output, stepping the engine until there is one (the
+        request must be watched: added with watch=True)."""
+        while (out := self.router.take(request_id)) is None:
+            if request_id not in self.requests:
+                raise ValueError(f"request {request_id!r} is not running")
+            self.step()
+        return out
+
+    def _fault(self, seqs: list[Sequence], error: Exception) -> None:
+        """Roll the step back for seqs: their caches go (what the failed call wrote
+        with them), they are recomputed from their tokens, and a request that failed
+        MAX_FAULTS times ends with the error."""
+        message = f"{type(error).__name__}: {error}"
+        for seq in seqs:
+            seq.faults += 1
+            if seq.faults >= MAX_FAULTS:
+                log.error("request %s failed: %s", seq.request_id, message)
+                seq.error = message
+                self._finish(seq, "error")
+            else:
+                log.warning("request %s: step failed (%s); recomputing it", seq.request_id,
+                            message)
+                seq.suspect = len(seqs) > 1  # next time it decodes alone
+                self.scheduler.preempt(seq)
+
+    def _advance(self, seq: Sequence, token: int) -> None:
+        self.cache.register_full_blocks(seq.store)
+        seq.output_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        stopped = seq.detokenizer.add(token)
+        seq.text = seq.detokenizer.text
+        if (not seq.params.ignore_eos and token == self.tokenizer.eos_id) or stopped:
+            self._finish(seq, "stop")
+        elif (len(seq.output_ids) >= seq.params.max_tokens
+              or seq.num_tokens >= self.max_model_len):
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if reason != "stop":
+            seq.detokenizer.flush()
+            seq.text = seq.detokenizer.text
+        keep = seq.keep_cache and reason in ("stop", "length")
+        self.scheduler.finish(seq, reason, keep_cache=keep)
+        seq.finish_time = time.perf_counter()
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Their outputs, routed; a finished request is forgotten once reported, unless
+        it kept its cache for a follow-up turn."""
+        outputs = []
+        for seq in {id(s): s for s in seqs}.values():  # once each, in order
+            out = RequestOutput.of(seq)
+            self.router.put(out)
+            outputs.append(out)
+            if seq.status is Status.FINISHED and seq.store is None:
+                self.requests.pop(seq.request_id, None)
+        return outputs

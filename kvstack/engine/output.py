@@ -1,0 +1,82 @@
+"""Output processing: incremental detokenisation with stop strings, and each request's
+outputs routed to the front end waiting for it.
+
+The text of a request grows by decoding only its newest tokens (with a few before them
+for context, as vLLM and HF's TextStreamer do), so a token costs the same at any length,
+and a stop string is searched for only where it could have just appeared.
+"""
+
+from kvstack.engine.sequence import RequestOutput
+from kvstack.engine.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"  # what a decode of an incomplete UTF-8 sequence ends with
+
+
+class Detokenizer:
+    """The text of a growing list of token ids."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.longest_stop = max((len(s) for s in stop), default=0)
+        self.ids: list[int] = []
+        self.text = ""
+        # ids[prefix:read] were decoded into text already; they give the next decode its
+        # context (a byte-level or SentencePiece tokenizer decodes a token by its left).
+        self.prefix = self.read = 0
+
+    def add(self, token: int) -> bool:
+        """Append a token; True when the text now holds a stop string (cut before it)."""
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+            return False  # an incomplete character: wait for the bytes that end it
+        new = after[len(before) :]
+        searched = len(self.text) - self.longest_stop + 1  # a stop may span the old end
+        self.text += new
+        self.prefix, self.read = self.read, len(self.ids)
+        hits = [i for s in self.stop if (i := self.text.find(s, max(0, searched))) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def flush(self) -> None:
+        """At the end: whatever is still held back (an incomplete character) joins the
+        text, as a decode of the whole would show it."""
+        if self.read < len(self.ids):
+            before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+            self.text += self.tokenizer.decode(self.ids[self.prefix :])[len(before) :]
+            self.prefix = self.read = len(self.ids)
+
+
+class OutputRouter:
+    """The newest output of every request a front end waits on, until it takes it.
+
+    Outputs are cumulative (all text and tokens so far), so only the newest is kept: a
+    front end that missed a few steps loses nothing, and memory stays one output per
+    request. A request's final output waits here until taken, whoever ran the step."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, RequestOutput | None] = {}
+
+    def watch(self, request_id: str) -> None:
+        self._latest[request_id] = None
+
+    def put(self, output: RequestOutput) -> None:
+        if output.request_id in self._latest:
+            self._latest[output.request_id] = output
+
+    def take(self, request_id: str) -> RequestOutput | None:
+        """The newest output not taken yet (None if none); a final one ends the watch."""
+        output = self._latest.get(request_id)
+        if output is None:
+            return None
+        if output.finished:
+            del self._latest[request_id]
+        else:
+            self._latest[request_id] = None
+        return output
+
+    def forget(self, request_id: str) -> None:
+        self._latest.pop(request_id, None)

@@ -1,0 +1,210 @@
+"""The engine core: interleaved front ends each see their own outputs, steps that fail
+roll back, the engine settings in one object."""
+
+import pytest
+import torch
+
+from kvstack import LLM, EngineConfig, EngineError, SamplingParams
+from kvstack.engine.output import Detokenizer
+from kvstack.engine.tokenizer import ByteTokenizer, JsonTokenizer
+from kvstack.model.model import Block
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def tiny(**settings) -> LLM:
+    settings = {"kv_budget": "2MiB", "block_tokens": 16, "replay": "exact"} | settings
+    return LLM("tiny", random_init=True, **settings)
+
+
+def prompts(n: int) -> list[list[int]]:
+    """The first n of four fixed prompts of different lengths."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (length,), generator=g).tolist()
+            for length in (37, 5, 59, 18)][:n]
+
+
+@pytest.fixture(scope="module")
+def alone() -> list[list[int]]:
+    """Each prompt's greedy output, run by itself on a fresh engine."""
+    return [tiny().generate(p, GREEDY)[0].token_ids for p in prompts(4)]
+
+
+def test_interleaved_streams_each_see_their_own_outputs(alone):
+    llm = tiny()
+    streams = [llm.stream(p, GREEDY) for p in prompts(4)]
+    seen: list[list] = [[] for _ in streams]
+    order = [0, 2, 2, 1, 3, 0, 0, 3, 1, 2]  # an arbitrary interleaving, then round robin
+    live = set(range(len(streams)))
+    step = 0
+    while live:
+        i = order[step] if step < len(order) else sorted(live)[step % len(live)]
+        step += 1
+        if i not in live:
+            continue
+        try:
+            seen[i].append(next(streams[i]))
+        except StopIteration:
+            live.discard(i)
+    for i, outs in enumerate(seen):
+        assert {o.request_id for o in outs} == {outs[0].request_id}
+        assert outs[-1].finished and sum(o.finished for o in outs) == 1
+        assert outs[-1].token_ids == alone[i]
+        lengths = [len(o.token_ids) for o in outs]
+        assert lengths == sorted(lengths)
+    assert llm.core.requests == {}
+
+
+def test_generate_while_a_stream_and_a_session_run(alone):
+    llm = tiny()
+    p = prompts(4)
+    stream = llm.stream(p[0], GREEDY)
+    first = next(stream)
+    session = llm.session("s")
+    session.append(p[1])
+    turn = session.stream(GREEDY)
+    next(turn)
+    outs = llm.generate([p[2], p[3]], GREEDY)  # runs the stream's and session's requests too
+    assert [o.token_ids for o in outs] == alone[2:]
+    rest = list(stream)  # its final output waited for it
+    assert rest[-1].finished and rest[-1].token_ids == alone[0]
+    assert rest[-1].request_id == first.request_id
+    assert list(turn)[-1].token_ids == alone[1]
+    assert session.token_ids == p[1] + alone[1]
+
+
+def test_a_stream_closed_early_frees_its_request():
+    llm = tiny()
+    free = llm.cache.manager.num_free
+    stream = llm.stream(prompts(1)[0], GREEDY)
+    next(stream)
+    stream.close()
+    assert llm.core.requests == {} and llm.cache.manager.num_free == free
+
+
+def fail_layer(monkeypatch, llm: LLM, when) -> list[int]:
+    """Layer 5 of 8 raises when when(batch request ids) is true: the layers before it have
+    written their rings and streams by then. Returns the list of failures."""
+    failures: list[int] = []
+    batch: list[list[str]] = [[]]
+    runner = llm.runner
+    decode, prefill = runner.decode, runner.prefill
+
+    def record_decode(seqs):
+        batch[0] = [s.request_id for s in seqs]
+        return decode(seqs)
+
+    def record_prefill(seq):
+        batch[0] = [seq.request_id]
+        return prefill(seq)
+
+    monkeypatch.setattr(runner, "decode", record_decode)
+    monkeypatch.setattr(runner, "prefill", record_prefill)
+    layer = llm.model.layers[5]
+    forward = Block.forward
+
+    def failing(self, s, start, store, ctx):
+        if self is layer and when(batch[0], len(failures)):
+            failures.append(len(batch[0]))
+            raise RuntimeError("injected fault")
+        return forward(self, s, start, store, ctx)
+
+    monkeypatch.setattr(Block, "forward", failing)
+    return failures
+
+
+def test_a_failed_batched_decode_is_rolled_back_and_recomputed(monkeypatch, alone):
+    llm = tiny()
+    free = llm.cache.manager.num_free
+    ids = [llm.add_request(p, GREEDY) for p in prompts(2)]
+    llm.step()  # both prefilled
+    llm.step()  # a batched decode
+    failures = fail_layer(monkeypatch, llm, lambda batch, n: len(batch) == 2 and n == 0)
+    done = {}
+    while len(done) < 2:
+        done |= {o.request_id: o for o in llm.step() if o.finished}
+    assert failures == [2]  # one batch of two failed inside layer 5
+    assert [done[i].token_ids for i in ids] == alone[:2]
+    assert all(done[i].finish_reason == "length" for i in ids)
+    assert llm.cache.manager.num_free == free
+
+
+def test_a_request_that_keeps_failing_ends_with_its_error_and_the_others_go_on(
+        monkeypatch, alone):
+    llm = tiny()
+    free = llm.cache.manager.num_free
+    bad = {"1"}
+    failures = fail_layer(monkeypatch, llm, lambda batch, n: bool(bad & set(batch)))
+    outs = llm.generate(prompts(3), GREEDY)
+    assert failures  # the bad request failed, in a batch and then alone
+    assert outs[1].finish_reason == "error" and "injected fault" in outs[1].error
+    assert outs[0].token_ids == alone[0] and outs[2].token_ids == alone[2]
+    assert llm.cache.manager.num_free == free
+    session = llm.session("s")
+    session.append(prompts(1)[0])
+    bad.add("3")  # the session's request
+    with pytest.raises(EngineError, match="session 's': RuntimeError: injected fault"):
+        session.generate(GREEDY)
+
+
+def test_a_request_the_pool_cannot_hold_is_reported_not_left_hanging():
+    llm = tiny(kv_budget="160KiB", max_num_seqs=1)
+    capacity = llm.memory_report()["capacity_tokens"]
+    out = llm.generate(list(range(1, 20)), SamplingParams(max_tokens=10 * capacity,
+                                                          temperature=0, ignore_eos=True))[0]
+    assert out.finished and out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.token_ids) <= capacity + 1
+
+
+def test_the_engine_settings_are_one_validated_object():
+    config = EngineConfig(kv_budget="2MiB", block_tokens=16, max_model_len=100, threads=1)
+    llm = LLM("tiny", config, random_init=True)
+    assert llm.engine_config is config and torch.get_num_threads() == 1
+    assert llm.memory_report()["context"] == 100
+    with pytest.raises(ValueError, match="leaves no room under max_model_len 100"):
+        llm.add_request(list(range(100)), GREEDY)
+    for bad, match in ((dict(block_tokens=0), "block_tokens must be a positive integer"),
+                       (dict(replay="fast"), "replay must be one of bounded, exact"),
+                       (dict(kv_budget="lots"), "kv_budget 'lots': not a size"),
+                       (dict(threads=True), "threads must be a positive integer"),
+                       (dict(numerics="fp8"), "numerics must be one of default, reference")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
+    with pytest.raises(ValueError, match="max_model_len 1000 exceeds the model's max_seq_len"):
+        LLM("tiny", random_init=True, max_model_len=1000)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'kv_budgt'"):
+        LLM("tiny", random_init=True, kv_budgt="1MiB")
+    with pytest.raises(ValueError, match="not both"):
+        LLM("tiny", config, random_init=True, kv_budget="1MiB")
+
+
+def test_incremental_text_equals_the_whole_decode_and_stops_where_a_stop_string_starts(
+        tmp_path):
+    from kvstack.engine.tokenizer import byte_level_tokenizer_json
+
+    (tmp_path / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    text = "naïve café — 日本語 ok\n\tdone"
+    for tok in (ByteTokenizer(), JsonTokenizer(tmp_path / "tokenizer.json")):
+        ids = tok.encode(text)
+        d = Detokenizer(tok, ())
+        for i, token in enumerate(ids):
+            d.add(token)
+            assert tok.decode(ids[: i + 1]).startswith(d.text)  # never ahead, never wrong
+        d.flush()
+        assert d.text == tok.decode(ids) == text
+        d = Detokenizer(tok, ("日本", "zz"))
+        stopped_at = next(i for i, t in enumerate(ids) if d.add(t))  # the request ends there
+        assert d.text == "naïve café — "
+        assert stopped_at == len(tok.encode("naïve café — 日本")) - 1
+
+
+def test_requests_of_a_failed_batch_decode_alone_until_they_step(monkeypatch, alone):
+    # Request 1 fails every batch it is in with others, never alone: without the solo
+    # retries its batch-mates would fail with it until they ran out of tries.
+    llm = tiny()
+    failures = fail_layer(monkeypatch, llm,
+                          lambda batch, n: "1" in batch and len(batch) > 1)
+    outs = llm.generate(prompts(3), GREEDY)
+    assert len(failures) >= 2
+    assert [o.token_ids for o in outs] == alone[:3]
+    assert all(o.finish_reason == "length" for o in outs)
