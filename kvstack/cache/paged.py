@@ -11,6 +11,7 @@ partial groups are per sequence and never paged: they are not persisted).
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -338,6 +339,14 @@ class PagedCache:
     def has_free_slot(self) -> bool:
         return bool(self._free_slots)
 
+    @property
+    def free_blocks(self) -> int:
+        return self.manager.num_free
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pools.capacity_tokens
+
     def open_sequence(self) -> PagedSequenceStore:
         if not self._free_slots:
             raise ValueError("no free window-ring slot: max_num_seqs sequences are running")
@@ -350,6 +359,96 @@ class PagedCache:
     def close_sequence(self, store: PagedSequenceStore) -> None:
         store.release()
         self._free_slots.append(self.open.pop(id(store))[1])
+
+    def report(self, context: int) -> dict[str, Any]:
+        """Bytes per token and capacity measured from what was allocated, the plan beside
+        every figure, the prefix cache and the tiers below; `warnings` names every store
+        that is not in its configured format. context: tokens per sequence for the
+        capacity figure."""
+        pools, layout = self.pools, self.layout
+        capacity = pools.capacity_tokens
+        streams, warnings = [], []
+        for s in layout.streams:
+            rows = pools.rows[s.layer, s.kind]
+            entry = rows.data.shape[-1] * rows.data.element_size()
+            measured, planned = rows.nbytes / capacity, float(s.bytes_per_token)
+            streams.append({"layer": s.layer, "kind": s.kind, "format": s.fmt, "width": s.width,
+                            "ratio": s.ratio, "bytes_per_entry": entry,
+                            "bytes_per_token": measured, "planned_bytes_per_token": planned})
+            if not math.isclose(measured, planned):
+                warnings.append(f"layer {s.layer} {s.kind} stream stores {entry} B per entry, "
+                                f"the plan for {s.fmt}[{s.width}] is {s.entry_bytes}: it is "
+                                "not in its configured format")
+        ring = self.ring_slots[0].nbytes if self.ring_slots else 0
+        if ring != layout.window_bytes_per_sequence:
+            warnings.append(f"window rings take {ring} B per sequence, the plan "
+                            f"{layout.window_bytes_per_sequence}")
+        tokens = self.tokens_in_use
+        blocks_used = pools.n_blocks - self.manager.num_free
+        per_seq = -(-context // pools.block_tokens)
+        measured_total = sum(r["bytes_per_token"] for r in streams)
+        return {
+            "basis": "measured from the allocated pools and rings",
+            "bytes_per_token": measured_total,
+            "planned_bytes_per_token": float(layout.bytes_per_token),
+            "streams": streams,
+            "tokens_in_use": tokens,
+            "in_use_bytes_per_token": (
+                blocks_used * block_bytes(layout, pools.block_tokens) / tokens if tokens
+                else None),
+            "blocks_total": pools.n_blocks,
+            "blocks_in_use": blocks_used,
+            "block_tokens": pools.block_tokens,
+            "capacity_tokens": capacity,
+            "window_bytes_per_sequence": ring,
+            "planned_window_bytes_per_sequence": layout.window_bytes_per_sequence,
+            "allocated_bytes": pools.nbytes + self.ring_bytes,
+            "kv_budget": self.budget,
+            "context": context,
+            "sequences_fit": min(pools.n_blocks // per_seq, len(self.ring_slots)),
+            "prefix_cache": {
+                "enabled": self.prefix_seed is not None,
+                "queried_tokens": self.prefix_queried_tokens,
+                "hit_tokens": self.prefix_hit_tokens,
+                "hit_rate": (self.prefix_hit_tokens / self.prefix_queried_tokens
+                             if self.prefix_queried_tokens else 0.0),
+                "cached_blocks": len(self.manager.cached),
+                "host_hit_tokens": self.prefix_host_hit_tokens,
+                "disk_hit_tokens": self.prefix_disk_hit_tokens,
+            },
+            "host_tier": {"budget": self.host.budget_bytes, "bytes": self.host.nbytes,
+                          "blocks": len(self.host.blocks),
+                          "blocks_dropped": self.host.dropped},
+            "disk_tier": ({"budget": self.disk.budget_bytes, "bytes": self.disk.used_bytes,
+                           "prefix_bytes": self.disk.prefix_bytes}
+                          if self.disk is not None else None),
+            "warnings": warnings,
+        }
+
+
+    # ---- what a saved session holds ---------------------------------------------------
+    def block_payloads(self, store: PagedSequenceStore) -> list[bytes]:
+        """The packed rows of every stream for each block the store holds tokens in (a
+        session's save), the last block cut to the tokens it holds."""
+        held, per = store.num_tokens, self.block_tokens
+        blocks = store.block_table[: -(-held // per)]
+        return [self.pools.read_block(b, min(per, held - i * per)).cpu().numpy().tobytes()
+                for i, b in enumerate(blocks)]
+
+    def restore(self, payloads: list[bytes], token_ids: list[int]) -> PagedSequenceStore:
+        """A store holding saved blocks (block_payloads) of token_ids, its window state to
+        be rebuilt by replay; the caller has made room (a ring slot and the blocks)."""
+        store = self.open_sequence()
+        blocks = self.manager.allocate(len(payloads))
+        for block, payload in zip(blocks, payloads, strict=True):
+            self.pools.write_block(block, payload)
+        store.attach(blocks, token_ids, [])
+        self.register_full_blocks(store)
+        return store
+
+    def held_bytes(self, store: PagedSequenceStore) -> int:
+        """Device bytes of the blocks a store holds."""
+        return len(store.block_table) * block_bytes(self.layout, self.block_tokens)
 
     @property
     def tokens_in_use(self) -> int:

@@ -82,7 +82,7 @@ class EngineCore:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room under "
                              f"{self.limit_name} {self.max_model_len}")
-        capacity = self.cache.pools.capacity_tokens
+        capacity = self.cache.capacity_tokens
         if len(ids) + 1 > capacity:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit the cache pool of "
                              f"{capacity} tokens (kv_budget {self.cache.budget:,} bytes)")
@@ -143,7 +143,7 @@ class EngineCore:
                 raise EngineError(
                     f"the scheduler can run none of its {len(self.scheduler.waiting)} waiting "
                     f"and {len(self.scheduler.running)} running requests "
-                    f"({self.cache.manager.num_free} free blocks)")
+                    f"({self.cache.free_blocks} free blocks)")
             return self._outputs(moved)
         self._idle_steps = 0
         if is_prefill:

@@ -9,7 +9,6 @@ runs the step; its settings are one `EngineConfig` (given whole, or as keyword a
 """
 
 import logging
-import math
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -18,15 +17,15 @@ from typing import Any
 import torch
 
 from kvstack.cache.disk import DiskTier
-from kvstack.cache.paged import PagedCache, block_bytes
+from kvstack.cache.paged import PagedCache
 from kvstack.config import ModelConfig, preset
 from kvstack.engine.config import EngineConfig
 from kvstack.engine.core import EngineCore
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.scheduler import Scheduler
-from kvstack.engine.sequence import RequestOutput, Sequence, Status
-from kvstack.engine.session import Session
+from kvstack.engine.sequence import RequestOutput
+from kvstack.engine.session import Session, resume_session
 from kvstack.engine.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
 from kvstack.model import Model
 
@@ -231,74 +230,15 @@ class LLM:
     # ---- memory ------------------------------------------------------------------------
     def memory_report(self, context: int | None = None) -> dict[str, Any]:
         """Bytes per token and capacity, measured from the storage actually allocated,
-        with the plan (computed from the config) beside every figure."""
-        cache, pools = self.cache, self.cache.pools
-        layout = cache.layout
-        capacity = pools.capacity_tokens
-        streams, warnings = [], []
-        for s in layout.streams:
-            rows = pools.rows[s.layer, s.kind]
-            entry = rows.data.shape[-1] * rows.data.element_size()
-            measured, planned = rows.nbytes / capacity, float(s.bytes_per_token)
-            streams.append({"layer": s.layer, "kind": s.kind, "format": s.fmt, "width": s.width,
-                            "ratio": s.ratio, "bytes_per_entry": entry,
-                            "bytes_per_token": measured, "planned_bytes_per_token": planned})
-            if not math.isclose(measured, planned):
-                warnings.append(f"layer {s.layer} {s.kind} stream stores {entry} B per entry, "
-                                f"the plan for {s.fmt}[{s.width}] is {s.entry_bytes}: it is "
-                                "not in its configured format")
-        ring = cache.ring_slots[0].nbytes if cache.ring_slots else 0
-        if ring != layout.window_bytes_per_sequence:
-            warnings.append(f"window rings take {ring} B per sequence, the plan "
-                            f"{layout.window_bytes_per_sequence}")
-        for w in warnings:
+        with the plan (computed from the config) beside every figure; the Engram tables
+        (weights, not cache) on their own line."""
+        report = self.cache.report(context or self.core.max_model_len)
+        for w in report["warnings"]:
             log.warning("kvstack cache MISMATCH: %s", w)
-        tokens = cache.tokens_in_use
-        blocks_used = pools.n_blocks - cache.manager.num_free
-        context = context or self.core.max_model_len
-        per_seq = -(-context // pools.block_tokens)
-        measured_total = sum(r["bytes_per_token"] for r in streams)
-        return {
-            "basis": "measured from the allocated pools and rings",
-            "bytes_per_token": measured_total,
-            "planned_bytes_per_token": float(layout.bytes_per_token),
-            "streams": streams,
-            "tokens_in_use": tokens,
-            "in_use_bytes_per_token": (
-                blocks_used * block_bytes(layout, pools.block_tokens) / tokens if tokens
-                else None),
-            "blocks_total": pools.n_blocks,
-            "blocks_in_use": blocks_used,
-            "block_tokens": pools.block_tokens,
-            "capacity_tokens": capacity,
-            "window_bytes_per_sequence": ring,
-            "planned_window_bytes_per_sequence": layout.window_bytes_per_sequence,
-            "allocated_bytes": pools.nbytes + cache.ring_bytes,
-            "kv_budget": cache.budget,
-            "context": context,
-            "sequences_fit": min(pools.n_blocks // per_seq, len(cache.ring_slots)),
-            # Model weights, not cache: their own line, never in bytes per token.
-            "engram": [{"layer": block.spec.index, "bytes": block.engram.table_bytes,
-                        "device": str(block.engram.table_codes.device)}
-                       for block in self.model.layers if block.engram is not None],
-            "prefix_cache": {
-                "enabled": cache.prefix_seed is not None,
-                "queried_tokens": cache.prefix_queried_tokens,
-                "hit_tokens": cache.prefix_hit_tokens,
-                "hit_rate": (cache.prefix_hit_tokens / cache.prefix_queried_tokens
-                             if cache.prefix_queried_tokens else 0.0),
-                "cached_blocks": len(cache.manager.cached),
-                "host_hit_tokens": cache.prefix_host_hit_tokens,
-                "disk_hit_tokens": cache.prefix_disk_hit_tokens,
-            },
-            "host_tier": {"budget": cache.host.budget_bytes, "bytes": cache.host.nbytes,
-                          "blocks": len(cache.host.blocks),
-                          "blocks_dropped": cache.host.dropped},
-            "disk_tier": ({"budget": cache.disk.budget_bytes, "bytes": cache.disk.used_bytes,
-                           "prefix_bytes": cache.disk.prefix_bytes}
-                          if cache.disk is not None else None),
-            "warnings": warnings,
-        }
+        report["engram"] = [{"layer": block.spec.index, "bytes": block.engram.table_bytes,
+                             "device": str(block.engram.table_codes.device)}
+                            for block in self.model.layers if block.engram is not None]
+        return report
 
     # ---- sessions ----------------------------------------------------------------------
     @property
@@ -316,60 +256,4 @@ class LLM:
         """A saved session, from this process or another: its stream blocks go back into
         the pool and its next turn rebuilds the window rings by replay. Refused with a
         clear error if it is corrupt or was saved by another model or format version."""
-        saved, payloads = self.disk.load(name, self.fingerprint)
-        pools = self.cache.pools
-        if payloads and saved.block_tokens != pools.block_tokens:
-            raise ValueError(f"session {name!r} was saved with blocks of {saved.block_tokens} "
-                             f"tokens; this LLM uses {pools.block_tokens}")
-        if len(saved.token_ids) >= self.core.max_model_len:
-            raise ValueError(f"session {name!r} holds {len(saved.token_ids)} tokens, at or "
-                             f"over {self.core.limit_name} {self.core.max_model_len}")
-        seq = Sequence("", saved.token_ids, SamplingParams(max_tokens=1),
-                       status=Status.FINISHED, finish_reason="resumed")
-        if payloads:
-            if not self.scheduler.reclaim(len(payloads)):
-                raise ValueError(f"session {name!r} needs {len(payloads)} blocks and a window "
-                                 f"slot; the device pool has {self.cache.manager.num_free} "
-                                 "free blocks with the running requests")
-            seq.store = self.cache.open_sequence()
-            blocks = self.cache.manager.allocate(len(payloads))
-            for block, payload in zip(blocks, payloads, strict=True):
-                pools.write_block(block, payload)
-            seq.store.attach(blocks, saved.token_ids[: saved.held_tokens], [])
-        request_id = self.core.adopt(seq)
-        if payloads:
-            self.cache.register_full_blocks(seq.store)
-            self.scheduler.keep(seq)
-        return Session(self, name, saved.token_ids, request_id)
-
-    def save_session(self, name: str, token_ids: list[int], request_id: str | None) -> None:
-        """Save a session's token ids and the stream blocks its kept request holds (none
-        if its cache was evicted: then resuming prefills it all)."""
-        if not token_ids:
-            raise ValueError(f"session {name!r} is empty: nothing to save")
-        seq = self.core.requests.get(request_id) if request_id is not None else None
-        store = seq.store if seq is not None else None
-        held = store.num_tokens if store is not None else 0
-        pools = self.cache.pools
-        n_blocks = -(-held // pools.block_tokens)
-        blocks = store.block_table[:n_blocks] if store is not None else []
-        payloads = [pools.read_block(b, min(pools.block_tokens, held - i * pools.block_tokens))
-                    .cpu().numpy().tobytes() for i, b in enumerate(blocks)]
-        self.disk.save(name, self.fingerprint, pools.block_tokens, held, token_ids, payloads,
-                       self.cache.layout.window_bytes_per_sequence)
-
-    def session_report(self, name: str, request_id: str | None, n_tokens: int) -> dict[str, Any]:
-        """A session's bytes per tier, beside what saving its window rings would add."""
-        seq = self.core.requests.get(request_id) if request_id is not None else None
-        store = seq.store if seq is not None else None
-        per_block = block_bytes(self.cache.layout, self.cache.pools.block_tokens)
-        disk = self.disk.show(name).disk_bytes if name in self.disk.names() else 0
-        rings = self.cache.layout.window_bytes_per_sequence
-        return {
-            "name": name,
-            "tokens": n_tokens,
-            "device_bytes": len(store.block_table) * per_block if store is not None else 0,
-            "disk_bytes": disk,
-            "window_ring_bytes": rings,
-            "disk_bytes_with_window_rings": disk + rings if disk else 0,
-        }
+        return resume_session(self, name)

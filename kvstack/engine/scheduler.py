@@ -108,10 +108,10 @@ class Scheduler:
     def reclaim(self, n_blocks: int) -> bool:
         """Evict kept caches (oldest first) until a window-ring slot and n_blocks blocks
         are free; False if even then they are not."""
-        while ((not self.cache.has_free_slot or self.cache.manager.num_free < n_blocks)
+        while ((not self.cache.has_free_slot or self.cache.free_blocks < n_blocks)
                and self._evict_kept()):
             pass
-        return self.cache.has_free_slot and self.cache.manager.num_free >= n_blocks
+        return self.cache.has_free_slot and self.cache.free_blocks >= n_blocks
 
     def _evict_kept(self) -> bool:
         if not self.kept:

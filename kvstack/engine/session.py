@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvstack.engine.core import EngineError
 from kvstack.engine.sampling import SamplingParams
-from kvstack.engine.sequence import RequestOutput
+from kvstack.engine.sequence import RequestOutput, Sequence, Status
 
 if TYPE_CHECKING:
+    from kvstack.cache.paged import PagedSequenceStore
     from kvstack.engine.llm import LLM
 
 
@@ -65,8 +66,21 @@ class Session:
 
     def save(self) -> None:
         """Write the session to the disk tier (atomically; a saved session of the same
-        name is replaced)."""
-        self.llm.save_session(self.name, self.token_ids, self._request_id)
+        name is replaced): its token ids and the stream blocks its kept request holds
+        (none if its cache was evicted: then resuming prefills it all)."""
+        if not self.token_ids:
+            raise ValueError(f"session {self.name!r} is empty: nothing to save")
+        llm = self.llm
+        store = self._store()
+        payloads = llm.cache.block_payloads(store) if store is not None else []
+        llm.disk.save(self.name, llm.fingerprint, llm.cache.block_tokens,
+                      store.num_tokens if store is not None else 0, self.token_ids, payloads,
+                      llm.cache.layout.window_bytes_per_sequence)
+
+    def _store(self) -> "PagedSequenceStore | None":
+        """The cache its kept request holds, if it still does."""
+        seq = self.llm.core.requests.get(self._request_id) if self._request_id else None
+        return seq.store if seq is not None else None
 
     def close(self) -> None:
         """Free the session's device cache (a saved copy on disk stays)."""
@@ -77,4 +91,38 @@ class Session:
     def report(self) -> dict[str, Any]:
         """The session's bytes on each tier, and what saving its window rings as well
         would have added."""
-        return self.llm.session_report(self.name, self._request_id, len(self.token_ids))
+        llm, store = self.llm, self._store()
+        disk = llm.disk.show(self.name).disk_bytes if self.name in llm.disk.names() else 0
+        rings = llm.cache.layout.window_bytes_per_sequence
+        return {
+            "name": self.name,
+            "tokens": len(self.token_ids),
+            "device_bytes": llm.cache.held_bytes(store) if store is not None else 0,
+            "disk_bytes": disk,
+            "window_ring_bytes": rings,
+            "disk_bytes_with_window_rings": disk + rings if disk else 0,
+        }
+
+
+def resume_session(llm: "LLM", name: str) -> Session:
+    """`LLM.resume`: the saved blocks back into the pool as a kept request."""
+    saved, payloads = llm.disk.load(name, llm.fingerprint)
+    core = llm.core
+    if payloads and saved.block_tokens != llm.cache.block_tokens:
+        raise ValueError(f"session {name!r} was saved with blocks of {saved.block_tokens} "
+                         f"tokens; this LLM uses {llm.cache.block_tokens}")
+    if len(saved.token_ids) >= core.max_model_len:
+        raise ValueError(f"session {name!r} holds {len(saved.token_ids)} tokens, at or "
+                         f"over {core.limit_name} {core.max_model_len}")
+    seq = Sequence("", saved.token_ids, SamplingParams(max_tokens=1), status=Status.FINISHED,
+                   finish_reason="resumed")
+    if payloads:
+        if not core.scheduler.reclaim(len(payloads)):
+            raise ValueError(f"session {name!r} needs {len(payloads)} blocks and a window "
+                             f"slot; the device pool has {llm.cache.free_blocks} free "
+                             "blocks with the running requests")
+        seq.store = llm.cache.restore(payloads, saved.token_ids[: saved.held_tokens])
+    request_id = core.adopt(seq)
+    if payloads:
+        core.scheduler.keep(seq)
+    return Session(llm, name, saved.token_ids, request_id)
