@@ -55,7 +55,7 @@ HC_RESIDUALS = ("single_pass", "per_site")
 # any chunk). "reference": as DeepSeek's V4.1 code, activations rounded to FP8 (UE8M0 per
 # 32) before each FP8/FP4 weight and RoPE angles in float32: for parity checks.
 NUMERICS = ("default", "reference")
-# How window state is rebuilt by replay (DESIGN.md section 2): "bounded" re-runs the last
+# How window state is rebuilt by replay (design.md section 2): "bounded" re-runs the last
 # window tokens (approximate), "exact" enough for the reference forward's result.
 REPLAY_MODES = ("bounded", "exact")
 
@@ -411,7 +411,7 @@ def _validate_arch(c: ModelConfig) -> None:
 
 
 def _resolve_layers(c: ModelConfig) -> tuple[LayerSpec, ...]:
-    """Resolve every layer's mode and sources, enforcing DESIGN.md section 2's rules."""
+    """Resolve every layer's mode and sources, enforcing design.md section 2's rules."""
     n_total = c.n_layers + c.n_mtp_layers
     if len(c.compress_ratios) != n_total:
         raise ValueError(

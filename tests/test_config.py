@@ -1,4 +1,4 @@
-"""ModelConfig: presets, mode resolution, JSON, and the validation rules of DESIGN.md."""
+"""ModelConfig: presets, mode resolution, JSON, and the validation rules of docs/design.md."""
 
 import json
 from pathlib import Path

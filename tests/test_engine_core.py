@@ -167,9 +167,14 @@ def test_the_engine_settings_are_one_validated_object():
                        (dict(replay="fast"), "replay must be one of bounded, exact"),
                        (dict(kv_budget="lots"), "kv_budget 'lots': not a size"),
                        (dict(threads=True), "threads must be a positive integer"),
-                       (dict(numerics="fp8"), "numerics must be one of default, reference")):
+                       (dict(numerics="fp8"), "numerics must be one of default, reference"),
+                       (dict(device="tpu"), "device 'tpu': not a device name like cpu or cuda"),
+                       (dict(device="mps"), "device 'mps': kvstack runs on cpu or cuda")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda': CUDA is not available"):
+            EngineConfig(device="cuda")
     with pytest.raises(ValueError, match="max_model_len 1000 exceeds the model's max_seq_len"):
         LLM("tiny", random_init=True, max_model_len=1000)
     with pytest.raises(ValueError, match="unexpected keyword argument 'kv_budgt'"):

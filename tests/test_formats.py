@@ -1,4 +1,4 @@
-"""Hand-computed vectors for the storage formats (DESIGN.md section 3)."""
+"""Hand-computed vectors for the storage formats (design.md section 3)."""
 
 import math
 import struct

@@ -4,7 +4,7 @@ Every stream of `CacheLayout` is a uint8 buffer [B, capacity, bytes_per_entry] o
 rows (codes then scales, `kvstack.formats`); every window ring a circular uint8 buffer
 [B, window_size, bytes_per_entry] in the window format. It serves the dense control too
 (its per-layer "k" and "v" streams, no rings). No float copy of past tokens is
-kept, except the partial groups (float32 by design: DESIGN.md section 4). The paged
+kept, except the partial groups (float32 by design: design.md section 4). The paged
 engine implements the same interface over blocks.
 """
 

@@ -1,5 +1,5 @@
 """The disk tier ("SSD"): saved sessions as content-addressed block files and a SQLite
-manifest (DESIGN.md section 5). Standard library only, so that tools (and the kill tests)
+manifest (design.md section 5). Standard library only, so that tools (and the kill tests)
 can use it without torch.
 
     root/manifest.sqlite            sessions, blocks, and the prefix cache's blocks

@@ -1,4 +1,4 @@
-"""The host tier ("DRAM") of the prefix cache (DESIGN.md section 5).
+"""The host tier ("DRAM") of the prefix cache (design.md section 5).
 
 When the device pool hands a cached block out again, its rows move here instead of being
 dropped, keyed by the block's chain hash; a later prefix hit that runs past the device's

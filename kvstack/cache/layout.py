@@ -1,6 +1,6 @@
 """The cache layout of a config: which streams exist, their formats, and what they cost.
 
-DESIGN.md section 4. Per kv source, two persistent streams (the KV stream and the indexer
+design.md section 4. Per kv source, two persistent streams (the KV stream and the indexer
 keys), one entry per `ratio` tokens. Per sequence and never persisted: a window ring per
 layer, and each ratio>1 source's partial group. The dense control has two streams per
 layer (keys and values of its KV heads) and nothing else. The planner prints this layout; the paged
@@ -98,7 +98,7 @@ class CacheLayout:
 
     @property
     def bytes_per_token(self) -> Fraction:
-        """Persistent bytes per token: what the streams cost, the figure of DESIGN.md 4."""
+        """Persistent bytes per token: what the streams cost, the figure of design.md section 4."""
         return sum((s.bytes_per_token for s in self.streams), Fraction(0))
 
     @property

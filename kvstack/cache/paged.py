@@ -1,4 +1,4 @@
-"""Paged storage for the engine (DESIGN.md section 5).
+"""Paged storage for the engine (design.md section 5).
 
 One pool per stream of the `CacheLayout`, each a uint8 buffer of packed rows
 [n_blocks, block_tokens // ratio, bytes_per_entry]; a block is `block_tokens` tokens of

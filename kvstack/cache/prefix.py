@@ -1,4 +1,4 @@
-"""Prefix caching: the hash chain over full blocks of token ids (DESIGN.md section 5).
+"""Prefix caching: the hash chain over full blocks of token ids (design.md section 5).
 
 A full block's stream entries are a function of every token up to its end (attention is
 causal and a block ends on a group boundary of every stream), so block i is named by

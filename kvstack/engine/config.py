@@ -13,6 +13,19 @@ from kvstack.config import NUMERICS, REPLAY_MODES, ModelConfig
 log = logging.getLogger("kvstack")
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r}: not a device name like cpu or cuda") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: kvstack runs on cpu or cuda")
+
+
 def default_threads() -> int:
     """Half the cores, at most 8 and at least 1: torch's default (every core) collapses
     on a machine that is busy with other work (4-10x slower on a loaded 2-core machine
@@ -60,6 +73,8 @@ class EngineConfig:
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"engine setting {key} must be true or false, got "
                                  f"{getattr(self, key)!r}")
+        if self.device is not None:
+            _check_device(self.device)
         parse_bytes(self.kv_budget, "kv_budget")
         parse_bytes(self.disk_budget, "disk_budget")
         if self.host_budget:

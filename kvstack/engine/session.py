@@ -1,4 +1,4 @@
-"""Persistent agent sessions (DESIGN.md sections 4 and 5).
+"""Persistent agent sessions (design.md sections 4 and 5).
 
 A session is one conversation on an `LLM`. Between turns its cache stays on the device as
 a kept request, so a turn prefills only its own tokens. `save()` writes the token ids and

@@ -1,4 +1,4 @@
-"""Bit-exact storage formats of the KV cache (DESIGN.md section 3). The format facts
+"""Bit-exact storage formats of the KV cache (design.md section 3). The format facts
 (`FORMATS`, `get_format`, `bytes_per_entry`) need no torch; the codecs load it on use."""
 
 from kvstack._lazy import lazy_exports

@@ -2,7 +2,7 @@
 
 Everything is computed on float32 with integer bit manipulation where rounding must be
 exact, so the bytes do not depend on the platform's libm (a GPU kernel or a checkpoint
-written elsewhere must read and write the same bytes; DESIGN.md section 3).
+written elsewhere must read and write the same bytes; design.md section 3).
 """
 
 import math

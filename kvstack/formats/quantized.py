@@ -1,4 +1,4 @@
-"""Block-scaled storage formats of the KV cache (DESIGN.md section 3), bit-exact.
+"""Block-scaled storage formats of the KV cache (design.md section 3), bit-exact.
 
 A quantised tensor is two uint8 tensors: `codes` (two E2M1 codes per byte, element 2i in
 the low nibble, or one E4M3 byte per element, or the raw little-endian bf16 bytes) and

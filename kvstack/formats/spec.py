@@ -1,4 +1,4 @@
-"""The storage formats of the KV cache as facts (DESIGN.md section 3): names, element and
+"""The storage formats of the KV cache as facts (design.md section 3): names, element and
 scale kinds, block sizes, bytes per entry. No torch here, so that configs, plans and the
 `kvstack` command read them without loading it; the codecs are in `quantized`."""
 

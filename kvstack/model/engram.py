@@ -1,4 +1,4 @@
-"""Engram: DeepSeek-V4.1's n-gram hash memory (DESIGN.md section 2).
+"""Engram: DeepSeek-V4.1's n-gram hash memory (design.md section 2).
 
 Each token hashes the 2-, 3-, ..., N-gram that ends at it (over a normalised, "compressed"
 token map) into `n_heads` prime-sized bucket ranges per n-gram size, fetches one FP8 table row

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4.1 model family, top to bottom (DESIGN.md section 2).
+"""The DeepSeek-V4.1 model family, top to bottom (design.md section 2).
 
 Shapes: B batch, n new tokens in this call, H heads of head_dim D (rope on the last R
 dims), N entries in a compressed stream, Hi indexer heads of width Di, h = hc_mult.

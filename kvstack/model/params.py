@@ -1,6 +1,6 @@
 """Every parameter of a model of the family, by name and shape, derived from its config.
 
-This is the model's parameter contract (DESIGN.md section 2): the module tree of
+This is the model's parameter contract (design.md section 2): the module tree of
 `kvstack.model` creates exactly these tensors (kvstack's own checkpoint layout), and the
 planner counts them. The draft (MTP) layers are not part of the trunk and are not listed.
 Engram tables are listed as stored: E4M3 codes and UE8M0 scales (uint8).

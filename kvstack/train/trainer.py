@@ -1,4 +1,4 @@
-"""Training models of the family from scratch (DESIGN.md section 6).
+"""Training models of the family from scratch (design.md section 6).
 
 Loss: next-token cross-entropy plus, for each index source, the KL divergence from the
 main attention's distribution over compressed entries (summed over heads, renormalised,
