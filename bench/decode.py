@@ -19,14 +19,33 @@ The numbers that matter are the ratios measured in the same run, (a)/(b) and (a)
 tokens/s and (b)/(a), (c)/(a) for bytes per token, because the machines are shared and
 noisy: absolute tokens/s drift between runs, the ratios much less. transformers and
 matplotlib come with the `bench` extra; without transformers, (c) is skipped.
+
+With `--batches B [B ...]` it also decodes a batch of B sequences at once, each with
+`--batch-context` tokens of context (default 2048), for every B given, and reports the total
+tokens/s over the batch (B × steps / time) of the three systems side by side, (a)/(b),
+(a)/(c), and each system's scaling from the smallest batch (tokens/s at B over tokens/s at
+the smallest B). For (a) and (b) the engine's budget holds exactly B such sequences
+(window rings for B and blocks for B sequences) with max_num_seqs=B, and one decode step
+is `ModelRunner.decode` on all B sequences; (c) keeps its cache in a `StaticCache` of batch
+B (filled with `StaticCache.update`), or in a DynamicCache, labelled so, where the installed
+transformers cannot run a StaticCache. Beside tokens/s, at the smallest and the largest
+batch, it counts the aten ops one decode step issues: `torch.profiler` (CPU activity)
+around one step after the warm-up and the timed steps, counting every event whose name
+starts with "aten::", nested ones (an op another op calls) included, and separately the
+top-level ones (no aten op above them). The count is what the host dispatches per step,
+the overhead that batching amortises; it does not depend on the machine's noise.
 """
 
 import argparse
+import gc
 import importlib.util
 import inspect
 import json
+import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +90,39 @@ class Row:
     bytes_saving_vs_hf: float | None  # (c)/(a) bytes per token
 
 
+@dataclass(frozen=True)
+class OpCount:
+    aten_ops: int  # every aten:: event of one step, nested ones included
+    top_level_ops: int  # the aten:: events with no aten:: event above them
+
+
+@dataclass(frozen=True)
+class BatchMeasured:
+    tok_s: float  # total over the batch: batch × steps / time
+    ops: OpCount | None  # counted at the smallest and the largest batch only
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    batch: int
+    context: int  # tokens of context of each sequence
+    stack_tok_s: float
+    dense_tok_s: float
+    hf_tok_s: float | None
+    hf_cache: str | None  # "StaticCache", or "DynamicCache" where StaticCache failed
+    speedup_vs_dense: float  # (a)/(b) tokens/s
+    speedup_vs_hf: float | None  # (a)/(c) tokens/s
+    stack_scaling: float  # tokens/s at this batch over tokens/s at the smallest batch
+    dense_scaling: float
+    hf_scaling: float | None
+    stack_aten_ops: int | None  # per decode step; None where not counted
+    dense_aten_ops: int | None
+    hf_aten_ops: int | None
+    stack_top_level_ops: int | None
+    dense_top_level_ops: int | None
+    hf_top_level_ops: int | None
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS),
@@ -79,12 +131,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="timed runs; the best is kept")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument("--plot", default="bench/decode.png", help="where to write the PNG")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="also decode batches of these sizes at --batch-context")
+    parser.add_argument("--batch-context", type=int, default=2048,
+                        help="tokens of context of each sequence of a batch")
     args = parser.parse_args()
     # Even contexts: the ratio-2 streams then hold whole groups and no partial one.
     if min(args.contexts) <= 0 or any(c % 2 for c in args.contexts):
         parser.error("--contexts must be positive and even")
     if args.steps < 1 or args.repeat < 1:
         parser.error("--steps and --repeat must be at least 1")
+    if args.batches is not None:
+        if min(args.batches) < 1:
+            parser.error("--batches must be at least 1")
+        args.batches = sorted(set(args.batches))
+    if args.batch_context <= 0 or args.batch_context % 2:
+        parser.error("--batch-context must be positive and even")
     return args
 
 
@@ -102,14 +164,50 @@ def time_decode(step: Callable[[], None], steps: int, repeat: int) -> float:
     return steps / best
 
 
+@contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null: kineto prints a line to it at every profiler start
+    and stop, whatever its log level."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def count_ops(step: Callable[[], None]) -> OpCount:
+    """The aten ops one step issues, from torch.profiler's CPU events: all of them (an op
+    another op calls included), and the top-level ones (no aten op above them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+
+    def top_level(event: Any) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return OpCount(len(aten), sum(top_level(e) for e in aten))
+
+
 # ---- (a) and (b): kvstack's engine ---------------------------------------------------------
-def engine(config: ModelConfig, max_tokens: int) -> LLM:
-    """An LLM whose budget holds one sequence of max_tokens and nothing more, so the
-    benchmark allocates what it uses."""
+def engine(config: ModelConfig, max_tokens: int, batch: int = 1) -> LLM:
+    """An LLM whose budget holds `batch` sequences of max_tokens and nothing more (a
+    window-ring slot and the blocks of each), so the benchmark allocates what it uses."""
     layout = CacheLayout.from_config(config)
-    budget = (layout.window_bytes_per_sequence
-              + block_bytes(layout, BLOCK_TOKENS) * -(-max_tokens // BLOCK_TOKENS))
-    return LLM(config, random_init=True, kv_budget=budget, max_num_seqs=1,
+    budget = batch * (layout.window_bytes_per_sequence
+                      + block_bytes(layout, BLOCK_TOKENS) * -(-max_tokens // BLOCK_TOKENS))
+    return LLM(config, random_init=True, kv_budget=budget, max_num_seqs=batch,
                block_tokens=BLOCK_TOKENS)
 
 
@@ -151,6 +249,34 @@ def measure_engine(llm: LLM, context: int, steps: int, repeat: int) -> Measured:
     finally:
         llm.cache.close_sequence(store)
     return Measured(tok_s, llm.memory_report()["bytes_per_token"])
+
+
+def measure_engine_batch(config: ModelConfig, max_tokens: int, batch: int, context: int,
+                         steps: int, repeat: int, ops: bool) -> BatchMeasured:
+    """Decode `batch` sequences of `context` tokens as one batch, on an engine sized for
+    exactly them; with `ops`, also the aten ops of one more step."""
+    llm = engine(config, max_tokens, batch)
+    stores = [llm.cache.open_sequence() for _ in range(batch)]
+    try:
+        greedy = SamplingParams(temperature=0, ignore_eos=True)
+        seqs = []
+        for i, store in enumerate(stores):
+            ids = fill(store, config, context, torch.Generator().manual_seed(context + i))
+            seqs.append(Sequence(f"bench-{i}", ids, greedy, output_ids=[ids[-1]], store=store))
+
+        def step() -> None:
+            for seq in seqs:
+                if not seq.store.reserve(seq.num_tokens):
+                    raise RuntimeError("the cache pools are full")
+            for seq, token in zip(seqs, llm.runner.decode(seqs), strict=True):
+                seq.output_ids.append(token)
+
+        tok_s = batch * time_decode(step, steps, repeat)
+        counted = count_ops(step) if ops else None
+    finally:
+        for store in stores:
+            llm.cache.close_sequence(store)
+    return BatchMeasured(tok_s, counted)
 
 
 # ---- (c): transformers' Llama --------------------------------------------------------------
@@ -202,6 +328,152 @@ def measure_hf(model: Any, context: int, steps: int, repeat: int) -> Measured:
     return Measured(tok_s, nbytes / context)
 
 
+def hf_batch_cache(model: Any, batch: int, context: int, max_cache_len: int,
+                   static: bool) -> Any:
+    """A StaticCache (static=True) or a DynamicCache of `batch` sequences, each holding
+    `context` tokens of random keys and values in every layer."""
+    from transformers import DynamicCache, StaticCache
+
+    hf = model.config
+    if static:
+        # transformers 4 took the batch size, device and dtype up front; 5 allocates on the
+        # first update, from the tensors it is given.
+        params = inspect.signature(StaticCache.__init__).parameters
+        extra = ({"max_batch_size": batch, "dtype": torch.float32, "device": "cpu"}
+                 if "max_batch_size" in params else {})
+        cache = StaticCache(config=hf, max_cache_len=max_cache_len, **extra)
+    else:
+        cache = DynamicCache()
+    g = torch.Generator().manual_seed(context)
+    shape = (batch, hf.num_key_value_heads, context, hf.head_dim)
+    # transformers 4's StaticCache writes at cache_position; 5's ignores it.
+    where = {"cache_position": torch.arange(context)}
+    for layer in range(hf.num_hidden_layers):
+        cache.update(torch.randn(*shape, generator=g), torch.randn(*shape, generator=g), layer,
+                     where)
+    return cache
+
+
+def hf_decode_step(model: Any, cache: Any, batch: int, context: int) -> Callable[[], None]:
+    """One batched greedy decode step of the Llama on `cache`, all sequences at the same
+    position (the next after `context`, and on)."""
+    hf = model.config
+    params = inspect.signature(model.forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"
+    token = torch.randint(0, hf.vocab_size, (batch, 1),
+                          generator=torch.Generator().manual_seed(context))
+    position = context
+
+    def step() -> None:
+        nonlocal token, position
+        extra = ({"cache_position": torch.tensor([position])}
+                 if "cache_position" in params else {})
+        with torch.no_grad():
+            out = model(input_ids=token, position_ids=torch.full((batch, 1), position),
+                        use_cache=True, **{cache_arg: cache}, **extra)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        position += 1
+
+    return step
+
+
+def measure_hf_batch(model: Any, batch: int, context: int, max_cache_len: int, steps: int,
+                     repeat: int, ops: bool, static: bool) -> BatchMeasured:
+    cache = hf_batch_cache(model, batch, context, max_cache_len, static)
+    step = hf_decode_step(model, cache, batch, context)
+    tok_s = batch * time_decode(step, steps, repeat)
+    return BatchMeasured(tok_s, count_ops(step) if ops else None)
+
+
+def static_cache_works(model: Any, context: int) -> str | None:
+    """None if a StaticCache decodes what a DynamicCache of the same contents does (two
+    sequences, two steps, same next tokens and close logits); else why not."""
+    try:
+        logits = []
+        for static in (True, False):
+            cache = hf_batch_cache(model, 2, context, context + 2, static)
+            step = hf_decode_step(model, cache, 2, context)
+            step()
+            params = inspect.signature(model.forward).parameters
+            cache_arg = "cache" if "cache" in params else "past_key_values"
+            extra = ({"cache_position": torch.tensor([context + 1])}
+                     if "cache_position" in params else {})
+            token = torch.zeros(2, 1, dtype=torch.long)
+            with torch.no_grad():
+                out = model(input_ids=token, position_ids=torch.full((2, 1), context + 1),
+                            use_cache=True, **{cache_arg: cache}, **extra)
+            logits.append(out.logits[:, -1])
+    except Exception as e:  # any failure of the StaticCache path: fall back
+        return f"{type(e).__name__}: {e}"
+    if not torch.allclose(logits[0], logits[1], atol=1e-4, rtol=1e-4):
+        diff = (logits[0] - logits[1]).abs().max().item()
+        return f"its logits differ from DynamicCache's by up to {diff:.3g}"
+    return None
+
+
+def batch_rows(batches: list[int], context: int,
+               a: dict[int, BatchMeasured], b: dict[int, BatchMeasured],
+               c: dict[int, BatchMeasured] | None, hf_cache: str | None) -> list[BatchRow]:
+    base = batches[0]
+
+    def ops(m: BatchMeasured | None, field: str) -> int | None:
+        return None if m is None or m.ops is None else getattr(m.ops, field)
+
+    rows = []
+    for n in batches:
+        cn = None if c is None else c[n]
+        rows.append(BatchRow(
+            batch=n, context=context,
+            stack_tok_s=a[n].tok_s, dense_tok_s=b[n].tok_s,
+            hf_tok_s=None if cn is None else cn.tok_s, hf_cache=hf_cache,
+            speedup_vs_dense=a[n].tok_s / b[n].tok_s,
+            speedup_vs_hf=None if cn is None else a[n].tok_s / cn.tok_s,
+            stack_scaling=a[n].tok_s / a[base].tok_s,
+            dense_scaling=b[n].tok_s / b[base].tok_s,
+            hf_scaling=None if c is None else cn.tok_s / c[base].tok_s,
+            stack_aten_ops=ops(a[n], "aten_ops"), dense_aten_ops=ops(b[n], "aten_ops"),
+            hf_aten_ops=ops(cn, "aten_ops"),
+            stack_top_level_ops=ops(a[n], "top_level_ops"),
+            dense_top_level_ops=ops(b[n], "top_level_ops"),
+            hf_top_level_ops=ops(cn, "top_level_ops"),
+        ))
+    return rows
+
+
+def measure_batches(args: argparse.Namespace) -> tuple[list[BatchRow], list[str]]:
+    """The batch axis: rows, and lines to print about it (a StaticCache fallback)."""
+    context = args.batch_context
+    # The warm-up, the timed steps and the profiled one, past the context.
+    extra = 1 + WARMUP_STEPS + args.steps * args.repeat + 1
+    max_tokens = context + max(64, extra)
+    config = bench_config(max_tokens)
+    dense = dense_control(config)
+    counted = {args.batches[0], args.batches[-1]}
+    a, b = {}, {}
+    for n in args.batches:
+        a[n] = measure_engine_batch(config, max_tokens, n, context, args.steps, args.repeat,
+                                    n in counted)
+        gc.collect()
+        b[n] = measure_engine_batch(dense, max_tokens, n, context, args.steps, args.repeat,
+                                    n in counted)
+        gc.collect()
+    notes, c, hf_cache = [], None, None
+    if HAVE_TRANSFORMERS:
+        llama = hf_model(config, max_tokens)
+        failure = static_cache_works(llama, context)
+        hf_cache = "StaticCache" if failure is None else "DynamicCache"
+        if failure is not None:
+            notes.append(f"(c) StaticCache did not work ({failure}); (c) of the batch table "
+                         "uses a DynamicCache instead")
+        c = {}
+        for n in args.batches:
+            # A StaticCache attends over all its slots (masked): size it to what is used.
+            c[n] = measure_hf_batch(llama, n, context, context + extra, args.steps,
+                                    args.repeat, n in counted, failure is None)
+            gc.collect()
+    return batch_rows(args.batches, context, a, b, c, hf_cache), notes
+
+
 # ---- report ----------------------------------------------------------------------------------
 def row(context: int, a: Measured, b: Measured, c: Measured | None) -> Row:
     return Row(
@@ -230,6 +502,27 @@ def render(console: Console, r: Row) -> None:
     if r.hf_tok_s is not None:
         table.add_row("(c) HF Llama", f"{r.hf_tok_s:.1f}", f"{r.hf_bytes_per_token:,.1f}",
                       f"{r.speedup_vs_hf:.2f}×", f"{r.bytes_saving_vs_hf:.2f}×")
+    console.print(table)
+
+
+def render_batch(console: Console, r: BatchRow, base: int) -> None:
+    title = f"decode at batch {r.batch}, {r.context:,} tokens of context each"
+    table = Table(title=title + (f"; (c) with a {r.hf_cache}" if r.hf_cache else ""))
+    table.add_column("system", no_wrap=True)
+    for name in ("tok/s", "(a) ×tok/s", f"÷B={base}", "ops/step", "top-level"):
+        table.add_column(name, justify="right", no_wrap=True)
+
+    def ops(n: int | None) -> str:
+        return "" if n is None else f"{n:,}"
+
+    table.add_row("(a) kvstack stack", f"{r.stack_tok_s:.1f}", "", f"{r.stack_scaling:.2f}×",
+                  ops(r.stack_aten_ops), ops(r.stack_top_level_ops))
+    table.add_row("(b) dense control", f"{r.dense_tok_s:.1f}", f"{r.speedup_vs_dense:.2f}×",
+                  f"{r.dense_scaling:.2f}×", ops(r.dense_aten_ops), ops(r.dense_top_level_ops))
+    if r.hf_tok_s is not None:
+        table.add_row("(c) HF Llama", f"{r.hf_tok_s:.1f}",
+                      f"{r.speedup_vs_hf:.2f}×", f"{r.hf_scaling:.2f}×", ops(r.hf_aten_ops),
+                      ops(r.hf_top_level_ops))
     console.print(table)
 
 
@@ -280,6 +573,7 @@ def main() -> None:
         b = measure_engine(dense_llm, context, args.steps, args.repeat)
         c = measure_hf(llama, context, args.steps, args.repeat) if llama is not None else None
         rows.append(row(context, a, b, c))
+    batch_table, batch_notes = ([], []) if args.batches is None else measure_batches(args)
     plot_path = Path(args.plot) if HAVE_MATPLOTLIB else None
     if plot_path is not None:
         plot(rows, plot_path)
@@ -307,6 +601,10 @@ def main() -> None:
             "skipped": skipped,
             "rows": [asdict(r) for r in rows],
         }
+        if args.batches is not None:
+            report["batch_context"] = args.batch_context
+            report["batch_notes"] = batch_notes
+            report["batches"] = [asdict(r) for r in batch_table]
         print(json.dumps(report, indent=2))
         return
     console = Console()
@@ -323,6 +621,24 @@ def main() -> None:
     console.print(caption)
     for line in skipped:
         console.print(line, markup=False)  # "[bench]" is not rich markup
+    if args.batches is not None:
+        base = args.batches[0]
+        for r in batch_table:
+            render_batch(console, r, base)
+        counted = sorted({base, args.batches[-1]})
+        console.print(
+            f"batch of B sequences, {args.batch_context:,} tokens of context each; tok/s = "
+            f"B × {args.steps} steps / time, best of {args.repeat} after {WARMUP_STEPS} "
+            f"warm-up; (a) ×tok/s = (a)'s tokens/s over the row's; ÷B={base} = the system's "
+            f"tokens/s at this batch over its tokens/s at batch {base}. ops/step = torch."
+            "profiler CPU events named aten::* in one decode step after the timed ones, nested "
+            "ones (an op another op calls) included; top-level = those with no aten op above "
+            f"them; counted at batch {' and '.join(map(str, counted))}. (c) keeps a batch's "
+            "cache in the cache its title names, sized to the context and the steps (the "
+            f"context tables' (c) uses a DynamicCache). torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+        for line in batch_notes:
+            console.print(line, markup=False)
     if plot_path is not None:
         console.print(f"plot: {plot_path}")
 

@@ -1,4 +1,4 @@
-"""Prefill throughput of the CED split (DESIGN.md section 2) next to the reference forward.
+"""Prefill throughput of the CED split (design.md section 2) next to the reference forward.
 
 For each prompt length this times, on one seeded CPU-sized model with the `tiny` preset's
 layer pattern, the reference forward (every layer over every token) and `Model.prefill`

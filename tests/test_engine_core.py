@@ -213,3 +213,35 @@ def test_requests_of_a_failed_batch_decode_alone_until_they_step(monkeypatch, al
     assert len(failures) >= 2
     assert [o.token_ids for o in outs] == alone[:3]
     assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_front_ends_on_several_threads_each_get_their_own_outputs(alone):
+    import threading
+
+    llm = tiny()
+    p = prompts(4)
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    reports: list[dict] = []
+
+    def run(i: int) -> None:
+        try:
+            if i == 3:  # a streaming caller beside generate callers
+                results[i] = list(llm.stream(p[i], GREEDY))[-1].token_ids
+            else:
+                results[i] = llm.generate(p[i], GREEDY)[0].token_ids
+        except BaseException as e:  # surfaced below, not lost in the thread
+            errors.append(e)
+
+    def watch() -> None:
+        while len(results) + len(errors) < 4:
+            reports.append(llm.memory_report())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    threads.append(threading.Thread(target=watch))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and [results[i] for i in range(4)] == alone
+    assert reports and llm.core.requests == {}

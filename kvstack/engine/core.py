@@ -14,9 +14,13 @@ not retried as a batch: its requests decode one at a time until each has stepped
 one bad request cannot take others down.
 """
 
+import functools
 import itertools
 import logging
+import threading
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,6 +44,19 @@ class EngineError(RuntimeError):
     """The engine could not go on (not a bad request: those are ValueError)."""
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def locked(method: F) -> F:
+    """Run the method holding the core's lock: front ends on several threads take turns
+    at the core, one call at a time."""
+    @functools.wraps(method)
+    def run(self: "EngineCore", *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run  # type: ignore[return-value]
+
+
 class EngineCore:
     def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig,
                  fingerprint: str, disk_tier: DiskTier | None = None) -> None:
@@ -59,8 +76,12 @@ class EngineCore:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._idle_steps = 0
+        # Held by every call that reads or changes requests or the cache (re-entrant: a
+        # wait steps while holding it); a front end reading the cache takes it too.
+        self.lock = threading.RLock()
 
     # ---- requests ----------------------------------------------------------------------
+    @locked
     def add_request(self, ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, continue_from: str | None = None,
                     keep_cache: bool = False, watch: bool = False) -> str:
@@ -106,18 +127,21 @@ class EngineCore:
         self.scheduler.add(seq)
         return request_id
 
+    @locked
     def adopt(self, seq: Sequence) -> str:
         """Take in a finished sequence made outside a step (a resumed session)."""
         seq.request_id = str(next(self._ids))
         self.requests[seq.request_id] = seq
         return seq.request_id
 
+    @locked
     def release(self, request_id: str) -> None:
         """Drop the cache a finished request kept for a follow-up turn."""
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.release(seq)
 
+    @locked
     def abort(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
         if seq is not None and seq.status is not Status.FINISHED:
@@ -129,6 +153,7 @@ class EngineCore:
         return self.scheduler.has_work
 
     # ---- the step ----------------------------------------------------------------------
+    @locked
     def step(self) -> list[RequestOutput]:
         """One scheduler step: prefill the admitted sequences or decode the running ones.
         Returns the output of every request that moved (and of every one that finished,
@@ -168,11 +193,13 @@ class EngineCore:
     def wait(self, request_id: str) -> RequestOutput:
         """The request's newest output, stepping the engine until there is one (the
         request must be watched: added with watch=True)."""
-        while (out := self.router.take(request_id)) is None:
-            if request_id not in self.requests:
-                raise ValueError(f"request {request_id!r} is not running")
-            self.step()
-        return out
+        while True:
+            with self.lock:  # another thread may step meanwhile: its outputs reach us too
+                if (out := self.router.take(request_id)) is not None:
+                    return out
+                if request_id not in self.requests:
+                    raise ValueError(f"request {request_id!r} is not running")
+                self.step()
 
     def _fault(self, seqs: list[Sequence], error: Exception) -> None:
         """Roll the step back for seqs: their caches go (what the failed call wrote

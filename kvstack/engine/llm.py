@@ -232,7 +232,8 @@ class LLM:
         """Bytes per token and capacity, measured from the storage actually allocated,
         with the plan (computed from the config) beside every figure; the Engram tables
         (weights, not cache) on their own line."""
-        report = self.cache.report(context or self.core.max_model_len)
+        with self.core.lock:
+            report = self.cache.report(context or self.core.max_model_len)
         for w in report["warnings"]:
             log.warning("kvstack cache MISMATCH: %s", w)
         report["engram"] = [{"layer": block.spec.index, "bytes": block.engram.table_bytes,
@@ -256,4 +257,5 @@ class LLM:
         """A saved session, from this process or another: its stream blocks go back into
         the pool and its next turn rebuilds the window rings by replay. Refused with a
         clear error if it is corrupt or was saved by another model or format version."""
-        return resume_session(self, name)
+        with self.core.lock:
+            return resume_session(self, name)

@@ -71,11 +71,12 @@ class Session:
         if not self.token_ids:
             raise ValueError(f"session {self.name!r} is empty: nothing to save")
         llm = self.llm
-        store = self._store()
-        payloads = llm.cache.block_payloads(store) if store is not None else []
-        llm.disk.save(self.name, llm.fingerprint, llm.cache.block_tokens,
-                      store.num_tokens if store is not None else 0, self.token_ids, payloads,
-                      llm.cache.layout.window_bytes_per_sequence)
+        with llm.core.lock:  # no step of another thread changes the blocks meanwhile
+            store = self._store()
+            payloads = llm.cache.block_payloads(store) if store is not None else []
+            held = store.num_tokens if store is not None else 0
+        llm.disk.save(self.name, llm.fingerprint, llm.cache.block_tokens, held, self.token_ids,
+                      payloads, llm.cache.layout.window_bytes_per_sequence)
 
     def _store(self) -> "PagedSequenceStore | None":
         """The cache its kept request holds, if it still does."""
