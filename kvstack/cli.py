@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvstack.config import NUMERICS, PRESETS, ModelConfig, preset
@@ -221,6 +222,9 @@ def _read_prompt(args: argparse.Namespace) -> str:
             return Path(args.prompt_file).read_text()
         except OSError as e:
             raise ValueError(f"prompt file {args.prompt_file}: cannot read ({e.strerror})") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompt file {args.prompt_file}: not UTF-8 text (byte "
+                             f"{e.start}: {e.reason})") from None
     if not sys.stdin.isatty():
         return sys.stdin.read()
     raise ValueError("no prompt: pass --prompt, --prompt-file, or pipe text on stdin")
@@ -238,6 +242,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     llm = _load_llm(args)
     params = _sampling(args)
+    if args.truncate == "left":  # the prompt's last tokens, leaving room for the reply
+        prompt = llm.encode(prompt)[-max(1, llm.core.max_model_len - params.max_tokens):]
     start = time.perf_counter()
     if args.json:
         out = llm.generate(prompt, params)[0]
@@ -264,10 +270,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-CHAT_HELP = "/reset starts a new conversation, /stats shows the cache, /exit leaves"
+CHAT_HELP = ("/reset starts a new conversation, /stats shows the cache (/stats --json: all "
+             "of it), /exit or Ctrl-D leaves; Ctrl-C stops a reply")
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    import readline  # noqa: F401  (input() gains line editing and history)
+
     from kvstack.engine.core import EngineError
 
     llm = _load_llm(args)
@@ -278,7 +287,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     while True:
         try:
             line = input("> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave
+            print(file=sys.stderr)
             return 0
         command = line.strip()
         if command == "/exit":
@@ -286,10 +296,19 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         if command == "/reset":
             session.close()
             session = llm.session(args.session or "chat")
-            console.print("[dim]new conversation[/dim]")
+            if args.session and args.session in llm.disk.names():
+                llm.disk.remove(args.session)  # a resume must not bring the old one back
+                console.print(f"[dim]new conversation; saved session {args.session!r} "
+                              "removed[/dim]")
+            else:
+                console.print("[dim]new conversation[/dim]")
             continue
-        if command == "/stats":
-            console.print_json(json.dumps(llm.memory_report() | {"session": session.report()}))
+        if command in ("/stats", "/stats --json"):
+            report = llm.memory_report() | {"session": session.report()}
+            if command.endswith("--json"):
+                console.print_json(json.dumps(report))
+            else:
+                _print_stats(report, console)
             continue
         if command.startswith("/"):
             console.print(f"[red]unknown command {command}[/red]; {CHAT_HELP}")
@@ -297,32 +316,71 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         shown, out = "", None
         try:
             session.append(line + "\n")
-            for out in session.stream(params):
-                print(out.text[len(shown):], end="", flush=True)
-                shown = out.text
+            if args.truncate == "left":  # room for the reply under the model's length
+                session.keep_last(max(1, llm.core.max_model_len - params.max_tokens))
+            turn = session.stream(params)
+            try:
+                for out in turn:
+                    print(out.text[len(shown):], end="", flush=True)
+                    shown = out.text
+            except KeyboardInterrupt:  # stop this reply, keep the chat
+                turn.close()
+                console.print("\n(reply stopped)", style="dim")
+                continue
             if args.session:
                 session.save()
         except (ValueError, EngineError) as e:  # a turn refused or failed: say so, go on
             console.print(f"[red]{e}[/red]")
+            if "leaves no room" in str(e):
+                console.print(f"[dim]the conversation holds {len(session.token_ids):,} tokens "
+                              f"and the model takes {llm.core.max_model_len:,}: /reset "
+                              "starts over, or run chat with --truncate left to keep the "
+                              "last tokens[/dim]")
             continue
         rate = out.metrics.get("decode_tokens_per_s", 0.0)
         saved = f" · saved as {args.session!r}" if args.session else ""
         console.print(f"\n[dim][{rate:.1f} tokens/s · {_cache_line(llm)}{saved}][/dim]")
 
 
+def _print_stats(report: dict[str, Any], console: Console) -> None:
+    s, prefix = report["session"], report["prefix_cache"]
+    table = Table(box=box.SIMPLE_HEAD, show_header=False)
+    for key, value in (
+            ("conversation", f"{s['tokens']:,} tokens"),
+            ("its cache on the device", _bytes(s["device_bytes"])),
+            ("saved on disk", _bytes(s["disk_bytes"]) if s["disk_bytes"] else "not saved"),
+            ("bytes per token", f"{report['bytes_per_token']:g} measured "
+                                f"(plan {report['planned_bytes_per_token']:g})"),
+            ("pool", f"{report['blocks_in_use']:,} of {report['blocks_total']:,} blocks "
+                     f"in use, {report['capacity_tokens']:,} tokens in all"),
+            ("prefix cache", f"{prefix['hit_tokens']:,} of {prefix['queried_tokens']:,} "
+                             "prompt tokens found")):
+        table.add_row(key, value)
+    console.print(table)
+
+
 def _open_session(llm: "LLM", name: str | None, console: Console) -> "Session":
     """The named session, resumed if it was saved before; an unsaved one without a name."""
     if name and name in llm.disk.names():
         session = llm.resume(name)
-        console.print(f"[dim]resumed session {name!r}: {len(session.token_ids)} tokens[/dim]")
+        tail = llm.tokenizer.decode(session.token_ids[-48:]).strip()
+        console.print(f"[dim]resumed session {escape(name)!r}: {len(session.token_ids):,} "
+                      f"tokens, ending …{escape(tail[-160:])}[/dim]", highlight=False)
         return session
     return llm.session(name or "chat")
 
 
 def _cmd_session(args: argparse.Namespace) -> int:
-    from kvstack.cache.disk import DiskTier
+    from kvstack.cache.disk import MANIFEST, DiskTier
     from kvstack.cache.paged import parse_bytes
 
+    root = Path(args.cache_dir).expanduser()
+    if args.action in ("list", "show") and not (root / MANIFEST).is_file():
+        # Reading creates nothing: a mistyped --cache-dir is said, not made.
+        if args.action == "show":
+            raise ValueError(f"no session {args.name!r}: {root} holds no saved sessions")
+        print("[]" if args.json else f"no saved sessions in {root}")
+        return 0
     disk = DiskTier(args.cache_dir, parse_bytes(args.disk_budget, "disk_budget"))
     if args.action == "list":
         rows = [disk.show(name) for name in disk.names()]
@@ -607,13 +665,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "RoPE angles in float32, as DeepSeek's code does (parity checks)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                    help="where the disk tier and saved sessions live (default: %(default)s)")
-    p.add_argument("--max-tokens", type=_positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, help="sampling seed")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    # The command's sampling defaults suit reading a model's text; SamplingParams() keeps
+    # vLLM's library defaults (temperature 1, top-p 1).
+    p.add_argument("--max-tokens", type=_positive_int, default=128,
+                   help="tokens to generate at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="nucleus sampling mass (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens; 0 = all (default: %(default)s)")
+    p.add_argument("--seed", type=int, help="sampling seed (default: none)")
+    p.add_argument("--stop", action="append", default=[],
+                   help="end the text before this string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token")
+    p.add_argument("--truncate", choices=("error", "left"), default="error",
+                   help="a prompt (chat: a conversation) longer than the model takes: refuse "
+                        "it (error, the default), or keep its last tokens (left), leaving "
+                        "room for --max-tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:

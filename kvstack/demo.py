@@ -62,6 +62,12 @@ def figures(s: Session, hbm_bytes: float = 80e9) -> dict[str, float]:
     }
 
 
+def _max_seq_len(model: Path) -> int:
+    from kvstack.config import ModelConfig
+
+    return ModelConfig.from_json(model / "config.json").max_seq_len
+
+
 def demo(model: str | Path | None = None, control: str | Path | None = None,
          context: int = 3072, max_tokens: int = 48, console: Console | None = None
          ) -> dict[str, Any]:
@@ -71,6 +77,11 @@ def demo(model: str | Path | None = None, control: str | Path | None = None,
     control = Path(control) if control else REPO_CONTROL
     if not (model / "model.safetensors").is_file():
         raise ValueError(f"no model at {model}: {why}")
+    limit = _max_seq_len(model) - max_tokens
+    if context > limit:
+        raise ValueError(f"--context {context:,} is more than the model takes: at most "
+                         f"{limit:,} tokens of prompt leave room for {max_tokens} new ones "
+                         f"(max_seq_len {limit + max_tokens:,})")
     path = Path(sysconfig.get_paths()["stdlib"]) / DEMO_FILE
     source = path.read_text()
     console.print(f"[bold]kvstack demo[/bold]: reading {path} ({len(source):,} characters) "

@@ -47,7 +47,8 @@ def test_generate_errors(tmp_path, capsys):
 
 
 def test_chat_keeps_the_conversation_in_the_cache(capsys, monkeypatch):
-    lines = iter(["hello", "/stats", "and again", "/nope", "/reset", "fresh start", "/exit"])
+    lines = iter(["hello", "/stats --json", "and again", "/nope", "/reset", "fresh start",
+                  "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", *ENGINE, "--max-tokens", "3", "--temperature", "0"]) == 0
     err = capsys.readouterr().err
@@ -72,3 +73,84 @@ def test_the_command_and_the_config_start_without_torch_or_the_engine():
     version = subprocess.run([sys.executable, "-m", "kvstack.cli", "--version"],
                              capture_output=True, text=True, check=True)
     assert version.stdout.startswith("kvstack 0.")
+
+
+def test_reading_commands_create_nothing_and_errors_name_what_is_wrong(tmp_path, capsys):
+    missing = tmp_path / "typo"
+    assert main(["session", "list", "--cache-dir", str(missing)]) == 0
+    assert "no saved sessions" in capsys.readouterr().out
+    assert main(["session", "show", "x", "--cache-dir", str(missing)]) == 2
+    assert "holds no saved sessions" in capsys.readouterr().err
+    assert not missing.exists()
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"\xff\xfe not text")
+    assert main(["generate", "--model", "tiny", "--random-init", "--prompt-file",
+                 str(bad)]) == 2
+    assert f"prompt file {bad}: not UTF-8 text" in capsys.readouterr().err
+    assert main(["demo", "--context", "99999"]) == 2
+    assert "at most 4,048 tokens of prompt leave room for 48 new ones" in (
+        capsys.readouterr().err)
+    assert main(["generate", "--model", "tiny", "--random-init", "--prompt", "x",
+                 "--device", "tpu"]) == 2
+    assert "device 'tpu': not a device name" in capsys.readouterr().err
+
+
+def test_a_conversation_at_the_model_length_says_what_to_do_or_keeps_its_last_tokens(
+        capsys, monkeypatch):
+    long_line = "x = 1; " * 120  # ~840 byte tokens, past tiny's 512
+    lines = iter([long_line, "short", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", *ENGINE, "--max-tokens", "3", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "leaves no room under max_seq_len 512" in err and "--truncate left" in err
+    # The refused turn left the conversation as it was: the next one is served.
+    assert sum("tokens/s" in line for line in err.splitlines()) == 1
+    lines = iter([long_line, long_line, "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", *ENGINE, "--max-tokens", "3", "--temperature", "0",
+                 "--truncate", "left"]) == 0
+    assert sum("tokens/s" in line for line in capsys.readouterr().err.splitlines()) == 2
+    assert main(["generate", *ENGINE, "--max-tokens", "4", "--truncate", "left", "--json",
+                 "--prompt", long_line]) == 0
+    assert len(json.loads(capsys.readouterr().out)["prompt_token_ids"]) == 512 - 4
+
+
+def test_chat_ctrl_c_stops_a_reply_and_leaves_at_the_prompt(capsys, monkeypatch, tmp_path):
+    from kvstack.engine.session import Session
+
+    real = Session.stream
+    interrupted = []
+
+    def stream(self, params=None):
+        for i, out in enumerate(real(self, params)):
+            if i == 1 and not interrupted:  # Ctrl-C while the first reply streams
+                interrupted.append(True)
+                raise KeyboardInterrupt
+            yield out
+
+    monkeypatch.setattr(Session, "stream", stream)
+    answers = iter(["first", "/stats", "/stats --json", "second", KeyboardInterrupt])
+
+    def fake_input(prompt=""):
+        answer = next(answers)
+        if answer is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return answer
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    cache = ["--cache-dir", str(tmp_path)]
+    assert main(["chat", *ENGINE, *cache, "--max-tokens", "4", "--temperature", "0",
+                 "--session", "s"]) == 0
+    err = capsys.readouterr().err
+    assert "(reply stopped)" in err
+    assert "conversation" in err and "bytes per token" in err  # the short table
+    assert '"bytes_per_token"' in err  # and the whole report as JSON
+    assert sum("tokens/s" in line for line in err.splitlines()) == 1  # the second turn
+    # Resumed, the chat shows where the conversation stopped; /reset removes the saved one.
+    answers = iter(["/reset", "/exit"])
+    assert main(["chat", *ENGINE, *cache, "--session", "s"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed session 's'" in err and "ending …" in err
+    assert "saved session 's' removed" in err
+    assert main(["session", "list", *cache]) == 0
+    assert "'s'" not in capsys.readouterr().out

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT_VERSION = 1  # the block payload layout and the manifest schema
+MANIFEST = "manifest.sqlite"  # under the cache directory
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -121,7 +122,7 @@ class DiskTier:
         self.budget_bytes = budget_bytes
         self.blocks_dir = self.root / "blocks"
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
-        self.manifest = self.root / "manifest.sqlite"
+        self.manifest = self.root / MANIFEST
         self._db = sqlite3.connect(self.manifest, isolation_level=None)
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)

@@ -44,11 +44,17 @@ class Session:
         if not self.token_ids:
             raise ValueError(f"session {self.name!r} is empty: append() text first")
         llm = self.llm
-        if self._request_id is not None and llm.has_request(self._request_id):
-            request_id = llm.add_request(self._pending, params, keep_cache=True,
-                                         continue_from=self._request_id, watch=True)
-        else:  # a new session, or its cache was dropped: the prefix cache may still help
-            request_id = llm.add_request(self.token_ids, params, keep_cache=True, watch=True)
+        try:
+            if self._request_id is not None and llm.has_request(self._request_id):
+                request_id = llm.add_request(self._pending, params, keep_cache=True,
+                                             continue_from=self._request_id, watch=True)
+            else:  # a new session, or its cache was dropped: the prefix cache may help
+                request_id = llm.add_request(self.token_ids, params, keep_cache=True,
+                                             watch=True)
+        except ValueError:  # refused (too long, say): the conversation is as it was
+            self.token_ids = self.token_ids[: len(self.token_ids) - len(self._pending)]
+            self._pending = []
+            raise
         self._request_id, self._pending = request_id, []
         finished = False
         try:
@@ -63,6 +69,16 @@ class Session:
         finally:
             if not finished:  # the caller stopped early: the turn is dropped
                 llm.abort(request_id)
+
+    def keep_last(self, n_tokens: int) -> None:
+        """Keep only the conversation's last n_tokens (its start is forgotten and its
+        cache dropped: the next turn prefills what is kept)."""
+        if n_tokens <= 0:
+            raise ValueError(f"keep_last needs a positive number of tokens, got {n_tokens}")
+        if len(self.token_ids) > n_tokens:
+            self.close()
+            self.token_ids = self.token_ids[-n_tokens:]
+            self._pending = []  # with no cache, the next turn feeds every kept token
 
     def save(self) -> None:
         """Write the session to the disk tier (atomically; a saved session of the same
