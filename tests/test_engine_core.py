@@ -245,3 +245,25 @@ def test_front_ends_on_several_threads_each_get_their_own_outputs(alone):
         t.join(timeout=120)
     assert not errors and [results[i] for i in range(4)] == alone
     assert reports and llm.core.requests == {}
+
+
+def test_the_pools_take_memory_as_they_fill_not_at_start():
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "from kvstack import LLM, SamplingParams\n"
+        "def rss():\n"
+        "    with open('/proc/self/status') as f:\n"
+        "        return next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmRSS'))\n"
+        "LLM('tiny', random_init=True, kv_budget='16MiB')  # imports and first use, once\n"
+        "before = rss()\n"
+        "llm = LLM('tiny', random_init=True, kv_budget='1GiB')\n"
+        "llm.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0))\n"
+        "print(json.dumps(rss() - before))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    grown = json.loads(done.stdout.strip().splitlines()[-1])
+    assert grown < 200 * 2**20, grown  # a 1 GiB budget, a few blocks used

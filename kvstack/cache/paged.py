@@ -102,8 +102,13 @@ class BlockPools:
                  device: torch.device) -> None:
         self.layout, self.block_tokens, self.n_blocks = layout, block_tokens, n_blocks
         self.device = device
+        # A pool row is read only after it was written (attention reads entries below the
+        # stream's length; tiers copy full blocks, or a session's blocks cut to its
+        # tokens), so on the CPU its memory is left for the OS to commit as blocks fill.
+        lazy = device.type == "cpu"
         self.rows = {(s.layer, s.kind): PackedRows(s.fmt, s.width,
-                                                   (n_blocks, block_tokens // s.ratio), device)
+                                                   (n_blocks, block_tokens // s.ratio), device,
+                                                   zeroed=not lazy)
                      for s in layout.streams}
         self.entries_per_block = {(s.layer, s.kind): block_tokens // s.ratio
                                   for s in layout.streams}

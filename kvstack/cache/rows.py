@@ -13,10 +13,14 @@ from kvstack.formats import bytes_per_entry, dequantize, pack_rows, quantize, un
 class PackedRows:
     """A uint8 buffer [*shape, bytes_per_entry] of rows of one format and width."""
 
-    def __init__(self, fmt: str, width: int, shape: tuple[int, ...], device: torch.device):
+    def __init__(self, fmt: str, width: int, shape: tuple[int, ...], device: torch.device,
+                 zeroed: bool = True) -> None:
+        """zeroed=False leaves the buffer as allocated: for a pool whose rows are read only
+        once written, on a CPU that hands large buffers out as untouched pages, so that
+        memory is committed as blocks fill up, not all at start."""
         self.fmt, self.width = fmt, width
-        self.data = torch.zeros(*shape, bytes_per_entry(fmt, width), dtype=torch.uint8,
-                                device=device)
+        make = torch.zeros if zeroed else torch.empty
+        self.data = make(*shape, bytes_per_entry(fmt, width), dtype=torch.uint8, device=device)
 
     def pack(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for values [..., width], and the values a read of them will give back."""

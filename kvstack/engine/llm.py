@@ -93,13 +93,13 @@ class LLM:
         self.core = EngineCore(self.model, self.tokenizer, config, self.fingerprint, lowest)
         report = self.memory_report()
         log.info(
-            "kvstack cache: %d blocks of %d tokens = %d tokens; measured %.1f B/token "
-            "(planned %.1f); window rings %d B per sequence x %d; %d sequences of %d tokens fit",
-            report["blocks_total"], config.block_tokens, report["capacity_tokens"],
-            report["bytes_per_token"], report["planned_bytes_per_token"],
-            report["window_bytes_per_sequence"], config.max_num_seqs, report["sequences_fit"],
-            report["context"],
-        )
+            "kvstack cache: %.2f GiB holds %s tokens (%s blocks of %d) at %.1f B/token "
+            "measured (plan %.1f); window rings %s B for each of %d sequences; %s sequences "
+            "of %s tokens fit", report["kv_budget"] / (1 << 30),
+            f"{report['capacity_tokens']:,}", f"{report['blocks_total']:,}",
+            config.block_tokens, report["bytes_per_token"], report["planned_bytes_per_token"],
+            f"{report['window_bytes_per_sequence']:,}", config.max_num_seqs,
+            f"{report['sequences_fit']:,}", f"{report['context']:,}")
 
     # The core's parts, for tests, benchmarks and tools that look inside.
     @property
