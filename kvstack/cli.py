@@ -447,7 +447,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    Trainer(tc, args.out, device=device).run(progress=sys.stderr.isatty())
+    terminal = sys.stderr.isatty()
+    Trainer(tc, args.out, device=device).run(progress=terminal, lines=not terminal)
     return 0
 
 

@@ -191,11 +191,27 @@ def test_resume_after_a_kill_continues_exactly(tmp_path):
 
 def test_a_run_directory_refuses_other_settings(tmp_path):
     Trainer(small_run(), tmp_path)
-    with pytest.raises(ValueError, match="holds a run with another training config"):
+    with pytest.raises(ValueError, match=r"holds a run with another training config: lr "
+                                         r"0\.003 \(now 0\.001\)"):
         Trainer(small_run(lr=1e-3), tmp_path)
-    with pytest.raises(ValueError, match=r"0 held-out files at heldout_percent 0\.1"):
+    with pytest.raises(ValueError, match=r"0 held-out files at heldout_percent 0\.1; both "
+                                         r"halves need files \(a small corpus needs a larger "
+                                         r"--heldout-percent"):
         Trainer(small_run(heldout_percent=0.1), tmp_path / "other")
     assert not (tmp_path / "other").exists()
+
+
+def test_a_run_extended_with_more_steps_resumes_and_logs_lines(tmp_path, capsys):
+    Trainer(small_run(steps=2), tmp_path).run(progress=False, lines=True)
+    first = capsys.readouterr().err
+    assert "step 1/2 · loss" in first and "step 2/2" in first
+    longer = Trainer(small_run(steps=4), tmp_path)  # --steps raised: the same run goes on
+    assert longer.step == 2
+    longer.run(progress=False, lines=True)
+    assert "step 4/4" in capsys.readouterr().err
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").open()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "train_config.json").read_text())["steps"] == 4
 
 
 @pytest.mark.parametrize(("change", "message"), [

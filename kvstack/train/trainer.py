@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -199,16 +200,27 @@ class Trainer:
         if not all(self.split):
             raise ValueError(f"corpus {self.corpus}: {len(self.split[0])} training and "
                              f"{len(self.split[1])} held-out files at heldout_percent "
-                             f"{tc.heldout_percent}; both halves need files")
+                             f"{tc.heldout_percent}; both halves need files (a small "
+                             "corpus needs a larger --heldout-percent, e.g. 20)")
         if tc.init_from:
             _check_init_from(tc)
         self.out.mkdir(parents=True, exist_ok=True)
         saved = self.out / "train_config.json"
-        if saved.exists() and _saved_config(saved) != tc:
-            raise ValueError(f"{self.out} holds a run with another training config; use a "
-                             "new --out or the same settings to resume")
+        extended = False
+        if saved.exists():
+            before = _saved_config(saved)
+            # Only --steps may change: a run extended further resumes as it was.
+            differs = [f.name for f in dataclasses.fields(TrainConfig)
+                       if f.name != "steps" and getattr(before, f.name) != getattr(tc, f.name)]
+            if differs:
+                said = ", ".join(f"{k} {getattr(before, k)!r} (now {getattr(tc, k)!r})"
+                                 for k in differs)
+                raise ValueError(f"{self.out} holds a run with another training config: "
+                                 f"{said}; use a new --out, or the same settings to resume "
+                                 "(--steps may grow)")
+            extended = tc.steps != before.steps
         if self.rank == 0:
-            if not saved.exists():
+            if not saved.exists() or extended:
                 # Written once, whole or not at all: the other processes of a resumed run
                 # read it at this moment, and a kill must not leave it empty.
                 _replace_text(saved, json.dumps(asdict(tc), indent=2))
@@ -374,7 +386,9 @@ class Trainer:
         loss = total / (n_rows * tc.seq_len)
         return {"heldout_loss": loss, "heldout_ppl": math.exp(loss)}
 
-    def run(self, progress: bool = True) -> None:
+    def run(self, progress: bool = True, lines: bool = False) -> None:
+        """Train to tc.steps. progress: a live bar (a terminal); lines: a line on stderr at
+        the first step, every evaluation and the last step (logs, pipes, CI)."""
         from rich.progress import Progress
 
         lead = self.rank == 0  # only the first process logs, evaluates and checkpoints
@@ -393,6 +407,13 @@ class Trainer:
                     record |= self.evaluate()
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+                if lines and (self.step == 1 or "heldout_loss" in record
+                              or self.step == self.tc.steps):
+                    heldout = (f" · held-out loss {record['heldout_loss']:.3f}"
+                               if "heldout_loss" in record else "")
+                    print(f"step {self.step}/{self.tc.steps} · loss {record['loss']:.3f} · "
+                          f"kl {record['index_kl']:.3f} · {record['tokens_per_s']:.0f} "
+                          f"tok/s{heldout}", file=sys.stderr, flush=True)
                 bar.update(task, completed=self.step, description=(
                     f"loss {record['loss']:.3f} · kl {record['index_kl']:.3f} · "
                     f"{record['tokens_per_s']:.0f} tok/s"))
