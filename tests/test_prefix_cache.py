@@ -198,3 +198,20 @@ def test_prefix_caching_can_be_turned_off():
     llm.generate(prompt, GREEDY)
     assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
     assert not llm.memory_report()["prefix_cache"]["enabled"]
+
+
+def test_the_disk_prefix_cache_serves_a_second_run_of_the_command(tmp_path, capsys):
+    import json
+
+    from kvstack.cli import main
+
+    run = ["generate", "--model", "tiny", "--random-init", "--kv-budget", "2MiB",
+           "--disk-prefix-cache", "--cache-dir", str(tmp_path), "--max-tokens", "4",
+           "--temperature", "0", "--json", "--prompt", "def main():\n    return 42\n" * 6]
+    assert main(run) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["num_cached_tokens"] == 0
+    assert main(run) == 0  # a new process would see the same: the blocks were written through
+    second = json.loads(capsys.readouterr().out)
+    assert second["num_cached_tokens"] >= 64 and second["token_ids"] == first["token_ids"]
+    assert second["memory"]["prefix_cache"]["disk_hit_tokens"] >= 64

@@ -524,3 +524,9 @@ class PagedCache:
                                           store.block_hashes)
         for i in range(done, len(store.block_hashes)):
             self.manager.register(store.block_table[i], store.block_hashes[i])
+            # With a disk tier the named block is written through, so that it outlives
+            # this engine (another process, a later run) and not only an eviction.
+            name = store.block_hashes[i].hex()
+            if self.disk is not None and not self.disk.has_prefix(name):
+                self._spill_to_disk(store.block_hashes[i],
+                                    self.pools.read_block(store.block_table[i]).cpu())
