@@ -88,7 +88,7 @@ def test_reading_commands_create_nothing_and_errors_name_what_is_wrong(tmp_path,
                  str(bad)]) == 2
     assert f"prompt file {bad}: not UTF-8 text" in capsys.readouterr().err
     assert main(["demo", "--context", "99999"]) == 2
-    assert "at most 4,048 tokens of prompt leave room for 48 new ones" in (
+    assert "at most 32,720 tokens of prompt leave room for 48 new ones" in (
         capsys.readouterr().err)
     assert main(["generate", "--model", "tiny", "--random-init", "--prompt", "x",
                  "--device", "tpu"]) == 2
@@ -154,3 +154,14 @@ def test_chat_ctrl_c_stops_a_reply_and_leaves_at_the_prompt(capsys, monkeypatch,
     assert "saved session 's' removed" in err
     assert main(["session", "list", *cache]) == 0
     assert "'s'" not in capsys.readouterr().out
+
+
+def test_the_bundled_model_takes_a_20k_token_prompt(tmp_path, capsys):
+    import inspect
+
+    prompt = tmp_path / "long.py"
+    prompt.write_text(inspect.getsource(inspect)[:72_000])  # ~21K tokens
+    assert main(["generate", "--prompt-file", str(prompt), "--max-tokens", "2",
+                 "--temperature", "0", "--json", "--kv-budget", "64MiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["prompt_token_ids"]) > 20_000 and len(out["token_ids"]) == 2

@@ -60,7 +60,8 @@ def locked(method: F) -> F:
 class EngineCore:
     def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig,
                  fingerprint: str, disk_tier: DiskTier | None = None) -> None:
-        """disk_tier: where prefix blocks the host tier gives up go (None: dropped)."""
+        """disk_tier: the disk tier of the prefix cache (named blocks are written through
+        to it, and what the host tier gives up goes there); None: no disk tier."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = config.model_len(model.config)
         self.limit_name = "max_seq_len" if config.max_model_len is None else "max_model_len"
