@@ -275,29 +275,68 @@ def test_kept_caches_yield_their_room_to_new_requests():
     assert len(again.token_ids) == 4  # recomputed from its token ids
 
 
-@pytest.mark.parametrize("name", ["tiny", "dense-tiny"])
+@pytest.mark.parametrize("name", ["tiny", "dense-tiny", "tiny-v41"])
 def test_one_batched_decode_equals_decoding_each_sequence_alone(name):
-    """Sequences at different positions (different stream lengths, ring fill and partial
-    groups) decode together in one model call, as each would alone."""
-    from kvstack.cache.batched import BatchedStore
-    from kvstack.cache.contiguous import ContiguousCache
+    """Sequences at different positions (different stream lengths, ring fill, partial
+    groups, block tables; a prefix block shared) decode together in one model call over the
+    pools, as each would alone through its own store."""
+    from kvstack.cache.batch import DecodeBatch
+    from kvstack.cache.paged import PagedCache
     from kvstack.model import Model
 
     torch.manual_seed(0)
     model = Model(preset(name)).eval()
-    lengths = [3, 17, 40]  # 17: a ratio-2 group left open; 3: shorter than the window
+    lengths = [3, 17, 40, 40]  # 17: a ratio-2 group left open; 3: shorter than the window
+    texts = prompts(lengths, seed=5)
+    texts[3] = texts[2][:32] + texts[3][32:]  # shares two full blocks with the third
+    caches = [PagedCache(model.config, "4MiB", 16, 4, prefix_seed=b"seed") for _ in range(2)]
     alone, together = [], []
-    for ids in prompts(lengths, seed=5):
-        for caches in (alone, together):
-            cache = ContiguousCache(model.config, max_tokens=64)
-            model.prefill(torch.tensor([ids]), cache, replay="exact")
-            caches.append(cache)
-    nxt = torch.tensor([11, 22, 33])
+    for ids in texts:
+        for cache, stores in zip(caches, (alone, together), strict=True):
+            store = cache.open_sequence()
+            cached = cache.attach_prefix(store, ids)
+            assert store.reserve(len(ids) + 3)
+            if store.needs_replay:
+                model.rebuild_window(store, replay="exact")
+                store.needs_replay = False
+            model.prefill(torch.tensor([ids[cached:]]), store, replay="exact")
+            cache.register_full_blocks(store)
+            stores.append(store)
+    assert together[3].block_table[:2] == together[2].block_table[:2]
+    nxt = [11, 22, 33, 44]
     for _ in range(3):
-        expected = torch.cat([model.decode(nxt[i : i + 1], c) for i, c in enumerate(alone)])
-        got = model.decode(nxt, BatchedStore(together))
+        expected = torch.cat([model.decode(torch.tensor([t]), s)
+                              for t, s in zip(nxt, alone, strict=True)])
+        got = model.decode(nxt, DecodeBatch(together))
         assert (got - expected).abs().max() < 2e-5
-        nxt = expected.argmax(-1)
+        nxt = expected.argmax(-1).tolist()
+    assert [s.held_ids for s in together] == [s.held_ids for s in alone]
+    assert all(s.caught_up for s in together)
+
+
+def test_a_decode_batch_refuses_stores_it_cannot_step():
+    from kvstack.cache.batch import DecodeBatch
+    from kvstack.cache.paged import PagedCache
+    from kvstack.model import Model
+
+    model = Model(preset("tiny")).eval()
+    cache = PagedCache(model.config, "2MiB", 16, 2)
+    store = cache.open_sequence()
+    assert store.reserve(32)  # two blocks of 16
+    model.prefill(torch.tensor([list(range(1, 33))]), store)
+    with pytest.raises(ValueError, match="no room reserved"):
+        DecodeBatch([store])  # its blocks are full
+    assert store.reserve(33)
+    batch = DecodeBatch([store])
+    with pytest.raises(ValueError, match="holds 1 sequences, got a batch of 2"):
+        model.decode([1, 2], batch)
+    with pytest.raises(ValueError, match="one token for each"):
+        batch.append_tokens([[1, 2]])
+    store.drop_window_state()
+    with pytest.raises(ValueError, match="replay first"):
+        DecodeBatch([store])
+    with pytest.raises(ValueError, match="each sequence once"):
+        DecodeBatch([cache.open_sequence()] * 2)
 
 
 def test_a_decode_step_is_one_model_call(monkeypatch):
@@ -308,7 +347,7 @@ def test_a_decode_step_is_one_model_call(monkeypatch):
     calls = []
     original = llm.model.decode
     monkeypatch.setattr(llm.model, "decode",
-                        lambda ids, cache: calls.append(ids.shape[0]) or original(ids, cache))
+                        lambda ids, cache: calls.append(len(ids)) or original(ids, cache))
     outs = llm.step()
     assert calls == [3] and len(outs) == 3
 

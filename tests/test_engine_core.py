@@ -267,3 +267,97 @@ def test_the_pools_take_memory_as_they_fill_not_at_start():
                           check=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     grown = json.loads(done.stdout.strip().splitlines()[-1])
     assert grown < 200 * 2**20, grown  # a 1 GiB budget, a few blocks used
+
+
+# What reads a value back from the device (a host sync on an accelerator).
+HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero",
+              "unique", "cpu", "numpy")
+
+
+def count_host_reads(monkeypatch, outside: type | None = None) -> list[str]:
+    """Patch every way torch hands a value back to the host; the list fills with the
+    method name of each call (not counting calls made inside `outside.forward`)."""
+    reads: list[str] = []
+    inside = [0]
+
+    def counting(name, original):
+        def read(*args, **kwargs):
+            if not inside[0]:
+                reads.append(name)
+            return original(*args, **kwargs)
+        return read
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    for name in ("nonzero", "unique", "argwhere", "masked_select"):
+        monkeypatch.setattr(torch, name, counting(f"torch.{name}", getattr(torch, name)))
+    if outside is not None:
+        forward = outside.forward
+
+        def excluded(self, *args, **kwargs):
+            inside[0] += 1
+            try:
+                return forward(self, *args, **kwargs)
+            finally:
+                inside[0] -= 1
+        monkeypatch.setattr(outside, "forward", excluded)
+    return reads
+
+
+def decoding_engine(config) -> LLM:
+    llm = LLM(config, random_init=True, kv_budget="2MiB", block_tokens=16)
+    for p in prompts(3):
+        llm.add_request(p, GREEDY)
+    llm.step()  # prefill
+    llm.step()  # a first decode step
+    return llm
+
+
+def test_a_decode_step_reads_one_thing_back_from_the_device(monkeypatch):
+    """A batch of three at different positions, through every layer kind, the window
+    rings, partial groups and packed pools: the step's only read back is the sampled
+    tokens with their finiteness (one copy)."""
+    from kvstack.config import preset
+
+    config = preset("tiny").replace(n_routed_experts=0, n_shared_experts=0,
+                                    n_activated_experts=0, moe_inter_dim=0, inter_dim=64)
+    llm = decoding_engine(config)
+    reads = count_host_reads(monkeypatch)
+    outputs = llm.step()
+    assert len(outputs) == 3 and all(len(o.token_ids) == 3 for o in outputs)
+    assert reads == ["tolist"]
+
+
+def test_with_experts_only_their_dispatch_reads_back(monkeypatch):
+    """Routing tokens to experts in eager torch needs the chosen experts on the host; the
+    rest of the step reads nothing more."""
+    from kvstack.model.model import MoE
+
+    llm = decoding_engine("tiny")
+    reads = count_host_reads(monkeypatch, outside=MoE)
+    llm.step()
+    assert reads == ["tolist"]
+
+
+def test_a_decode_step_gone_non_finite_is_recomputed_not_sampled(monkeypatch, alone):
+    """Nothing in a decode step looks at its values; a NaN written anywhere reaches the
+    logits, which the step checks, and the batch is recomputed."""
+    llm = tiny()
+    ids = [llm.add_request(p, GREEDY) for p in prompts(2)]
+    llm.step()
+    llm.step()
+    layer, forward = llm.model.layers[5], Block.forward
+    poisoned = []
+
+    def poisoning(self, s, start, store, ctx):
+        out = forward(self, s, start, store, ctx)
+        if self is layer and isinstance(start, torch.Tensor) and not poisoned:
+            poisoned.append(True)
+            out.x[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(Block, "forward", poisoning)
+    done = {}
+    while len(done) < 2:
+        done |= {o.request_id: o for o in llm.step() if o.finished}
+    assert poisoned and [done[i].token_ids for i in ids] == alone[:2]

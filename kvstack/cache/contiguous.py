@@ -45,15 +45,15 @@ class ContiguousCache(KVStore):
     def token_ids(self) -> torch.Tensor:
         return self._tokens.ids[:, : self._tokens.count]
 
-    def append_tokens(self, ids: torch.Tensor) -> None:
+    def append_tokens(self, ids: torch.Tensor | list[list[int]]) -> None:
         self._tokens.append(ids)
 
     # ---- window rings ------------------------------------------------------------------
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rings.read(layer)
+        return self._rings.read(layer, slice(None))
 
     def write_window(self, layer: int, entries: torch.Tensor, start: int) -> torch.Tensor:
-        return self._rings.write(layer, entries, start)
+        return self._rings.write(layer, slice(None), entries, start)
 
     # ---- streams -----------------------------------------------------------------------
     def stream_len(self, layer: int) -> int:
@@ -90,7 +90,7 @@ class ContiguousCache(KVStore):
         super().set_partial(source, values.detach().float(), gate_logits.detach().float())
 
     def drop_window_state(self) -> None:
-        self._rings.drop()
+        self._rings.drop(slice(None))
         self._partial.clear()
 
     # ---- accounting --------------------------------------------------------------------

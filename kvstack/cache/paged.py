@@ -4,8 +4,9 @@ One pool per stream of the `CacheLayout`, each a uint8 buffer of packed rows
 [n_blocks, block_tokens // ratio, bytes_per_entry]; a block is `block_tokens` tokens of
 every stream at once, so one block table per sequence serves all its streams. The
 `BlockManager` hands out block ids with reference counts. A `PagedSequenceStore` is one
-sequence's view: its block table, its token ids, and a window-ring slot (rings and
-partial groups are per sequence and never paged: they are not persisted).
+sequence's view: its block table, its token ids, and a slot of the window rings and
+partial groups (per sequence and never paged: they are not persisted). A decode step sees
+the running sequences through one `kvstack.cache.batch.DecodeBatch` over the same pools.
 """
 
 import math
@@ -19,7 +20,7 @@ from kvstack.cache.disk import DiskTier
 from kvstack.cache.host import HostTier
 from kvstack.cache.layout import CacheLayout
 from kvstack.cache.prefix import block_hashes
-from kvstack.cache.rows import PackedRows, WindowRings
+from kvstack.cache.rows import PackedRows, PartialGroups, WindowRings
 from kvstack.cache.store import KVStore
 from kvstack.config import ModelConfig
 
@@ -96,7 +97,12 @@ class BlockManager:
 
 
 class BlockPools:
-    """The stream pools: rows of (layer, kind) live at [block, offset in block]."""
+    """The stream pools: rows of (layer, kind) live at [block, offset in block].
+
+    Each pool has one block more than the manager hands out, `null_block` (zeros at
+    start): a decode batch writes the rows a step does not keep there and reads it where a
+    sequence has no entry, so a batched step needs no branch per sequence. Rows there are
+    only ever read under a mask, and always finite."""
 
     def __init__(self, layout: CacheLayout, n_blocks: int, block_tokens: int,
                  device: torch.device) -> None:
@@ -106,12 +112,16 @@ class BlockPools:
         # stream's length; tiers copy full blocks, or a session's blocks cut to its
         # tokens), so on the CPU its memory is left for the OS to commit as blocks fill.
         lazy = device.type == "cpu"
+        self.null_block = n_blocks
         self.rows = {(s.layer, s.kind): PackedRows(s.fmt, s.width,
-                                                   (n_blocks, block_tokens // s.ratio), device,
-                                                   zeroed=not lazy)
+                                                   (n_blocks + 1, block_tokens // s.ratio),
+                                                   device, zeroed=not lazy)
                      for s in layout.streams}
+        for rows in self.rows.values():
+            rows.data[self.null_block].zero_()
         self.entries_per_block = {(s.layer, s.kind): block_tokens // s.ratio
                                   for s in layout.streams}
+        self.ratios = {s.layer: s.ratio for s in layout.streams}  # stream layer -> ratio
 
     @property
     def nbytes(self) -> int:
@@ -154,9 +164,13 @@ class PagedSequenceStore(KVStore):
     """One sequence's store over the shared pools."""
 
     def __init__(self, config: ModelConfig, pools: BlockPools, manager: BlockManager,
-                 rings: WindowRings, max_tokens: int) -> None:
+                 rings: WindowRings, partials: PartialGroups, slot: int,
+                 max_tokens: int) -> None:
         super().__init__(config, 1, pools.device)
-        self.pools, self.manager, self.rings = pools, manager, rings
+        self.pools, self.manager = pools, manager
+        self.rings, self.partials, self.slot = rings, partials, slot
+        self._slot = slice(slot, slot + 1)
+        self._fill = dict.fromkeys(partials.values, 0)  # source -> tokens in its partial group
         self.block_table: list[int] = []
         self._table = torch.zeros(0, dtype=torch.long, device=self.device)
         self._tokens: list[int] = []
@@ -166,7 +180,7 @@ class PagedSequenceStore(KVStore):
         # Set when the streams hold tokens the window rings never saw (a prefix-cache
         # hit): the runner rebuilds the rings by replay before anything else.
         self.needs_replay = False
-        rings.drop()
+        rings.drop(self._slot)
 
     # ---- blocks ------------------------------------------------------------------------
     def blocks_needed(self, n_tokens: int) -> int:
@@ -217,26 +231,68 @@ class PagedSequenceStore(KVStore):
     def token_ids(self) -> torch.Tensor:
         return torch.tensor([self._tokens], dtype=torch.long, device=self.device)
 
-    def token_slice(self, start: int, stop: int) -> torch.Tensor:
-        return torch.tensor([self._tokens[start:stop]], dtype=torch.long, device=self.device)
+    def recent_ids(self, start: int, count: int) -> torch.Tensor:
+        past = self._tokens[max(0, start - count) : start]
+        return torch.tensor([[0] * (count - len(past)) + past], dtype=torch.long,
+                            device=self.device)
 
     @property
     def held_ids(self) -> list[int]:
         """The token ids the store holds, as a list (read-only)."""
         return self._tokens
 
-    def append_tokens(self, ids: torch.Tensor) -> None:
-        total = len(self._tokens) + ids.shape[1]
+    def append_tokens(self, ids: torch.Tensor | list[list[int]]) -> None:
+        row = ids[0].tolist() if isinstance(ids, torch.Tensor) else list(ids[0])
+        self.check_room(len(row))
+        self._tokens += row
+
+    def check_room(self, n: int) -> None:
+        total = len(self._tokens) + n
         if total > self.max_tokens or self.blocks_needed(total):
-            raise ValueError(f"no room reserved for {ids.shape[1]} more tokens")
-        self._tokens += ids[0].tolist()
+            raise ValueError(f"no room reserved for {n} more tokens")
+
+    @property
+    def caught_up(self) -> bool:
+        """Every stream holds each complete group of the tokens held and every partial
+        group the rest, the window rings are current: what a decode step starts from."""
+        n = len(self._tokens)
+        return (not self.needs_replay
+                and all(length == n // self.pools.ratios[layer]
+                        for layer, length in self._len.items())
+                and all(fill == n % self.pools.ratios[source]
+                        for source, fill in self._fill.items()))
+
+    def advance(self, token: int) -> None:
+        """Record one decoded token of a caught-up store, with the stream lengths and
+        partial fills the decode step's writes give it."""
+        self.check_room(1)
+        self._tokens.append(token)
+        n = len(self._tokens)
+        for layer in self._len:
+            self._len[layer] = n // self.pools.ratios[layer]
+        for source in self._fill:
+            self._fill[source] = n % self.pools.ratios[source]
 
     # ---- window rings ------------------------------------------------------------------
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rings.read(layer)
+        return self.rings.read(layer, self._slot)
 
     def write_window(self, layer: int, entries: torch.Tensor, start: int) -> torch.Tensor:
-        return self.rings.write(layer, entries, start)
+        return self.rings.write(layer, self._slot, entries, start)
+
+    # ---- partial groups ----------------------------------------------------------------
+    def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if source not in self._fill:  # ratio 1: every token completes its group
+            return super().partial(source)
+        fill = self._fill[source]
+        return (self.partials.values[source][self._slot, :fill],
+                self.partials.gates[source][self._slot, :fill])
+
+    def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
+        fill = values.shape[1]
+        self.partials.values[source][self.slot, :fill] = values[0].detach()
+        self.partials.gates[source][self.slot, :fill] = gate_logits[0].detach()
+        self._fill[source] = fill
 
     # ---- streams -----------------------------------------------------------------------
     def stream_len(self, layer: int) -> int:
@@ -269,8 +325,11 @@ class PagedSequenceStore(KVStore):
         return pool.read(pool.data[self._slots(layer, kind, entries)])  # [1, q, k, width]
 
     def drop_window_state(self) -> None:
-        self.rings.drop()
-        self._partial.clear()
+        """Forget the rings and partial groups; they are owed a replay (`needs_replay`)
+        until whoever rebuilds them says it is done."""
+        self.rings.drop(self._slot)
+        self._fill = dict.fromkeys(self._fill, 0)
+        self.needs_replay = self.pools.layout.window_bytes_per_sequence > 0
 
 
 def parse_bytes(budget: int | str, what: str = "kv_budget") -> int:
@@ -330,8 +389,12 @@ class PagedCache:
                              spill=self._spill_to_disk if disk is not None else None)
         lower = host_budget or disk is not None
         self.manager = BlockManager(n_blocks, self._evict_down if lower else None)
-        self.ring_slots = [WindowRings(self.layout, config.window_size, 1, device)
-                           for _ in range(max_num_seqs)]
+        # Window state of every sequence that may run at once, one slot each. Partial
+        # groups are float32 (design.md section 4) and, like the rings, per sequence; they
+        # sit outside kv_budget, which is the packed rows' (report(): partial_group_bytes).
+        self.rings = WindowRings(self.layout, config.window_size, max_num_seqs, device)
+        self.partials = PartialGroups(self.layout, max_num_seqs, device)
+        self.max_num_seqs = max_num_seqs
         self._free_slots = list(range(max_num_seqs))
         self.open: dict[int, tuple[PagedSequenceStore, int]] = {}  # id(store) -> (store, slot)
         self.prefix_seed = prefix_seed
@@ -356,8 +419,8 @@ class PagedCache:
         if not self._free_slots:
             raise ValueError("no free window-ring slot: max_num_seqs sequences are running")
         slot = self._free_slots.pop()
-        store = PagedSequenceStore(self.config, self.pools, self.manager,
-                                   self.ring_slots[slot], self.config.max_seq_len)
+        store = PagedSequenceStore(self.config, self.pools, self.manager, self.rings,
+                                   self.partials, slot, self.config.max_seq_len)
         self.open[id(store)] = (store, slot)
         return store
 
@@ -374,9 +437,10 @@ class PagedCache:
         capacity = pools.capacity_tokens
         streams, warnings = [], []
         for s in layout.streams:
-            rows = pools.rows[s.layer, s.kind]
-            entry = rows.data.shape[-1] * rows.data.element_size()
-            measured, planned = rows.nbytes / capacity, float(s.bytes_per_token)
+            rows = pools.rows[s.layer, s.kind].data[: pools.n_blocks]  # without the null block
+            entry = rows.shape[-1] * rows.element_size()
+            measured = rows.numel() * rows.element_size() / capacity
+            planned = float(s.bytes_per_token)
             streams.append({"layer": s.layer, "kind": s.kind, "format": s.fmt, "width": s.width,
                             "ratio": s.ratio, "bytes_per_entry": entry,
                             "bytes_per_token": measured, "planned_bytes_per_token": planned})
@@ -384,7 +448,7 @@ class PagedCache:
                 warnings.append(f"layer {s.layer} {s.kind} stream stores {entry} B per entry, "
                                 f"the plan for {s.fmt}[{s.width}] is {s.entry_bytes}: it is "
                                 "not in its configured format")
-        ring = self.ring_slots[0].nbytes if self.ring_slots else 0
+        ring = self.rings.nbytes // self.max_num_seqs
         if ring != layout.window_bytes_per_sequence:
             warnings.append(f"window rings take {ring} B per sequence, the plan "
                             f"{layout.window_bytes_per_sequence}")
@@ -410,7 +474,8 @@ class PagedCache:
             "allocated_bytes": pools.nbytes + self.ring_bytes,
             "kv_budget": self.budget,
             "context": context,
-            "sequences_fit": min(pools.n_blocks // per_seq, len(self.ring_slots)),
+            "partial_group_bytes": self.partials.nbytes,
+            "sequences_fit": min(pools.n_blocks // per_seq, self.max_num_seqs),
             "prefix_cache": {
                 "enabled": self.prefix_seed is not None,
                 "queried_tokens": self.prefix_queried_tokens,
@@ -461,7 +526,7 @@ class PagedCache:
 
     @property
     def ring_bytes(self) -> int:
-        return sum(r.nbytes for r in self.ring_slots)
+        return self.rings.nbytes
 
     # ---- prefix cache ------------------------------------------------------------------
     def attach_prefix(self, store: PagedSequenceStore, token_ids: list[int]) -> int:

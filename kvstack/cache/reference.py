@@ -9,7 +9,7 @@ estimator), so training learns the FP4 noise.
 import torch
 
 from kvstack.cache.layout import CacheLayout
-from kvstack.cache.store import KVStore
+from kvstack.cache.store import KVStore, id_tensor
 from kvstack.config import ModelConfig
 from kvstack.formats import straight_through
 
@@ -34,7 +34,8 @@ class ReferenceStore(KVStore):
             return torch.zeros(self.batch_size, 0, dtype=torch.long, device=self.device)
         return torch.cat(self._tokens, dim=1)
 
-    def append_tokens(self, ids: torch.Tensor) -> None:
+    def append_tokens(self, ids: torch.Tensor | list[list[int]]) -> None:
+        ids = id_tensor(ids, self.device)
         self._tokens.append(ids)
         self._n_tokens += ids.shape[1]
 

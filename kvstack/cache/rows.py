@@ -22,9 +22,11 @@ class PackedRows:
         make = torch.zeros if zeroed else torch.empty
         self.data = make(*shape, bytes_per_entry(fmt, width), dtype=torch.uint8, device=device)
 
-    def pack(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows for values [..., width], and the values a read of them will give back."""
-        q = quantize(values, self.fmt)
+    def pack(self, values: torch.Tensor,
+             check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for values [..., width], and the values a read of them will give back
+        (check: as `quantize`'s)."""
+        q = quantize(values, self.fmt, check)
         return pack_rows(q), dequantize(q)
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
@@ -36,38 +38,82 @@ class PackedRows:
 
 
 class WindowRings:
-    """Per sequence and layer, the last window_size window entries: a circular buffer of
-    rows (slot = position % window_size) and the position each slot holds (-1: empty)."""
+    """The window rings of `n_slots` sequences, per layer: the last window_size window
+    entries of each slot in a circular buffer of rows [n_slots, window, bytes] (row =
+    position % window_size), and the position each row holds [n_slots, window] (-1:
+    empty). A slot is one running sequence (or, in a contiguous cache, one batch row)."""
 
-    def __init__(self, layout: CacheLayout, window: int, batch_size: int,
+    def __init__(self, layout: CacheLayout, window: int, n_slots: int,
                  device: torch.device) -> None:
         self.window = window
-        self.rows = {r.layer: PackedRows(r.fmt, r.width, (batch_size, window), device)
+        self.rows = {r.layer: PackedRows(r.fmt, r.width, (n_slots, window), device)
                      for r in layout.window_rings}
-        self.pos = {layer: torch.full((window,), -1, dtype=torch.long, device=device)
+        self.pos = {layer: torch.full((n_slots, window), -1, dtype=torch.long, device=device)
                     for layer in self.rows}
 
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = self.pos[layer]
-        slots = torch.nonzero(pos >= 0).flatten()
-        slots = slots[torch.argsort(pos[slots])]
+    # ---- slots at one shared position (a sequence alone, or a contiguous batch) --------
+    def read(self, layer: int, slots: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries [S, m, D] of slots that hold the same positions, oldest first, and those
+        positions [m] (empty rows left out)."""
+        pos = self.pos[layer][slots.start or 0]
+        rows = torch.nonzero(pos >= 0).flatten()
+        rows = rows[torch.argsort(pos[rows])]
         ring = self.rows[layer]
-        return ring.read(ring.data[:, slots]), pos[slots]
+        return ring.read(ring.data[slots][:, rows]), pos[rows]
 
-    def write(self, layer: int, entries: torch.Tensor, start: int) -> torch.Tensor:
+    def write(self, layer: int, slots: slice, entries: torch.Tensor, start: int) -> torch.Tensor:
+        """Write entries [S, n, D] at positions start..start+n-1; the stored values."""
         w = self.window
         positions = torch.arange(start, start + entries.shape[1], device=entries.device)[-w:]
         rows, stored = self.rows[layer].pack(entries)
         # A chunk longer than the ring still hands back all its entries: its own queries
         # attend to the ones the ring will not keep.
-        self.rows[layer].data[:, positions % w] = rows[:, -w:]
-        self.pos[layer][positions % w] = positions
+        self.rows[layer].data[slots, positions % w] = rows[:, -w:]
+        self.pos[layer][slots, positions % w] = positions
         return stored
 
-    def drop(self) -> None:
+    def drop(self, slots: slice) -> None:
         for pos in self.pos.values():
-            pos.fill_(-1)
+            pos[slots] = -1
+
+    # ---- one token per slot at per-slot positions (a decode batch) ---------------------
+    def read_at(self, layer: int, slots: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rings of slots [B] before writing positions [B]: entries [B, window, D] and
+        their positions [B, window], oldest first, rows never written at ABSENT."""
+        order = (positions[:, None] + torch.arange(self.window, device=slots.device)) % self.window
+        ring = self.rows[layer]
+        rows = ring.data[slots[:, None], order]  # [B, window, bytes]
+        pos = self.pos[layer][slots[:, None], order]
+        return ring.read(rows), torch.where(pos >= 0, pos, ABSENT)
+
+    def write_at(self, layer: int, slots: torch.Tensor, entries: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """Write entries [B, 1, D] of slots [B] at positions [B]; the stored values (not
+        looked at: the decode step's logits are checked instead)."""
+        rows, stored = self.rows[layer].pack(entries[:, 0], check=False)
+        self.rows[layer].data[slots, positions % self.window] = rows
+        self.pos[layer][slots, positions % self.window] = positions
+        return stored[:, None]
 
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.rows.values())
+
+
+ABSENT = -(1 << 40)  # the position of a ring row never written: outside every window
+
+
+class PartialGroups:
+    """Per slot and ratio > 1 source, the projected values and gate logits of the tokens
+    after its stream's last complete group: float32 [n_slots, ratio - 1, D] each (rows
+    below the slot's fill are meaningful; the fill is the sequence's to track)."""
+
+    def __init__(self, layout: CacheLayout, n_slots: int, device: torch.device) -> None:
+        self.values = {g.layer: torch.zeros(n_slots, g.ratio - 1, g.width, device=device)
+                       for g in layout.partial_groups}
+        self.gates = {source: torch.zeros_like(v) for source, v in self.values.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(2 * v.numel() * v.element_size() for v in self.values.values())

@@ -7,10 +7,13 @@ and, for ratio > 1, the partial group of tokens whose group is not complete yet 
 persisted). A store returns what it will hand back later for the values written to it,
 so the current chunk sees exactly what later chunks will read (the quantised values).
 
-Stores hold a batch of sequences of equal length; formats and widths come from
-`CacheLayout`. Implementations:
+Most stores hold a batch of sequences of equal length (one start position); a decode batch
+holds sequences at different positions, one new token each (`start_positions()` is then a
+tensor [B]). Formats and widths come from `CacheLayout`. Implementations:
 `kvstack.cache.reference.ReferenceStore` (float tensors with autograd, for the reference
-forward and training) and `kvstack.cache.contiguous.ContiguousCache` (packed bytes).
+forward and training), `kvstack.cache.contiguous.ContiguousCache` (packed bytes), the
+engine's `kvstack.cache.paged.PagedSequenceStore` (one sequence over the block pools) and
+`kvstack.cache.batch.DecodeBatch` (a decode step's batch over the same pools).
 """
 
 from abc import ABC, abstractmethod
@@ -42,22 +45,20 @@ class KVStore(ABC):
         """[B, num_tokens] int64."""
 
     @abstractmethod
-    def append_tokens(self, ids: torch.Tensor) -> None:
-        """Record ids [B, n] as positions num_tokens..num_tokens+n-1."""
+    def append_tokens(self, ids: torch.Tensor | list[list[int]]) -> None:
+        """Record ids [B, n] as positions num_tokens..num_tokens+n-1 (host lists need no
+        copy back from the device for a store that keeps ids on the host)."""
 
-    def token_slice(self, start: int, stop: int) -> torch.Tensor:
-        """Positions start..stop-1 of token_ids(): [B, stop-start] (what Engram hashes
-        before a chunk, read without copying every earlier id)."""
-        return self.token_ids()[:, start:stop]
+    def recent_ids(self, start: int | torch.Tensor, count: int) -> torch.Tensor:
+        """[B, count]: the ids at positions start-count..start-1 of each sequence, zeros
+        before position 0 (what Engram hashes ahead of a chunk)."""
+        past = self.token_ids()[:, max(0, start - count) : start]
+        return torch.nn.functional.pad(past, (count - past.shape[1], 0))
 
     def start_positions(self) -> int | torch.Tensor:
         """Position of the next token: one for the whole batch, or one per sequence [B]
-        when the sequences are at different positions."""
+        when the sequences are at different positions (a decode batch)."""
         return self.num_tokens
-
-    def sequences(self) -> list[tuple[slice, "KVStore"]]:
-        """Batch rows and a store for each group of sequences at the same position."""
-        return [(slice(None), self)]
 
     # ---- window rings ------------------------------------------------------------------
     @abstractmethod
@@ -98,19 +99,29 @@ class KVStore(ABC):
     # ---- partial groups of ratio > 1 sources -------------------------------------------
     def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Projected values and gate logits [B, m, head_dim] of the tokens after the
-        stream's last complete group (m < ratio)."""
+        stream's last complete group (m < ratio). A decode batch hands back every
+        sequence's group buffer [B, ratio - 1, head_dim], rows below its own fill
+        (position % ratio) meaningful."""
         if source not in self._partial:
             empty = torch.zeros(self.batch_size, 0, self.config.head_dim, device=self.device)
             return empty, empty
         return self._partial[source]
 
     def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
-        """Replace the partial group."""
+        """Replace the partial group (a decode batch: record the new token's values
+        [B, 1, head_dim] at each sequence's fill)."""
         self._partial[source] = (values, gate_logits)
 
     @abstractmethod
     def drop_window_state(self) -> None:
         """Forget what is never persisted: every window ring and partial group."""
+
+
+def id_tensor(ids: torch.Tensor | list[list[int]], device: torch.device) -> torch.Tensor:
+    """Token ids [B, n] as int64 on `device`, from a tensor or host lists."""
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.long)
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 class TokenLog:
@@ -122,7 +133,8 @@ class TokenLog:
         self.ids = torch.zeros(batch_size, max_tokens, dtype=torch.long, device=device)
         self.count = 0
 
-    def append(self, ids: torch.Tensor) -> None:
+    def append(self, ids: torch.Tensor | list[list[int]]) -> None:
+        ids = id_tensor(ids, self.ids.device)
         n = ids.shape[1]
         if self.count + n > self.ids.shape[1]:
             raise ValueError(

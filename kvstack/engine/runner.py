@@ -2,8 +2,8 @@
 
 import torch
 
-from kvstack.cache.batched import BatchedStore
-from kvstack.engine.sampling import sample
+from kvstack.cache.batch import DecodeBatch
+from kvstack.engine.sampling import sample, sample_batch
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
 
@@ -35,9 +35,8 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Feed each sequence's last sampled token, all in one batch whatever their
-        positions; their next tokens."""
-        ids = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long,
-                           device=self.device)
-        store = seqs[0].store if len(seqs) == 1 else BatchedStore([s.store for s in seqs])
-        logits = self.model.decode(ids, store)
-        return [sample(logits[i], s.params, s.generator) for i, s in enumerate(seqs)]
+        positions (one `DecodeBatch`: the step's plan over the block pools); their next
+        tokens."""
+        batch = DecodeBatch([s.store for s in seqs])
+        logits = self.model.decode([s.output_ids[-1] for s in seqs], batch)
+        return sample_batch(logits, [(s.params, s.generator) for s in seqs])

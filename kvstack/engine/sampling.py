@@ -56,3 +56,23 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         logits[order[drop]] = float("-inf")
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def sample_batch(logits: torch.Tensor,
+                 requests: list[tuple[SamplingParams, torch.Generator | None]]) -> list[int]:
+    """One token id per row of logits [B, vocab]: the greedy rows by one argmax, read back
+    with each row's finiteness in one copy to the host, the others one by one. Non-finite
+    logits (a fault somewhere in the step: nothing on the way was looked at) raise
+    FloatingPointError rather than yield a token."""
+    argmax, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)
+    greedy_ids, finite_rows = torch.stack((argmax, finite.long())).tolist()
+    if not all(finite_rows):
+        bad = [i for i, ok in enumerate(finite_rows) if not ok]
+        raise FloatingPointError(f"non-finite logits in rows {bad} of a decode batch of "
+                                 f"{len(finite_rows)}")
+    tokens = [greedy_ids[i] if params.temperature == 0 else 0
+              for i, (params, _) in enumerate(requests)]
+    for i, (params, generator) in enumerate(requests):
+        if params.temperature != 0:
+            tokens[i] = sample(logits[i], params, generator)
+    return tokens

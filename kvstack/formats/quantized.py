@@ -33,8 +33,13 @@ class Quantized:
     scales: torch.Tensor  # uint8 [..., d // block]; [..., 0] for bf16
 
 
-def quantize(x: torch.Tensor, fmt: str) -> Quantized:
-    """Quantise a float tensor [..., d] along its last dimension (computed in float32)."""
+def quantize(x: torch.Tensor, fmt: str, check: bool = True) -> Quantized:
+    """Quantise a float tensor [..., d] along its last dimension (computed in float32).
+
+    The values are checked first (finite, within the format's range), which reads one
+    number back from the device; check=False leaves that to a caller that checks what it
+    computes from the result (the engine's decode step checks its logits), and values out
+    of range then come back non-finite."""
     f = get_format(fmt)
     if not torch.is_floating_point(x):
         raise ValueError(f"format {fmt}: expected a float tensor, got {x.dtype}")
@@ -43,7 +48,7 @@ def quantize(x: torch.Tensor, fmt: str) -> Quantized:
     d = x.shape[-1]
     check_width(f, d)
     x = x.to(torch.float32)
-    if x.numel():
+    if check and x.numel():
         magnitude = x.abs().amax().item()  # NaN if any element is NaN
         if not math.isfinite(magnitude):
             raise ValueError(f"format {fmt}: input holds NaN or infinite values")
@@ -90,15 +95,15 @@ def dequantize(q: Quantized) -> torch.Tensor:
     return (values * scale.unsqueeze(-1)).reshape(*q.scales.shape[:-1], n_blocks * f.block)
 
 
-def fake_quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The float32 values a store of format fmt hands back for x."""
-    return dequantize(quantize(x, fmt))
+def fake_quantize(x: torch.Tensor, fmt: str, check: bool = True) -> torch.Tensor:
+    """The float32 values a store of format fmt hands back for x (check: as quantize's)."""
+    return dequantize(quantize(x, fmt, check))
 
 
-def straight_through(x: torch.Tensor, fmt: str) -> torch.Tensor:
+def straight_through(x: torch.Tensor, fmt: str, check: bool = True) -> torch.Tensor:
     """fake_quantize(x) in the forward, identity in the backward (quantisation-aware
     training learns the rounding noise without a zero gradient)."""
-    rounded = fake_quantize(x.detach(), fmt).to(x.dtype)
+    rounded = fake_quantize(x.detach(), fmt, check).to(x.dtype)
     return x + (rounded - x).detach()
 
 

@@ -274,10 +274,34 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, start: int | torch.Tensor, store: KVStore) -> None:
         """Append the entries that tokens start..start+n-1 complete. Tokens the store
         already covers (replay over persisted streams) are skipped. Sequences at different
-        positions complete groups at different tokens: each is compressed on its own."""
-        for rows, view in store.sequences():
-            first = int(start[rows][0]) if isinstance(start, torch.Tensor) else start
-            self._compress(x[rows], first, view)
+        positions (a decode batch, start [B]) complete groups at different tokens: every
+        one is pooled and the store keeps the entries of those that complete."""
+        if isinstance(start, torch.Tensor):
+            self._compress_step(x, start, store)
+        else:
+            self._compress(x, start, store)
+
+    def _compress_step(self, x: torch.Tensor, positions: torch.Tensor, store: KVStore) -> None:
+        """One token per sequence, x [B, 1, dim] at positions [B]."""
+        r = self.ratio
+        values = self.wkv(x)  # [B, 1, D]
+        if r == 1:
+            pooled = values
+        else:
+            gates = self.wgate(x)
+            past_values, past_gates = store.partial(self.layer)  # [B, r - 1, D]
+            # For a sequence whose token completes its group, the r - 1 rows before it are
+            # that group; for the rest the pooled entry is discarded by the store.
+            v = torch.cat((past_values.type_as(x), values), dim=1)
+            g = torch.cat((past_gates.type_as(x), gates), dim=1).float().softmax(dim=1)
+            pooled = (v * g.type_as(v)).sum(1, keepdim=True)  # [B, 1, D]
+            store.set_partial(self.layer, values, gates)
+        entry_positions = (((positions + 1) // r - 1) * r)[:, None]  # [B, 1]
+        entries = self.norm(pooled)
+        keys = rotate(self.index_norm(self.wk_index(entries.detach())), entry_positions,
+                      self.freqs)
+        store.append_stream(self.layer, {"kv": rotate(entries, entry_positions, self.freqs),
+                                         "index": keys})
 
     def _compress(self, x: torch.Tensor, start: int, store: KVStore) -> None:
         r = self.ratio
@@ -331,7 +355,9 @@ class Indexer(nn.Module):
         hi, di = c.index_n_heads, c.index_head_dim
         q = rotate(self.wq(qr).unflatten(-1, (hi, di)), positions, self.freqs).float()
         if c.index_query_format != "none":  # V4.1 scores FP4 queries against FP4 keys
-            q = straight_through(q, c.index_query_format)
+            # Unchecked: a query only ranks entries, and anything non-finite reaches the
+            # logits, which the engine checks once per step.
+            q = straight_through(q, c.index_query_format, check=False)
         w = self.wweights(x).float() * (di**-0.5 * hi**-0.5)  # [B, n, Hi]
         chunks = []
         for start in range(0, n_entries, KEY_CHUNK):
@@ -402,11 +428,14 @@ class SelectedEntries:
                  head_dim: int) -> None:
         self.store, self.source = store, source
         self.chosen = selected.clamp(min=0)
-        self.distinct = torch.unique(self.chosen)
         k = self.chosen.shape[-1]
-        self.shared = self.distinct.numel() * heads <= k * head_dim
-        self.columns = torch.searchsorted(self.distinct, self.chosen)  # [B, q, k]
         self.queries_per_gather = max(1, GATHER_FLOATS // (k * head_dim))
+        # One query (a decode step) shares nothing: its own rows, and no host look at them.
+        self.shared = False
+        if self.chosen.shape[1] > 1:
+            self.distinct = torch.unique(self.chosen)
+            self.shared = self.distinct.numel() * heads <= k * head_dim
+            self.columns = torch.searchsorted(self.distinct, self.chosen)  # [B, q, k]
 
     def _pieces(self) -> Iterator[tuple[int, torch.Tensor]]:
         b = self.chosen.shape[0]
@@ -549,9 +578,12 @@ class Attention(nn.Module):
         scale = c.head_dim**-0.5
         t, s = positions[:, :, None], window_positions[:, None, :]
         in_window = (s <= t) & (s > t - c.window_size)  # [P, q, m]
-        seen = torch.nonzero(in_window.flatten(0, 1).any(0)).flatten()  # keys the block sees
-        lo, hi = int(seen[0]), int(seen[-1]) + 1
-        window, in_window = window[:, lo:hi], in_window[..., lo:hi]
+        if window.shape[1] > c.window_size + q.shape[1]:
+            # A block of a long chunk sees only part of its keys: cut to them (a decode
+            # step's ring and token are all seen, and need no look at the mask).
+            seen = torch.nonzero(in_window.flatten(0, 1).any(0)).flatten()
+            lo, hi = int(seen[0]), int(seen[-1]) + 1
+            window, in_window = window[:, lo:hi], in_window[..., lo:hi]
         logits = [torch.einsum("bqhd,bkd->bhqk", q.float(), window.float()) * scale]
         logits[0] = logits[0].masked_fill(~in_window[:, None], float("-inf"))
         entries = None
@@ -819,14 +851,8 @@ class Model(nn.Module):
         before the chunk come from the store (which already holds the chunk's ids)."""
         if self.engram_hash is None:
             return None
-        h = self.config.engram_max_ngram_size - 1
-        history = ids.new_zeros(ids.shape[0], h)  # positions < 0 are padded by the hash
-        for rows, view in store.sequences():
-            first = int(start[rows][0]) if isinstance(start, torch.Tensor) else start
-            if first > 0:
-                past = view.token_slice(max(0, first - h), first)
-                history[rows, h - past.shape[1] :] = past.to(ids.device)
-        return self.engram_hash(ids, history, start)
+        history = store.recent_ids(start, self.config.engram_max_ngram_size - 1)
+        return self.engram_hash(ids, history.to(ids.device), start)
 
     def _logits(self, s: TokenStates) -> torch.Tensor:
         c, x = self.config, s.x
@@ -938,12 +964,23 @@ class Model(nn.Module):
         return self._logits(s[-1:])[:, 0]
 
     @torch.no_grad()
-    def decode(self, token_ids: torch.Tensor, cache: KVStore) -> torch.Tensor:
-        """One new token per sequence, token_ids [B]; logits [B, V]."""
-        ids = self._check_ids(token_ids.reshape(-1, 1))
+    def decode(self, token_ids: torch.Tensor | list[int], cache: KVStore) -> torch.Tensor:
+        """One new token per sequence, token_ids [B] (host ints are checked on the host,
+        so the step reads nothing back from the device); logits [B, V]."""
+        if isinstance(token_ids, torch.Tensor):
+            ids = self._check_ids(token_ids.reshape(-1, 1))
+            appended: torch.Tensor | list[list[int]] = ids
+        else:
+            bad = [t for t in token_ids
+                   if not isinstance(t, int) or not 0 <= t < self.config.vocab_size]
+            if bad or not token_ids:
+                raise ValueError(f"token ids must be integers in 0..{self.config.vocab_size - 1}"
+                                 f", got {bad[:3] or 'none'}")
+            appended = [[t] for t in token_ids]
+            ids = torch.tensor(appended, dtype=torch.long, device=self.embed.weight.device)
         self._check_room(cache, ids)
         start = cache.start_positions()
-        cache.append_tokens(ids)
+        cache.append_tokens(appended)
         s = self._run(self._states(ids, start, cache), start, cache, range(self.config.n_layers))
         return self._logits(s)[:, 0]
 

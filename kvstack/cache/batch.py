@@ -1,0 +1,149 @@
+"""A decode step's batch: the running sequences, each at its own position, one new token
+each, over the block pools they share.
+
+Built once per step, on the device, it is the step's plan -- `positions` [B], `slots` [B]
+(window-ring and partial-group rows), `block_table` [B, max_blocks] (padded with the null
+block), `stream_lens` per stream layer [B] (entries after this step's token) -- and the
+torch backend that reads and writes the packed pools through it: every call is a gather or
+a scatter over the whole batch, with no loop over sequences and nothing read back to the
+host (nor are the values looked at as they are packed: the runner checks the step's
+logits instead). Which sequences complete a group at a source is known from the positions alone
+((p + 1) % ratio == 0), so the rows a step does not keep are written to the null block
+instead of being branched around; rows a sequence does not hold read from there too.
+"""
+
+import torch
+
+from kvstack.cache.paged import PagedSequenceStore
+from kvstack.cache.store import KVStore
+
+
+class DecodeBatch(KVStore):
+    def __init__(self, stores: list[PagedSequenceStore]) -> None:
+        if not stores:
+            raise ValueError("a decode batch needs at least one sequence")
+        pools = stores[0].pools
+        if any(s.pools is not pools for s in stores):
+            raise ValueError("a decode batch joins sequences of one cache")
+        if len({s.slot for s in stores}) != len(stores):
+            raise ValueError("a decode batch holds each sequence once")
+        for s in stores:
+            if not s.caught_up:
+                raise ValueError("a decode batch starts from stores whose streams, partial "
+                                 "groups and window rings hold every token (replay first)")
+            s.check_room(1)
+        super().__init__(stores[0].config, len(stores), pools.device)
+        self.stores, self.pools = stores, pools
+        self.rings, self.partials = stores[0].rings, stores[0].partials
+        dev, null = self.device, pools.null_block
+        lengths = [s.num_tokens for s in stores]  # the new tokens' positions
+        width = max(len(s.block_table) for s in stores)
+        self.positions = torch.tensor(lengths, device=dev)  # [B]
+        self.slots = torch.tensor([s.slot for s in stores], device=dev)  # [B]
+        self.block_table = torch.tensor(  # [B, max_blocks]
+            [s.block_table + [null] * (width - len(s.block_table)) for s in stores],
+            device=dev)
+        self.stream_lens = {layer: (self.positions + 1) // r  # [B], this step's entry included
+                            for layer, r in pools.ratios.items()}
+        self._longest = {layer: max((p + 1) // r for p in lengths)
+                         for layer, r in pools.ratios.items()}
+        # Where each stream layer's new entry goes: its row for the sequences whose token
+        # completes a group, row 0 of the null block for the rest.
+        self._new_rows = {}
+        for layer, r in pools.ratios.items():
+            per = pools.block_tokens // r
+            entry = self.stream_lens[layer] - 1
+            block = self.block_table.gather(1, (entry.clamp(min=0) // per)[:, None])[:, 0]
+            complete = (self.positions + 1) % r == 0
+            self._new_rows[layer] = (torch.where(complete, block, null),
+                                     torch.where(complete, entry % per, 0))
+
+    # ---- tokens ----------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return max(s.num_tokens for s in self.stores)
+
+    def start_positions(self) -> torch.Tensor:
+        return self.positions
+
+    def token_ids(self) -> torch.Tensor:
+        raise ValueError("the sequences of a decode batch have different lengths: read "
+                         "each store")
+
+    def append_tokens(self, ids: torch.Tensor | list[list[int]]) -> None:
+        rows = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        if len(rows) != len(self.stores) or any(len(r) != 1 for r in rows):
+            raise ValueError(f"a decode batch takes one token for each of its "
+                             f"{len(self.stores)} sequences")
+        for store, (token,) in zip(self.stores, rows, strict=True):
+            store.advance(token)
+
+    def recent_ids(self, start: torch.Tensor, count: int) -> torch.Tensor:
+        """Built from the host's copy of each sequence's ids (its new token included)."""
+        rows = []
+        for store in self.stores:
+            p = store.num_tokens - 1
+            past = store.held_ids[max(0, p - count) : p]
+            rows.append([0] * (count - len(past)) + past)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    # ---- window rings ------------------------------------------------------------------
+    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rings.read_at(layer, self.slots, self.positions)
+
+    def write_window(self, layer: int, entries: torch.Tensor,
+                     start: int | torch.Tensor) -> torch.Tensor:
+        return self.rings.write_at(layer, self.slots, entries, self.positions)
+
+    # ---- streams -----------------------------------------------------------------------
+    def stream_len(self, layer: int) -> int:
+        """The longest sequence's entries after this step's token (each sequence's own
+        count is `stream_lens[layer]`; reads past it come back from the null block)."""
+        return self._longest[layer]
+
+    def append_stream(
+        self, layer: int, entries: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Entries [B, 1, width] of the group each sequence's token ends; kept only where
+        it completes one."""
+        block, offset = self._new_rows[layer]
+        stored = {}
+        for kind, x in entries.items():
+            pool = self.pools.rows[layer, kind]
+            rows, values = pool.pack(x[:, 0], check=False)
+            pool.data[block, offset] = rows
+            stored[kind] = values[:, None]
+        return stored
+
+    def _rows(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
+        """Packed rows of entries [B, ...] of each sequence (the null block's first row
+        where a sequence holds no such entry)."""
+        per = self.pools.entries_per_block[layer, kind]
+        b = entries.shape[0]
+        held = entries < self.stream_lens[layer].view(b, *(1,) * (entries.dim() - 1))
+        block = self.block_table.gather(1, (entries // per).reshape(b, -1)).view_as(entries)
+        block = torch.where(held, block, self.pools.null_block)
+        return self.pools.rows[layer, kind].data[block, torch.where(held, entries % per, 0)]
+
+    def read_stream(self, layer: int, kind: str, start: int, stop: int) -> torch.Tensor:
+        entries = torch.arange(start, stop, device=self.device).expand(self.batch_size, -1)
+        return self.pools.rows[layer, kind].read(self._rows(layer, kind, entries))
+
+    def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
+        # Only the selected rows are read and dequantised.
+        return self.pools.rows[layer, kind].read(self._rows(layer, kind, entries))
+
+    # ---- partial groups ----------------------------------------------------------------
+    def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.partials.values[source][self.slots], self.partials.gates[source][self.slots]
+
+    def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
+        """Record the new token's values [B, 1, D] at each sequence's fill; a sequence
+        whose group it completes starts empty, so where it lands does not matter."""
+        r = self.pools.ratios[source]
+        fill = (self.positions % r).clamp(max=r - 2)
+        self.partials.values[source][self.slots, fill] = values[:, 0].detach().float()
+        self.partials.gates[source][self.slots, fill] = gate_logits[:, 0].detach().float()
+
+    def drop_window_state(self) -> None:
+        raise ValueError("a decode batch does not replay: rebuild each store first")
