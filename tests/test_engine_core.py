@@ -361,3 +361,51 @@ def test_a_decode_step_gone_non_finite_is_recomputed_not_sampled(monkeypatch, al
     while len(done) < 2:
         done |= {o.request_id: o for o in llm.step() if o.finished}
     assert poisoned and [done[i].token_ids for i in ids] == alone[:2]
+
+
+def test_asyncio_front_end_requests_interleave_with_a_sync_caller(alone):
+    """Concurrent coroutines on the engine thread, a sync generate from another thread on
+    the same core, and a coroutine that walks away early (aborted): each sees exactly its
+    own outputs, final included, equal to running alone; no block is left held."""
+    import asyncio
+    import contextlib
+
+    from kvstack import AsyncLLM
+
+    llm = tiny()
+    free = llm.cache.manager.num_free
+
+    async def run(engine: AsyncLLM) -> tuple[list, list, list]:
+        async def collect(prompt):
+            return [out async for out in engine.generate(prompt, GREEDY)]
+
+        async def walk_away():
+            seen = []
+            async with contextlib.aclosing(engine.generate(prompts(4)[3], GREEDY)) as outs:
+                async for out in outs:
+                    seen.append(out)
+                    if len(seen) == 2:
+                        break
+            return seen
+
+        sync = asyncio.to_thread(llm.generate, prompts(4)[2], GREEDY)
+        results = await asyncio.gather(collect(prompts(4)[0]), collect(prompts(4)[1]),
+                                       sync, walk_away())
+        return results
+
+    with AsyncLLM(llm) as engine:
+        first, second, sync, left = asyncio.run(run(engine))
+        for outs, expected in ((first, alone[0]), (second, alone[1])):
+            assert outs[-1].finished and outs[-1].token_ids == expected
+            assert [o.finished for o in outs].count(True) == 1
+            assert len({o.request_id for o in outs}) == 1
+            assert all(len(o.token_ids) == i + 1 for i, o in enumerate(outs))
+        assert sync[0].token_ids == alone[2]
+        assert len(left) == 2 and not left[-1].finished
+        assert not llm.has_unfinished_requests()
+        assert llm.cache.manager.num_free == free
+
+        async def bad():
+            return [o async for o in engine.generate("", GREEDY)]
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            asyncio.run(bad())

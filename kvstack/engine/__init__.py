@@ -3,6 +3,7 @@
 from kvstack._lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {
+    "AsyncLLM": "kvstack.engine.async_llm",
     "EngineConfig": "kvstack.engine.config",
     "EngineCore": "kvstack.engine.core",
     "EngineError": "kvstack.engine.core",
@@ -10,5 +11,5 @@ __getattr__ = lazy_exports(__name__, {
     "RequestOutput": "kvstack.engine.sequence",
     "SamplingParams": "kvstack.engine.sampling",
 })
-__all__ = ["LLM", "EngineConfig", "EngineCore", "EngineError", "RequestOutput",
+__all__ = ["LLM", "AsyncLLM", "EngineConfig", "EngineCore", "EngineError", "RequestOutput",
            "SamplingParams"]

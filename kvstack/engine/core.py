@@ -85,10 +85,12 @@ class EngineCore:
     @locked
     def add_request(self, ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, continue_from: str | None = None,
-                    keep_cache: bool = False, watch: bool = False) -> str:
+                    keep_cache: bool = False, watch: bool = False,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
         """Queue a request of token ids; it joins the running batch at the next step. Bad
         input raises ValueError here, before anything is queued. `watch`: route its
-        outputs to `wait` (front ends that wait on it say so).
+        outputs to `wait` (front ends that wait on it say so); `on_output`: hand each of
+        its outputs to this callback, on the thread of the step that made it.
 
         continue_from: a finished request that kept its cache (keep_cache=True); the new
         ids follow its tokens and only they are prefilled (multi-turn chat)."""
@@ -125,6 +127,8 @@ class EngineCore:
         self.requests[request_id] = seq
         if watch:
             self.router.watch(request_id)
+        if on_output is not None:
+            self.router.subscribe(request_id, on_output)
         self.scheduler.add(seq)
         return request_id
 

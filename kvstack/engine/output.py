@@ -6,6 +6,8 @@ for context, as vLLM and HF's TextStreamer do), so a token costs the same at any
 and a stop string is searched for only where it could have just appeared.
 """
 
+from collections.abc import Callable
+
 from kvstack.engine.sequence import RequestOutput
 from kvstack.engine.tokenizer import Tokenizer
 
@@ -55,17 +57,29 @@ class OutputRouter:
 
     Outputs are cumulative (all text and tokens so far), so only the newest is kept: a
     front end that missed a few steps loses nothing, and memory stays one output per
-    request. A request's final output waits here until taken, whoever ran the step."""
+    request. A request's final output waits here until taken, whoever ran the step.
+
+    A front end that is not polling (the asyncio one) subscribes instead: every output of
+    the request is handed to its callback as the step that made it routes it."""
 
     def __init__(self) -> None:
         self._latest: dict[str, RequestOutput | None] = {}
+        self._subscribers: dict[str, Callable[[RequestOutput], None]] = {}
 
     def watch(self, request_id: str) -> None:
         self._latest[request_id] = None
 
+    def subscribe(self, request_id: str, deliver: Callable[[RequestOutput], None]) -> None:
+        self._subscribers[request_id] = deliver
+
     def put(self, output: RequestOutput) -> None:
         if output.request_id in self._latest:
             self._latest[output.request_id] = output
+        deliver = self._subscribers.get(output.request_id)
+        if deliver is not None:
+            if output.finished:
+                del self._subscribers[output.request_id]
+            deliver(output)
 
     def take(self, request_id: str) -> RequestOutput | None:
         """The newest output not taken yet (None if none); a final one ends the watch."""
@@ -80,3 +94,4 @@ class OutputRouter:
 
     def forget(self, request_id: str) -> None:
         self._latest.pop(request_id, None)
+        self._subscribers.pop(request_id, None)
