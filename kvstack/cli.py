@@ -4,6 +4,7 @@ import argparse
 import importlib.metadata
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -195,7 +196,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 # ---- generate and chat ----------------------------------------------------------------
 
 
-def _load_llm(args: argparse.Namespace) -> "LLM":
+def _load_llm(args: argparse.Namespace, **settings: Any) -> "LLM":
     from kvstack.engine import LLM
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -203,7 +204,30 @@ def _load_llm(args: argparse.Namespace) -> "LLM":
                random_init=args.random_init, seed=args.init_seed, device=args.device,
                cache_dir=args.cache_dir, host_budget=args.host_budget or 0,
                disk_prefix_cache=args.disk_prefix_cache, numerics=args.numerics,
-               threads=args.threads, max_model_len=args.max_model_len)
+               threads=args.threads, max_model_len=args.max_model_len, **settings)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvstack.engine.async_llm import AsyncLLM
+    try:
+        from kvstack.serve.app import ServeConfig, build_app, serve_app
+    except ImportError as e:
+        raise ValueError(f"kvstack serve needs its extra ({e.name} is missing): pip install "
+                         "-e '.[serve]'") from None
+
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be 0 or more, got {args.max_waiting}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be 1..65535, got {args.port}")
+    name = args.served_model_name or (
+        "kvstack-default" if args.model == "default" else Path(args.model).name)
+    engine = AsyncLLM(_load_llm(args, max_num_seqs=args.max_num_seqs))
+    config = ServeConfig(name, args.api_key or os.environ.get("KVSTACK_API_KEY") or None,
+                         args.max_waiting)
+    logging.getLogger("kvstack").info("kvstack serve: %s on http://%s:%d/v1", name,
+                                      args.host, args.port)
+    serve_app(build_app(engine, config), args.host, args.port, args.grace_period)
+    return 0
 
 
 def _sampling(args: argparse.Namespace) -> "SamplingParams":
@@ -666,6 +690,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "RoPE angles in float32, as DeepSeek's code does (parity checks)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                    help="where the disk tier and saved sessions live (default: %(default)s)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     # The command's sampling defaults suit reading a model's text; SamplingParams() keeps
     # vLLM's library defaults (temperature 1, top-p 1).
     p.add_argument("--max-tokens", type=_positive_int, default=128,
@@ -714,6 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = sub.add_parser("generate", help="generate a continuation of a prompt")
     _add_engine_args(generate)
+    _add_sampling_args(generate)
     prompt = generate.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="the prompt text")
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a file")
@@ -723,9 +751,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="a conversation kept in the cache across turns")
     _add_engine_args(chat)
+    _add_sampling_args(chat)
     chat.add_argument("--session", metavar="NAME",
                       help="resume this saved session if it exists; save it after each turn")
     chat.set_defaults(run=_cmd_chat)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, "
+                           "chat, streaming, sessions, /metrics)")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--served-model-name", metavar="NAME",
+                       help="the model name requests give (default: the model directory's "
+                            "name, or kvstack-default for the bundled model)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 "
+                       "(default: $KVSTACK_API_KEY, else none)")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=32,
+                       help="sequences decoded together at most (default: %(default)s)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="requests queued beyond the running batch before 429 "
+                            "(default: %(default)s)")
+    serve.add_argument("--grace-period", type=float, default=30.0,
+                       help="seconds a shutdown (SIGTERM) lets running requests finish "
+                            "(default: %(default)s)")
+    serve.set_defaults(run=_cmd_serve)
 
     session = sub.add_parser("session", help="saved sessions: list, show, rm")
     session.add_argument("action", choices=["list", "show", "rm"])

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -123,8 +124,7 @@ class DiskTier:
         self.blocks_dir = self.root / "blocks"
         self.blocks_dir.mkdir(parents=True, exist_ok=True)
         self.manifest = self.root / MANIFEST
-        self._db = sqlite3.connect(self.manifest, isolation_level=None)
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._local = threading.local()
         self._db.executescript(SCHEMA)
         if self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'session_blocks'"
                             ).fetchone() is None:
@@ -138,8 +138,22 @@ class DiskTier:
                         self._name_blocks(name, json.loads(blocks_json))
         self._sweep_files()
 
+    @property
+    def _db(self) -> sqlite3.Connection:
+        """This thread's connection to the manifest (a SQLite connection may not cross
+        threads; the engine's tiers and a server's request handlers run on several).
+        Writers on other connections are waited for, not failed on."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.manifest, isolation_level=None, timeout=60)
+            db.execute("PRAGMA synchronous=FULL")
+            self._local.db = db
+        return db
+
     def close(self) -> None:
+        """Close this thread's connection (another thread's closes with its thread)."""
         self._db.close()
+        self._local.db = None
 
     # ---- paths and sizes ---------------------------------------------------------------
     def block_path(self, name: str) -> Path:

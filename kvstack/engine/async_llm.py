@@ -32,10 +32,12 @@ class AsyncLLM:
         self._thread.start()
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, continue_from: str | None = None,
+                       keep_cache: bool = False) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them, the final one last. Bad input
         raises ValueError before anything is queued; a caller that stops iterating early
-        (a closed connection) aborts the request."""
+        (a closed connection) aborts the request. continue_from / keep_cache: as
+        `LLM.add_request`'s (a conversation kept in the cache between turns)."""
         if self._closed:
             raise EngineError("the engine is shut down")
         loop = asyncio.get_running_loop()
@@ -44,11 +46,9 @@ class AsyncLLM:
         def deliver(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        ids = self.llm.encode(prompt)
         with self.core.lock:  # no step may route an output before it is subscribed
-            request_id = self.core.add_request(
-                ids, sampling_params or SamplingParams(),
-                prompt if isinstance(prompt, str) else None, request_id, on_output=deliver)
+            request_id = self.llm.add_request(prompt, sampling_params, request_id,
+                                              continue_from, keep_cache, on_output=deliver)
             self._deliver[request_id] = deliver
         with self._work:
             self._work.notify()

@@ -123,6 +123,7 @@ class EngineCore:
             # The kept store (if not evicted for room meanwhile) moves to the new request.
             if self.scheduler.take_kept(continue_from) is not None:
                 seq.store, previous.store = previous.store, None
+                seq.num_cached_tokens = seq.store.num_tokens if seq.store else 0
             self.requests.pop(continue_from)
         self.requests[request_id] = seq
         if watch:

@@ -9,7 +9,7 @@ runs the step; its settings are one `EngineConfig` (given whole, or as keyword a
 """
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,10 @@ class LLM:
         config.apply_threads()
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, self.tokenizer = _load(model, random_init, seed, device, config.numerics)
+        # Where the weights came from (None for random weights): files stored with the
+        # model, such as its chat template, are read from there.
+        self.model_dir: Path | None = None if random_init else (
+            bundled_model() if str(model) == "default" else Path(model))
         self.config = self.model.config
         self.fingerprint = self.model.fingerprint()
         self.replay = config.replay
@@ -117,20 +121,22 @@ class LLM:
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, continue_from: str | None = None,
-                    keep_cache: bool = False, watch: bool = False) -> str:
+                    keep_cache: bool = False, watch: bool = False,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
         """Queue a request; it joins the running batch at the next step. Bad input raises
         ValueError here, before anything is queued.
 
         continue_from: a finished request that kept its cache (keep_cache=True); the new
         prompt follows its tokens and only the new tokens are prefilled (multi-turn chat).
         watch: its outputs wait for `wait(request_id)` (front ends that run requests to
-        their end say so; step() returns every output either way).
+        their end say so; step() returns every output either way). on_output: a callback
+        each of its outputs is handed to, on the thread of the step that made it.
         """
         # A continuation may add nothing: the previous turn's last token is still to feed.
         ids = [] if continue_from is not None and not prompt else self.encode(prompt)
         return self.core.add_request(ids, params or SamplingParams(),
                                      prompt if isinstance(prompt, str) else None, request_id,
-                                     continue_from, keep_cache, watch)
+                                     continue_from, keep_cache, watch, on_output)
 
     def wait(self, request_id: str) -> RequestOutput:
         """The watched request's newest output, running steps until there is one."""

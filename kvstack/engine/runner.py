@@ -12,6 +12,7 @@ class ModelRunner:
     def __init__(self, model: Model, replay: str, chunk_size: int) -> None:
         self.model, self.replay, self.chunk_size = model, replay, chunk_size
         self.device = model.embed.weight.device
+        self.replayed_tokens = 0  # tokens re-run to rebuild window state, since start
 
     @torch.no_grad()
     def prefill(self, seq: Sequence) -> int:
@@ -26,6 +27,7 @@ class ModelRunner:
         rebuilds its window rings and partial groups by replay (`bounded` or `exact`)."""
         store = seq.store
         if store.needs_replay:
+            self.replayed_tokens += self.model.rebuild_spans(store.num_tokens, self.replay)[0]
             self.model.rebuild_window(store, replay=self.replay, chunk_size=self.chunk_size)
             store.needs_replay = False
         fresh = seq.all_ids[store.num_tokens :]

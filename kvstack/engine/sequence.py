@@ -38,7 +38,9 @@ class Sequence:
     faults: int = 0  # steps that failed while advancing it (rolled back, recomputed)
     suspect: bool = False  # its last batch failed: it decodes alone next
     detokenizer: "Detokenizer | None" = None  # its text, token by token
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # Prompt tokens whose cache was reused: found in the prefix cache at admission, or held
+    # by the kept cache of the conversation it continues.
+    num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -63,7 +65,7 @@ class RequestOutput:
     finished: bool
     error: str | None
     metrics: dict[str, float]
-    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose cache was reused (prefix, kept turn)
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":

@@ -70,6 +70,18 @@ class Session:
             if not finished:  # the caller stopped early: the turn is dropped
                 llm.abort(request_id)
 
+    @property
+    def kept_request(self) -> str | None:
+        """The finished request whose cache holds the conversation (None: not on the
+        device)."""
+        return self._request_id
+
+    def record_turn(self, out: RequestOutput) -> None:
+        """Take on a finished turn another front end ran on this conversation (the
+        server's): its tokens and its kept cache become the session's."""
+        self.token_ids = list(out.prompt_token_ids) + list(out.token_ids)
+        self._request_id, self._pending = out.request_id, []
+
     def keep_last(self, n_tokens: int) -> None:
         """Keep only the conversation's last n_tokens (its start is forgotten and its
         cache dropped: the next turn prefills what is kept)."""

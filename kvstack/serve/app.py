@@ -1,0 +1,334 @@
+"""`kvstack serve`: the OpenAI API over the engine (FastAPI, SSE streaming as OpenAI does it).
+
+Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`,
+`GET /v1/sessions`, `GET|DELETE /v1/sessions/{name}`, `GET /health`, `GET /metrics`.
+Requests run through one `AsyncLLM` (the engine core steps in its own thread); a request
+whose client goes away is aborted and its blocks freed. The waiting queue is bounded (429
+with Retry-After beyond it); on shutdown (SIGTERM) the server stops admitting, lets
+running requests finish within the grace period and aborts the rest; sessions are on disk
+already (each turn saves its session).
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvstack.engine.async_llm import AsyncLLM
+from kvstack.engine.sampling import SamplingParams
+from kvstack.engine.sequence import RequestOutput
+from kvstack.serve.chat import ChatTemplate
+from kvstack.serve.metrics import ServerMetrics
+from kvstack.serve.protocol import APIError, ChatRequest, CompletionRequest, _Request
+from kvstack.serve.sessions import HttpSessions
+
+log = logging.getLogger("kvstack")
+SESSION_HEADER = "x-kvstack-session"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_name: str  # what /v1/models lists and requests must name
+    api_key: str | None = None
+    max_waiting: int = 256  # requests beyond the running batch before 429
+    disconnect_poll_s: float = 0.2  # how often a non-streaming request checks its client
+
+
+def serve_app(app: FastAPI, host: str, port: int, grace_period_s: float) -> None:
+    """Run the app under uvicorn until SIGINT or SIGTERM; after a graceful shutdown the
+    process exits normally (uvicorn's own handlers re-raise the signal once done, so the
+    process would end killed by it)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            previous = {s: signal.signal(s, self.handle_exit)
+                        for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                          timeout_graceful_shutdown=grace_period_s)).run()
+
+
+def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
+    llm = engine.llm
+    metrics = ServerMetrics(llm)
+    sessions = HttpSessions(engine, metrics)
+    template = ChatTemplate.for_model(llm.model_dir)
+    state = {"admitting": True, "in_flight": 0}
+    limit = llm.engine_config.max_num_seqs + config.max_waiting
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        state["admitting"] = False
+        await asyncio.to_thread(engine.shutdown)
+        log.info("kvstack serve: stopped (%d sessions on disk)", len(llm.disk.names()))
+
+    app = FastAPI(title="kvstack", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = where[0] if where else None
+        return JSONResponse(APIError(400, f"{'.'.join(where) or 'body'}: {first['msg']}",
+                                     param).body(), status_code=400)
+
+    @app.middleware("http")
+    async def authorise(request: Request, call_next: Any) -> Response:
+        if config.api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given, f"Bearer {config.api_key}"):
+                return JSONResponse(APIError(401, "missing or wrong API key (Authorization: "
+                                             "Bearer ...)", kind="authentication_error",
+                                             code="invalid_api_key").body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state["admitting"] else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        await asyncio.to_thread(metrics.refresh)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvstack",
+             "max_model_len": llm.core.max_model_len}]}
+
+    @app.get("/v1/sessions")
+    async def list_sessions() -> dict[str, Any]:
+        return {"object": "list", "data": await asyncio.to_thread(sessions.list)}
+
+    @app.get("/v1/sessions/{name}")
+    async def show_session(name: str) -> dict[str, Any]:
+        return await asyncio.to_thread(sessions.show, name)
+
+    @app.delete("/v1/sessions/{name}")
+    async def delete_session(name: str) -> dict[str, Any]:
+        await sessions.delete(name)
+        return {"id": name, "object": "session", "deleted": True}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request", "prompt")
+            prompt = prompt[0]
+        return await serve(body, request, prompt, (), "text_completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        text = template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        return await serve(body, request, text, template.stop, "chat.completion")
+
+    async def serve(body: _Request, request: Request, prompt: str | list[int],
+                    stop: tuple[str, ...], kind: str) -> Response:
+        body.check()
+        if body.model != config.model_name:
+            raise APIError(404, f"model {body.model!r} is not served here (this server: "
+                           f"{config.model_name!r})", "model", code="model_not_found")
+        if not state["admitting"]:
+            raise APIError(503, "the server is shutting down", kind="server_error")
+        if state["in_flight"] >= limit:
+            raise APIError(429, f"{state['in_flight']} requests are in flight (the limit is "
+                           f"{limit}); retry shortly", kind="rate_limit_error",
+                           headers={"Retry-After": "1"})
+        try:
+            ids = llm.encode(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt" if kind == "text_completion"
+                           else "messages") from None
+        room = llm.core.max_model_len - len(ids)
+        if room <= 0:
+            raise APIError(400, f"the prompt is {len(ids)} tokens; this model takes "
+                           f"{llm.core.max_model_len} in all (prompt and completion)",
+                           "messages" if kind == "chat.completion" else "prompt",
+                           code="context_length_exceeded")
+        wanted = body.max_tokens if body.max_tokens is not None else room
+        if wanted > room:
+            raise APIError(400, f"max_tokens {wanted} with a prompt of {len(ids)} tokens "
+                           f"exceeds the context of {llm.core.max_model_len} tokens",
+                           "max_tokens", code="context_length_exceeded")
+        params = [body.sampling(wanted, stop)]
+        for i in range(1, body.n):  # n samples: seeds apart, so they differ when sampled
+            seed = None if body.seed is None else body.seed + i
+            params.append(SamplingParams(**{**params[0].__dict__, "seed": seed}))
+        name = body.session or request.headers.get(SESSION_HEADER)
+        if name is not None and name in sessions.busy:
+            raise APIError(409, f"session {name!r} is running another request", "session",
+                           code="session_busy")
+        run = Run(engine, sessions, metrics, name, ids, params, body, kind)
+        state["in_flight"] += 1
+        try:
+            if body.stream:
+                return StreamingResponse(run.events(lambda: state.__setitem__(
+                    "in_flight", state["in_flight"] - 1)), media_type="text/event-stream")
+            return JSONResponse(await run.complete(request))
+        finally:
+            if not body.stream:
+                state["in_flight"] -= 1
+
+    return app
+
+
+class Run:
+    """One API request: its n engine requests (or one session turn), as a response body or
+    as server-sent events."""
+
+    def __init__(self, engine: AsyncLLM, sessions: HttpSessions, metrics: ServerMetrics,
+                 session: str | None, ids: list[int], params: list[SamplingParams],
+                 body: _Request, kind: str) -> None:
+        self.engine, self.sessions, self.metrics = engine, sessions, metrics
+        self.session, self.ids, self.params, self.body, self.kind = (
+            session, ids, params, body, kind)
+        self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.finals: list[RequestOutput | None] = [None] * len(params)
+
+    async def _outputs(self, index: int) -> AsyncIterator[RequestOutput]:
+        """Engine outputs of choice `index`, with the latency metrics recorded."""
+        start = last = time.perf_counter()
+        if self.session is not None:
+            outputs = self.sessions.turn(self.session, self.ids, self.params[0])
+        else:
+            outputs = self.engine.generate(self.ids, self.params[index])
+        async with contextlib.aclosing(outputs) as stream:
+            async for out in stream:
+                now = time.perf_counter()
+                if len(out.token_ids) > 1:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                if out.finished:
+                    self.finals[index] = out
+                    self.metrics.record(out, now - start)
+                yield out
+
+    async def complete(self, request: Request) -> dict[str, Any]:
+        async def collect(index: int) -> RequestOutput:
+            final = None
+            async for out in self._outputs(index):
+                final = out
+            return final
+
+        task = asyncio.gather(*(collect(i) for i in range(len(self.params))))
+        while not task.done():  # a client that hangs up cancels its request
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise APIError(499, "the client closed the request", kind="cancelled")
+        finals = task.result()
+        for out in finals:
+            if out.finish_reason == "error":
+                raise APIError(500, f"the engine failed on this request: {out.error}",
+                               kind="server_error")
+        choices = [self._choice(i, out, out.text, final=True) for i, out in enumerate(finals)]
+        return {"id": self.id, "object": self.kind, "created": self.created,
+                "model": self.body.model, "choices": choices, "usage": self._usage(finals)}
+
+    async def events(self, done: Any) -> AsyncIterator[str]:
+        queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            async for out in self._outputs(index):
+                await queue.put((index, out))
+            await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.params))]
+        sent = [""] * len(self.params)
+        open_choices = len(tasks)
+        try:
+            if self.kind == "chat.completion":
+                for i in range(len(tasks)):
+                    yield self._event([{"index": i, "delta": {"role": "assistant",
+                                                              "content": ""},
+                                        "finish_reason": None, "logprobs": None}])
+            while open_choices:
+                index, out = await queue.get()
+                if out is None:
+                    open_choices -= 1
+                    continue
+                if out.finish_reason == "error":
+                    yield "data: " + _json(APIError(500, f"the engine failed on this "
+                                                    f"request: {out.error}",
+                                                    kind="server_error").body()) + "\n\n"
+                    break
+                delta, sent[index] = out.text[len(sent[index]):], out.text
+                if delta or out.finished:
+                    yield self._event([self._choice(index, out, delta, out.finished)])
+            else:
+                options = self.body.stream_options
+                if options is not None and options.include_usage:
+                    yield self._event([], usage=self._usage(self.finals))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:  # a client gone mid-stream: its requests are aborted
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            done()
+
+    def _choice(self, index: int, out: RequestOutput, text: str,
+                final: bool) -> dict[str, Any]:
+        reason = ("length" if out.finish_reason == "length" else "stop") if final else None
+        if self.kind != "chat.completion":
+            content: dict[str, Any] = {"text": text}
+        elif self.body.stream:
+            content = {"delta": {"content": text}}
+        else:
+            content = {"message": {"role": "assistant", "content": text}}
+        choice = {"index": index, **content, "finish_reason": reason, "logprobs": None}
+        if self.body.return_token_ids and final:
+            choice["token_ids"] = list(out.token_ids)
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return choice
+
+    def _event(self, choices: list[dict[str, Any]], usage: dict | None = None) -> str:
+        kind = "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
+        event = {"id": self.id, "object": kind, "created": self.created,
+                 "model": self.body.model, "choices": choices}
+        if usage is not None:
+            event["usage"] = usage
+        return "data: " + _json(event) + "\n\n"
+
+    def _usage(self, finals: list[RequestOutput | None]) -> dict[str, Any]:
+        done = [f for f in finals if f is not None]
+        prompt = len(done[0].prompt_token_ids) if done else len(self.ids)
+        completion = sum(len(f.token_ids) for f in done)
+        cached = done[0].num_cached_tokens if done else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))

@@ -1,0 +1,117 @@
+"""The OpenAI API's request bodies as kvstack takes them, and its error shape.
+
+Unknown fields are refused by name (400), and so are fields of the API that kvstack does
+not implement when a request sets them to anything but their "off" value: a request is
+never served with a parameter silently ignored. kvstack's own fields: `top_k`,
+`ignore_eos`, `return_token_ids` (vLLM's names), and `session` (a conversation kept in the
+cache and on disk between requests; also the `X-Kvstack-Session` header).
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvstack.engine.sampling import SamplingParams
+
+# API fields kvstack does not implement, with the value that means "off".
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "tools": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+    "functions": (None,), "function_call": (None,), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,), "store": (None, False), "metadata": (None, {}),
+}
+
+
+class APIError(Exception):
+    """An error answered as the OpenAI API does: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind, self.code, self.headers = kind, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")  # extras are refused by name in `check`
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no limit
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    session: str | None = Field(None, min_length=1, max_length=200)
+    user: str | None = None  # an end-user id for the operator's logs; it changes nothing
+
+    def check(self) -> None:
+        """Refuse unknown fields and unsupported ones that are set, by name."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED:
+                if value not in UNSUPPORTED[name]:
+                    raise APIError(400, f"{name} is not supported by kvstack", name,
+                                   code="unsupported_parameter")
+            else:
+                raise APIError(400, f"unknown parameter {name!r}", name,
+                               code="unknown_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options needs stream: true", "stream_options")
+        if self.session is not None and self.n > 1:
+            raise APIError(400, "a session continues one conversation: n must be 1", "n")
+
+    def sampling(self, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                                  top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
+                                  stop=stop + extra_stop, ignore_eos=self.ignore_eos)
+        except ValueError as e:  # "SamplingParams: <field> must ..."
+            message = str(e).removeprefix("SamplingParams: ")
+            raise APIError(400, message, message.split(" ", 1)[0]) from None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = 16  # the OpenAI API's default for completions
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, "kvstack takes text content parts only", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None

@@ -1,0 +1,220 @@
+"""`kvstack serve` against the official openai client: real server processes on 127.0.0.1."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from kvstack import LLM, SamplingParams
+
+MODEL = "kvstack-default"
+SETTINGS = ["--kv-budget", "64MiB", "--replay", "exact", "--threads", "1"]
+LONG = ("import os\nimport sys\n\n\ndef main(argv):\n    parser = make_parser()\n"
+        "    args = parser.parse_args(argv)\n    return run(args)\n") * 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, cache_dir, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvstack.cli", "serve", "--port", str(self.port),
+             "--cache-dir", str(cache_dir), *SETTINGS, *extra],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.process.stdout.read()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise RuntimeError("server did not come up")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none",
+                                          max_retries=0)
+
+    def metric(self, name: str) -> float:
+        text = urllib.request.urlopen(self.url + "/metrics").read().decode()
+        for line in text.splitlines():
+            if line.startswith(f"kvstack:{name} ") or line.startswith(f"kvstack:{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=60)
+        finally:
+            self.process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "16")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def local():
+    return LLM("default", kv_budget="64MiB", replay="exact", threads=1,
+               cache_dir="/nonexistent-unused")
+
+
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_completions_equal_the_library_and_stream_the_same_text(server, local):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    expected = local.generate("def main(", SamplingParams(max_tokens=12, temperature=0,
+                                                          ignore_eos=True))[0]
+    out = server.client.completions.create(model=MODEL, prompt="def main(", **GREEDY)
+    assert out.choices[0].text == expected.text
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == len(
+        expected.prompt_token_ids)
+    chunks = list(server.client.completions.create(model=MODEL, prompt="def main(",
+                                                   stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_completions_plain_and_streamed(server):
+    messages = [{"role": "system", "content": "code only"},
+                {"role": "user", "content": "a parser"}]
+    out = server.client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    text = out.choices[0].message.content
+    assert out.choices[0].message.role == "assistant" and out.usage.completion_tokens <= 12
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True},
+        **GREEDY)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_a_repeated_prefix_reports_cached_tokens(server):
+    first = server.client.completions.create(model=MODEL, prompt=LONG + "x = 1", **GREEDY)
+    again = server.client.completions.create(model=MODEL, prompt=LONG + "y = 2", **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64  # a whole block at least
+
+
+def test_bad_requests_are_refused_by_name(server):
+    cases = (
+        (dict(temperature=-1), 400, "temperature"),
+        (dict(logprobs=2), 400, "logprobs"),
+        (dict(extra_body={"presence_penalty": 0.5}), 400, "presence_penalty"),
+        (dict(extra_body={"beam_width": 4}), 400, "beam_width"),
+        (dict(max_tokens=10**6), 400, "max_tokens"),
+    )
+    for kwargs, status, param in cases:
+        with pytest.raises(openai.APIStatusError) as e:
+            server.client.completions.create(model=MODEL, prompt="x", **kwargs)
+        assert e.value.status_code == status and e.value.body["param"] == param, kwargs
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        server.client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="prompt is 40000 tokens; this model "
+                                                     "takes 32768"):
+        server.client.completions.create(model=MODEL, prompt=[5] * 40000, max_tokens=1)
+
+
+def test_a_cancelled_stream_frees_its_blocks(server):
+    before = server.metric("device_blocks_used")
+    stream = server.client.completions.create(model=MODEL, prompt=LONG, stream=True,
+                                              temperature=0, max_tokens=2000,
+                                              extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.time() + 30
+    while server.metric("num_requests_running") and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric("num_requests_running") == 0
+    assert server.metric("device_blocks_used") == before
+
+
+def test_sixty_four_concurrent_streams_all_complete(server):
+    async def one(i: int) -> int:
+        stream = await server.aclient.completions.create(
+            model=MODEL, prompt=f"def f{i}(", stream=True, temperature=0.7, seed=i,
+            max_tokens=6, extra_body={"ignore_eos": True, "return_token_ids": True})
+        last = None
+        async for chunk in stream:
+            last = chunk
+        return len(last.choices[0].token_ids)
+
+    async def load() -> list[int]:
+        return await asyncio.gather(*(one(i) for i in range(64)))
+
+    before = server.metric("device_blocks_used")
+    assert asyncio.run(load()) == [6] * 64
+    assert server.metric("device_blocks_used") == before
+    assert server.metric("num_requests_waiting") == 0
+
+
+def test_a_session_across_requests_and_a_restart_equals_one_session(tmp_path, local):
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    turns = [local.encode("def parse(text):\n"), local.encode("    # then\n"),
+             local.encode("    return")]
+    reference = local.session("ref")
+    expected = []
+    for ids in turns:
+        reference.append(ids)
+        expected.append(reference.generate(params).token_ids)
+
+    def ask(s: Server, history: list[int]) -> list[int]:
+        out = s.client.completions.create(
+            model=MODEL, prompt=history, temperature=0, max_tokens=8,
+            extra_body={"ignore_eos": True, "session": "agent", "return_token_ids": True})
+        return out.choices[0].token_ids
+
+    first = Server(tmp_path, "--max-num-seqs", "2", "--max-waiting", "0")
+    history = turns[0]
+    got = [ask(first, history)]
+    history = history + got[0] + turns[1]
+    got.append(ask(first, history))
+    listed = first.client.get("/sessions", cast_to=object)
+    assert [s["id"] for s in listed["data"]] == ["agent"]
+    # A full queue answers 429: two long streams fill the two slots with no waiting room.
+    streams = [first.client.completions.create(model=MODEL, prompt="x", stream=True,
+                                               max_tokens=3000, temperature=0,
+                                               extra_body={"ignore_eos": True})
+               for _ in range(2)]
+    with pytest.raises(openai.RateLimitError) as e:
+        first.client.completions.create(model=MODEL, prompt="y", max_tokens=1)
+    assert e.value.response.headers["retry-after"] == "1"
+    for stream in streams:
+        stream.close()
+    assert first.stop(signal.SIGTERM) == 0
+
+    second = Server(tmp_path)
+    history = history + got[1] + turns[2]
+    got.append(ask(second, history))
+    assert got == expected
+    assert second.metric("sessions_resumed_total") == 1
+    assert second.stop(signal.SIGKILL) != 0
+    third = Server(tmp_path)  # a killed server lost nothing saved
+    shown = third.client.get("/sessions/agent", cast_to=object)
+    assert shown["tokens"] == len(history) + 8
+    third.client.delete("/sessions/agent", cast_to=object)
+    with pytest.raises(openai.NotFoundError):
+        third.client.get("/sessions/agent", cast_to=object)
+    assert third.stop() == 0
