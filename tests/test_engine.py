@@ -137,7 +137,7 @@ def test_decode_at_32k_reads_no_float_copy_of_the_context(monkeypatch):
         return original(self, rows)
 
     monkeypatch.setattr(PackedRows, "read", counting_read)
-    token = llm.runner.decode([seq])[0]
+    token = llm.runner.decode([seq])[0].token
     assert 0 <= token < config.vocab_size
     assert store.num_tokens == context + 1
     assert max(largest) <= KEY_CHUNK < context
@@ -358,3 +358,38 @@ def test_the_bundled_model_serves_by_default():
     out = llm.generate("def main():\n", SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.token_ids and out.text
     assert llm.memory_report()["planned_bytes_per_token"] == 133.5
+
+
+def test_penalties_change_the_logits_as_openai_and_vllm_define_them():
+    from kvstack.engine.sampling import penalise
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    rep = penalise(logits, SamplingParams(repetition_penalty=2.0), [0], [1, 1])
+    assert rep.tolist() == [1.0, -2.0, 0.5, 3.0]  # seen tokens: positive / 2, negative * 2
+    both = penalise(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+                    [0], [1, 1, 3])
+    assert both.tolist() == [2.0, -1.0 - 0.5 - 0.5, 0.5, 3.0 - 0.25 - 0.5]
+    for bad in (dict(presence_penalty=3), dict(repetition_penalty=0), dict(logprobs=21)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_logprobs_and_penalties_through_the_engine():
+    llm = LLM("default", kv_budget="64MiB", threads=1)
+    plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompt = "def main(self, name):\n"
+    base = llm.generate(prompt, plain)[0]
+    asked = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0,
+                                                ignore_eos=True, logprobs=3))[0]
+    assert asked.token_ids == base.token_ids and base.logprobs is None
+    assert len(asked.logprobs) == 24
+    for token, entry in zip(asked.token_ids, asked.logprobs, strict=True):
+        assert entry.top[0][0] == token and entry.logprob == entry.top[0][1] <= 0
+        assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+    penalised = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0,
+                                                    ignore_eos=True, frequency_penalty=2.0))[0]
+
+    def most_repeated(ids: list[int]) -> int:
+        return max(ids.count(t) for t in ids)
+
+    assert most_repeated(penalised.token_ids) < most_repeated(base.token_ids)

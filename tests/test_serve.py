@@ -119,8 +119,9 @@ def test_a_repeated_prefix_reports_cached_tokens(server):
 def test_bad_requests_are_refused_by_name(server):
     cases = (
         (dict(temperature=-1), 400, "temperature"),
-        (dict(logprobs=2), 400, "logprobs"),
-        (dict(extra_body={"presence_penalty": 0.5}), 400, "presence_penalty"),
+        (dict(logprobs=30), 400, "logprobs"),
+        (dict(extra_body={"logit_bias": {"5": 1}}), 400, "logit_bias"),
+        (dict(presence_penalty=5), 400, "presence_penalty"),
         (dict(extra_body={"beam_width": 4}), 400, "beam_width"),
         (dict(max_tokens=10**6), 400, "max_tokens"),
     )
@@ -133,6 +134,29 @@ def test_bad_requests_are_refused_by_name(server):
     with pytest.raises(openai.BadRequestError, match="prompt is 40000 tokens; this model "
                                                      "takes 32768"):
         server.client.completions.create(model=MODEL, prompt=[5] * 40000, max_tokens=1)
+
+
+def test_logprobs_and_penalties(server):
+    out = server.client.completions.create(model=MODEL, prompt="def main(", logprobs=2,
+                                           frequency_penalty=1.0, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens == 12
+    assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    messages = [{"role": "user", "content": "a parser"}]
+    chat = server.client.chat.completions.create(model=MODEL, messages=messages,
+                                                 logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy: the top
+    streamed = server.client.chat.completions.create(
+        model=MODEL, messages=messages, logprobs=True, stream=True, **GREEDY)
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == [c.logprob for c in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        server.client.chat.completions.create(model=MODEL, messages=messages,
+                                              top_logprobs=2, max_tokens=1)
 
 
 def test_a_cancelled_stream_frees_its_blocks(server):
@@ -218,3 +242,55 @@ def test_a_session_across_requests_and_a_restart_equals_one_session(tmp_path, lo
     with pytest.raises(openai.NotFoundError):
         third.client.get("/sessions/agent", cast_to=object)
     assert third.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def app_client(tmp_path_factory):
+    """The app in this process (no socket): the parts that need no real server."""
+    from fastapi.testclient import TestClient
+
+    from kvstack import AsyncLLM
+    from kvstack.serve.app import ServeConfig, build_app
+
+    engine = AsyncLLM(LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16,
+                          cache_dir=tmp_path_factory.mktemp("app")))
+    with TestClient(build_app(engine, ServeConfig("tiny", api_key="sesame"))) as client:
+        yield client
+
+
+def test_an_api_key_is_required_when_set(app_client):
+    client = app_client
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    refused = client.post("/v1/completions", json=body)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    wrong = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer x"})
+    assert wrong.status_code == 401
+    ok = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sesame"})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+    assert client.get("/health").status_code == 200  # health and metrics need no key
+
+
+def test_n_samples_and_a_busy_session(app_client):
+    client = app_client
+    auth = {"Authorization": "Bearer sesame"}
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "n": 3, "seed": 1,
+            "temperature": 1.0, "ignore_eos": True}
+    out = client.post("/v1/completions", json=body, headers=auth).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert out["usage"]["completion_tokens"] == 12
+    with_session = body | {"n": 2, "session": "s"}
+    refused = client.post("/v1/completions", json=with_session, headers=auth)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+    turn = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    session = auth | {"X-Kvstack-Session": "t"}
+    first = client.post("/v1/completions", json=turn, headers=session)
+    assert first.status_code == 200
+    shown = client.get("/v1/sessions/t", headers=auth).json()
+    assert shown["tokens"] == first.json()["usage"]["total_tokens"] and not shown["busy"]
+    client.app.state.sessions.busy.add("t")  # a turn of it in flight
+    busy = client.post("/v1/completions", json=turn, headers=session)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy"
+    assert client.delete("/v1/sessions/t", headers=auth).status_code == 409
+    client.app.state.sessions.busy.discard("t")
+    assert client.delete("/v1/sessions/t", headers=auth).json()["deleted"]

@@ -30,7 +30,7 @@ from kvstack.cache.prefix import chain_seed
 from kvstack.engine.config import EngineConfig
 from kvstack.engine.output import Detokenizer, OutputRouter
 from kvstack.engine.runner import ModelRunner
-from kvstack.engine.sampling import SamplingParams
+from kvstack.engine.sampling import Sample, SamplingParams
 from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput, Sequence, Status
 from kvstack.engine.tokenizer import Tokenizer
@@ -180,20 +180,20 @@ class EngineCore:
         if is_prefill:
             for seq in seqs:
                 try:
-                    token = self.runner.prefill(seq)
+                    sampled = self.runner.prefill(seq)
                 except Exception as e:  # one request must not stop the others
                     self._fault([seq], e)
                     continue
-                self._advance(seq, token)
+                self._advance(seq, sampled)
         else:
             try:
-                tokens = self.runner.decode(seqs)
+                samples = self.runner.decode(seqs)
             except Exception as e:
                 self._fault(seqs, e)
             else:
-                for seq, token in zip(seqs, tokens, strict=True):
+                for seq, sampled in zip(seqs, samples, strict=True):
                     seq.suspect, seq.faults = False, 0  # it steps again: start over
-                    self._advance(seq, token)
+                    self._advance(seq, sampled)
         return self._outputs(moved + seqs)
 
     def wait(self, request_id: str) -> RequestOutput:
@@ -224,9 +224,12 @@ class EngineCore:
                 seq.suspect = len(seqs) > 1  # next time it decodes alone
                 self.scheduler.preempt(seq)
 
-    def _advance(self, seq: Sequence, token: int) -> None:
+    def _advance(self, seq: Sequence, sampled: Sample) -> None:
         self.cache.register_full_blocks(seq.store)
+        token = sampled.token
         seq.output_ids.append(token)
+        if sampled.logprobs is not None:
+            seq.logprobs.append(sampled.logprobs)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         stopped = seq.detokenizer.add(token)

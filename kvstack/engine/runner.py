@@ -3,7 +3,7 @@
 import torch
 
 from kvstack.cache.batch import DecodeBatch
-from kvstack.engine.sampling import sample, sample_batch
+from kvstack.engine.sampling import Sample, sample_batch
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
 
@@ -15,11 +15,11 @@ class ModelRunner:
         self.replayed_tokens = 0  # tokens re-run to rebuild window state, since start
 
     @torch.no_grad()
-    def prefill(self, seq: Sequence) -> int:
+    def prefill(self, seq: Sequence) -> Sample:
         """Feed the sequence's tokens its store does not hold yet (the prompt, what it
         generated before a preemption, or a follow-up turn) through CED prefill; the
         next token."""
-        return sample(self.prefill_logits(seq)[0], seq.params, seq.generator)
+        return sample_batch(self.prefill_logits(seq), [seq])[0]
 
     @torch.no_grad()
     def prefill_logits(self, seq: Sequence) -> torch.Tensor:
@@ -35,10 +35,10 @@ class ModelRunner:
         return self.model.prefill(ids, store, replay=self.replay, chunk_size=self.chunk_size)
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence]) -> list[int]:
+    def decode(self, seqs: list[Sequence]) -> list[Sample]:
         """Feed each sequence's last sampled token, all in one batch whatever their
         positions (one `DecodeBatch`: the step's plan over the block pools); their next
         tokens."""
         batch = DecodeBatch([s.store for s in seqs])
         logits = self.model.decode([s.output_ids[-1] for s in seqs], batch)
-        return sample_batch(logits, [(s.params, s.generator) for s in seqs])
+        return sample_batch(logits, seqs)

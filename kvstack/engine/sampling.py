@@ -1,7 +1,9 @@
 """Sampling parameters and the sampler, with vLLM's names."""
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -15,6 +17,17 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's penalties on tokens generated so far: presence subtracts once per token
+    # that occurred, frequency once per occurrence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's / HF's: logits of tokens in the prompt or the output are divided by it (if
+    # positive; multiplied if negative).
+    repetition_penalty: float = 1.0
+    # Log-probabilities to return per token: None none, 0 the sampled token's, k also
+    # the k likeliest (from the model's raw distribution, before penalties and
+    # temperature, as vLLM reports them).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,15 +47,70 @@ class SamplingParams:
              f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop),
              f"stop must be non-empty strings, got {self.stop!r}"),
+            (isinstance(self.presence_penalty, int | float)
+             and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be between -2 and 2, got {self.presence_penalty!r}"),
+            (isinstance(self.frequency_penalty, int | float)
+             and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be between -2 and 2, got {self.frequency_penalty!r}"),
+            (isinstance(self.repetition_penalty, int | float)
+             and 0 < self.repetition_penalty <= 10,
+             f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}"),
+            (self.logprobs is None or (isinstance(self.logprobs, int)
+                                       and 0 <= self.logprobs <= 20),
+             f"logprobs must be an integer from 0 to 20, got {self.logprobs!r}"),
         )
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"SamplingParams: {message}")
 
+    @property
+    def penalised(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+
+class TokenLogprobs(NamedTuple):
+    """A sampled token's log-probability and the likeliest tokens' [(id, logprob)]."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+class Sample(NamedTuple):
+    token: int
+    logprobs: TokenLogprobs | None
+
+
+class Sampled(Protocol):
+    """What the sampler reads of a request (`kvstack.engine.sequence.Sequence`)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+def penalise(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+             output_ids: Sequence[int]) -> torch.Tensor:
+    """Next-token logits [vocab] with the repetition, presence and frequency penalties."""
+    logits = logits.float().clone()
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long,
+                            device=logits.device)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty,
+                                   picked * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device),
+                                minlength=logits.shape[-1]).float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
 
 def sample(logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None) -> int:
-    """One token id from next-token logits [vocab]."""
+    """One token id from next-token logits [vocab] (penalties already applied)."""
     if params.temperature == 0:
         return int(logits.argmax())
     logits = logits.float() / params.temperature
@@ -58,21 +126,31 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def sample_batch(logits: torch.Tensor,
-                 requests: list[tuple[SamplingParams, torch.Generator | None]]) -> list[int]:
-    """One token id per row of logits [B, vocab]: the greedy rows by one argmax, read back
-    with each row's finiteness in one copy to the host, the others one by one. Non-finite
-    logits (a fault somewhere in the step: nothing on the way was looked at) raise
-    FloatingPointError rather than yield a token."""
+def sample_batch(logits: torch.Tensor, requests: Sequence[Sampled]) -> list[Sample]:
+    """One token per row of logits [B, vocab]: the plain greedy rows by one argmax, read
+    back with each row's finiteness in one copy to the host; the others (sampled,
+    penalised, or asking for log-probabilities) one by one. Non-finite logits (a fault
+    somewhere in the step: nothing on the way was looked at) raise FloatingPointError
+    rather than yield a token."""
     argmax, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)
     greedy_ids, finite_rows = torch.stack((argmax, finite.long())).tolist()
     if not all(finite_rows):
         bad = [i for i, ok in enumerate(finite_rows) if not ok]
         raise FloatingPointError(f"non-finite logits in rows {bad} of a decode batch of "
                                  f"{len(finite_rows)}")
-    tokens = [greedy_ids[i] if params.temperature == 0 else 0
-              for i, (params, _) in enumerate(requests)]
-    for i, (params, generator) in enumerate(requests):
-        if params.temperature != 0:
-            tokens[i] = sample(logits[i], params, generator)
-    return tokens
+    samples = []
+    for i, r in enumerate(requests):
+        p = r.params
+        if p.temperature == 0 and not p.penalised and p.logprobs is None:
+            samples.append(Sample(greedy_ids[i], None))
+            continue
+        row = penalise(logits[i], p, r.prompt_ids, r.output_ids) if p.penalised else logits[i]
+        token = sample(row, p, r.generator)
+        entry = None
+        if p.logprobs is not None:
+            logprobs = logits[i].float().log_softmax(-1)
+            top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
+            entry = TokenLogprobs(float(logprobs[token]), tuple(zip(
+                top.indices.tolist(), top.values.tolist(), strict=True)) if top else ())
+        samples.append(Sample(token, entry))
+    return samples

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstack.cache.paged import PagedSequenceStore
-from kvstack.engine.sampling import SamplingParams
+from kvstack.engine.sampling import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from kvstack.engine.output import Detokenizer
@@ -27,6 +27,7 @@ class Sequence:
     params: SamplingParams
     prompt: str | None = None
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, if asked
     text: str = ""
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -66,6 +67,7 @@ class RequestOutput:
     error: str | None
     metrics: dict[str, float]
     num_cached_tokens: int = 0  # prompt tokens whose cache was reused (prefix, kept turn)
+    logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
@@ -78,4 +80,5 @@ class RequestOutput:
                     end - seq.first_token_time)
         return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), seq.text,
                    list(seq.output_ids), seq.finish_reason,
-                   seq.status is Status.FINISHED, seq.error, metrics, seq.num_cached_tokens)
+                   seq.status is Status.FINISHED, seq.error, metrics, seq.num_cached_tokens,
+                   list(seq.logprobs) if seq.params.logprobs is not None else None)

@@ -11,6 +11,7 @@ already (each turn saves its session).
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import secrets
@@ -83,6 +84,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         log.info("kvstack serve: stopped (%d sessions on disk)", len(llm.disk.names()))
 
     app = FastAPI(title="kvstack", lifespan=lifespan)
+    app.state.sessions = sessions
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -213,6 +215,7 @@ class Run:
         self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.finals: list[RequestOutput | None] = [None] * len(params)
+        self.tokenizer = engine.llm.tokenizer
 
     async def _outputs(self, index: int) -> AsyncIterator[RequestOutput]:
         """Engine outputs of choice `index`, with the latency metrics recorded."""
@@ -252,7 +255,8 @@ class Run:
             if out.finish_reason == "error":
                 raise APIError(500, f"the engine failed on this request: {out.error}",
                                kind="server_error")
-        choices = [self._choice(i, out, out.text, final=True) for i, out in enumerate(finals)]
+        choices = [self._choice(i, out, out.text, 0, final=True)
+                   for i, out in enumerate(finals)]
         return {"id": self.id, "object": self.kind, "created": self.created,
                 "model": self.body.model, "choices": choices, "usage": self._usage(finals)}
 
@@ -266,6 +270,7 @@ class Run:
 
         tasks = [asyncio.create_task(pump(i)) for i in range(len(self.params))]
         sent = [""] * len(self.params)
+        sent_tokens = [0] * len(self.params)
         open_choices = len(tasks)
         try:
             if self.kind == "chat.completion":
@@ -285,7 +290,9 @@ class Run:
                     break
                 delta, sent[index] = out.text[len(sent[index]):], out.text
                 if delta or out.finished:
-                    yield self._event([self._choice(index, out, delta, out.finished)])
+                    yield self._event([self._choice(index, out, delta, sent_tokens[index],
+                                                    out.finished)])
+                    sent_tokens[index] = len(out.token_ids)
             else:
                 options = self.body.stream_options
                 if options is not None and options.include_usage:
@@ -297,8 +304,10 @@ class Run:
             await asyncio.gather(*tasks, return_exceptions=True)
             done()
 
-    def _choice(self, index: int, out: RequestOutput, text: str,
+    def _choice(self, index: int, out: RequestOutput, text: str, first_token: int,
                 final: bool) -> dict[str, Any]:
+        """Choice `index` carrying `text` and the log-probabilities of its tokens from
+        `first_token` on (when asked for)."""
         reason = ("length" if out.finish_reason == "length" else "stop") if final else None
         if self.kind != "chat.completion":
             content: dict[str, Any] = {"text": text}
@@ -306,11 +315,31 @@ class Run:
             content = {"delta": {"content": text}}
         else:
             content = {"message": {"role": "assistant", "content": text}}
-        choice = {"index": index, **content, "finish_reason": reason, "logprobs": None}
+        choice = {"index": index, **content, "finish_reason": reason,
+                  "logprobs": self._logprobs(out, first_token)}
         if self.body.return_token_ids and final:
             choice["token_ids"] = list(out.token_ids)
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
         return choice
+
+    def _logprobs(self, out: RequestOutput, first: int) -> dict[str, Any] | None:
+        """The OpenAI API's logprobs of out's tokens from `first` on: per token for chat,
+        as parallel lists for completions."""
+        if out.logprobs is None:
+            return None
+        ids, entries = out.token_ids[first:], out.logprobs[first:]
+        name = self.tokenizer.decode
+        if self.kind == "chat.completion":
+            def token(i: int, logprob: float) -> dict[str, Any]:
+                text = name([i])
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return {"content": [token(i, e.logprob) | {"top_logprobs": [
+                token(t, lp) for t, lp in e.top]} for i, e in zip(ids, entries, strict=True)]}
+        texts = [name([i]) for i in ids]
+        offsets = list(itertools.accumulate((len(t) for t in texts), initial=0))[:len(texts)]
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{name([t]): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
 
     def _event(self, choices: list[dict[str, Any]], usage: dict | None = None) -> str:
         kind = "chat.completion.chunk" if self.kind == "chat.completion" else self.kind

@@ -15,10 +15,8 @@ from kvstack.engine.sampling import SamplingParams
 
 # API fields kvstack does not implement, with the value that means "off".
 UNSUPPORTED = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "tools": (None, []), "tool_choice": (None, "none"),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
     "functions": (None,), "function_call": (None,), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "service_tier": (None, "auto", "default"),
@@ -60,6 +58,9 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     return_token_ids: bool = False
     session: str | None = Field(None, min_length=1, max_length=200)
     user: str | None = None  # an end-user id for the operator's logs; it changes nothing
@@ -79,12 +80,20 @@ class _Request(BaseModel):
         if self.session is not None and self.n > 1:
             raise APIError(400, "a session continues one conversation: n must be 1", "n")
 
+    def top_logprobs_wanted(self) -> int | None:
+        """Log-probabilities asked for: None, or how many of the likeliest tokens."""
+        raise NotImplementedError
+
     def sampling(self, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                                   top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
-                                  stop=stop + extra_stop, ignore_eos=self.ignore_eos)
+                                  stop=stop + extra_stop, ignore_eos=self.ignore_eos,
+                                  presence_penalty=self.presence_penalty,
+                                  frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty,
+                                  logprobs=self.top_logprobs_wanted())
         except ValueError as e:  # "SamplingParams: <field> must ..."
             message = str(e).removeprefix("SamplingParams: ")
             raise APIError(400, message, message.split(" ", 1)[0]) from None
@@ -93,6 +102,10 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = 16  # the OpenAI API's default for completions
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -115,3 +128,10 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def top_logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
