@@ -1,0 +1,247 @@
+"""Serving benchmark, in the manner of vLLM's: concurrent streaming clients against
+`kvstack serve` and against `transformers serve` with an HF Llama of the same shape, one
+run, the same prompts, ratios printed.
+
+Both servers get a random-init model of bench/prefill.py's shape (dim 256, 8 layers, 4
+heads of 64) with the bundled model's 2,048-token tokenizer: kvstack the compressed stack
+(`kvstack serve --model DIR`), transformers a `LlamaForCausalLM` as wide and deep with the
+dense control's KV heads and the MoE's active FFN width (bench/decode.py's peer), in
+float32, served by `transformers serve DIR` (its default: no continuous batching; with
+`--hf-continuous-batching` its paged continuous batching). Each server runs alone, on one
+thread (OMP_NUM_THREADS=1; kvstack also `--threads 1`).
+
+The workload is agent-like: `--clients` clients keep one streaming `/v1/completions`
+request each in flight until `--requests` are done; a `--shared` share of the prompts are
+one long repository-like prefix (`--prefix-tokens` of a stdlib module) followed by a short
+question, the rest fresh prompts (other modules' text, 200 tokens). Greedy, `--max-tokens`
+tokens each, after a warm-up of one request per client. Reported per server: TTFT and
+inter-token latency p50 / p99 (from the client: first text chunk, gaps between chunks),
+output tokens/s over the whole run, and for kvstack the prefix-cache hit rate from its
+/metrics. Needs the bench and serve extras
+(transformers, accelerate, fastapi, uvicorn).
+"""
+
+import argparse
+import asyncio
+import inspect
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import quantiles
+
+import openai
+import torch
+from decode import hf_model  # bench/ is on the path: the same peer as the decode benchmark
+from prefill import bench_config
+from rich.console import Console
+from rich.table import Table
+
+from kvstack.engine.llm import bundled_model
+from kvstack.engine.tokenizer import JsonTokenizer
+from kvstack.model import Model
+from kvstack.model.checkpoint import save_kvstack
+
+SOURCES = ("json.decoder", "argparse", "textwrap", "difflib", "csv", "configparser",
+           "shlex", "fractions", "heapq", "bisect", "calendar", "pprint")
+QUESTIONS = ("\n# where is the parser built?\n", "\n# what does main return?\n",
+             "\n# list the public names\n", "\n# which errors are raised?\n",
+             "\n# explain the loop above\n", "\n# how are options stored?\n")
+
+
+@dataclass
+class Result:
+    ttft: list[float]
+    itl: list[float]
+    output_tokens: int
+    wall_s: float
+    errors: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def module_text(name: str) -> str:
+    import importlib
+
+    return inspect.getsource(importlib.import_module(name))
+
+
+def prompts(tokenizer: JsonTokenizer, args: argparse.Namespace) -> list[str]:
+    rng = random.Random(0)
+    prefix_ids = tokenizer.encode(module_text(SOURCES[0]))[: args.prefix_tokens]
+    prefix = tokenizer.decode(prefix_ids)
+    fresh = [tokenizer.decode(tokenizer.encode(module_text(m))[:200]) for m in SOURCES[1:]]
+    out = []
+    for i in range(args.requests):
+        if rng.random() < args.shared:
+            out.append(prefix + QUESTIONS[i % len(QUESTIONS)])
+        else:
+            out.append(fresh[i % len(fresh)] + QUESTIONS[i % len(QUESTIONS)])
+    return out
+
+
+def wait_up(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited: {process.stdout.read()}")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def run_load(base_url: str, model: str, texts: list[str],
+                   args: argparse.Namespace) -> Result:
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
+                                timeout=600)
+    queue = list(enumerate(texts))
+    ttft, itl, tokens, errors = [], [], [0], [0]
+
+    async def client_loop() -> None:
+        while queue:
+            _, text = queue.pop(0)
+            start = last = time.perf_counter()
+            first = True
+            try:
+                stream = await client.completions.create(
+                    model=model, prompt=text, max_tokens=args.max_tokens, temperature=0,
+                    stream=True, stream_options={"include_usage": True})
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    if chunk.choices and chunk.choices[0].text:
+                        if first:
+                            ttft.append(now - start)
+                            first = False
+                        else:
+                            itl.append(now - last)
+                        last = now
+                    if chunk.usage is not None:
+                        tokens[0] += chunk.usage.completion_tokens
+            except openai.APIError:
+                errors[0] += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client_loop() for _ in range(args.clients)))
+    return Result(ttft, itl, tokens[0], time.perf_counter() - start, errors[0])
+
+
+def pct(values: list[float], q: int) -> float:
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def kvstack_hit_rate(url: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    hits = queried = 0.0
+    for line in text.splitlines():
+        if line.startswith("kvstack:prefix_cache_hit_tokens{"):
+            hits += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvstack:prefix_cache_queried_tokens "):
+            queried = float(line.rsplit(" ", 1)[1])
+    return hits / queried if queried else 0.0
+
+
+def serve_and_measure(command: list[str], model: str, texts: list[str],
+                      args: argparse.Namespace,
+                      has_metrics: bool) -> tuple[Result, float | None]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen([*command, "--port", str(port)], env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_up(url, process)
+        asyncio.run(run_load(url, model, texts[: args.clients], args))  # warm-up
+        result = asyncio.run(run_load(url, model, texts, args))
+        rate = kvstack_hit_rate(url) if has_metrics else None
+        return result, rate
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--prefix-tokens", type=int, default=1024)
+    parser.add_argument("--shared", type=float, default=0.75)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--hf-continuous-batching", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tokenizer = JsonTokenizer(bundled_model() / "tokenizer.json")
+    texts = prompts(tokenizer, args)
+    config = bench_config(max_seq_len=8192).replace(vocab_size=tokenizer.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, peer = Path(tmp) / "kvstack", Path(tmp) / "hf"
+        torch.manual_seed(0)
+        save_kvstack(Model(config), ours)
+        (ours / "tokenizer.json").write_text((bundled_model() / "tokenizer.json").read_text())
+        from transformers import PreTrainedTokenizerFast
+
+        hf_model(config, 8192).save_pretrained(peer)
+        PreTrainedTokenizerFast(tokenizer_file=str(ours / "tokenizer.json")).save_pretrained(
+            peer)
+        kv = [sys.executable, "-m", "kvstack.cli", "serve", "--model", str(ours), "--threads",
+              "1", "--kv-budget", "256MiB", "--max-num-seqs", str(args.clients),
+              "--cache-dir", str(Path(tmp) / "cache")]
+        hf = [str(Path(sys.executable).parent / "transformers"), "serve", str(peer)]
+        if args.hf_continuous_batching:
+            hf.append("--continuous-batching")
+        results = {
+            "(a) kvstack serve": serve_and_measure(kv, "kvstack", texts, args, True),
+            "(b) transformers serve": serve_and_measure(hf, str(peer), texts, args, False),
+        }
+    a = results["(a) kvstack serve"][0]
+    rows = {}
+    for name, (r, hit) in results.items():
+        rows[name] = {
+            "ttft_p50_ms": 1e3 * pct(r.ttft, 50), "ttft_p99_ms": 1e3 * pct(r.ttft, 99),
+            "itl_p50_ms": 1e3 * pct(r.itl, 50), "itl_p99_ms": 1e3 * pct(r.itl, 99),
+            "output_tok_s": r.output_tokens / r.wall_s, "errors": r.errors,
+            "prefix_hit_rate": hit, "requests": len(texts)}
+    a_row = rows["(a) kvstack serve"]
+    if args.json:
+        print(json.dumps({"rows": rows, "args": vars(args), "threads": 1}))
+        return
+    table = Table(title=f"{args.clients} streaming clients, {len(texts)} requests "
+                        f"({args.shared:.0%} on one {args.prefix_tokens}-token prefix), "
+                        f"{args.max_tokens} tokens each, greedy")
+    for column in ("server", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+                   "out tok/s", "(a) × tok/s", "prefix hits", "errors"):
+        table.add_column(column, justify="left" if column == "server" else "right")
+    for name, row in rows.items():
+        hit = "" if row["prefix_hit_rate"] is None else f"{row['prefix_hit_rate']:.0%}"
+        ratio = "" if row is a_row else f"{a_row['output_tok_s'] / row['output_tok_s']:.2f}×"
+        table.add_row(name, f"{row['ttft_p50_ms']:.0f}", f"{row['ttft_p99_ms']:.0f}",
+                      f"{row['itl_p50_ms']:.1f}", f"{row['itl_p99_ms']:.1f}",
+                      f"{row['output_tok_s']:.1f}", ratio, hit, str(row["errors"]))
+    Console().print(table)
+    print(f"model: dim 256, 8 layers, 4 heads of 64, vocab {tokenizer.vocab_size}; each "
+          f"server alone, 1 thread; (b) {'with' if args.hf_continuous_batching else 'without'}"
+          f" continuous batching; torch {torch.__version__}; {a.errors} errors in (a)")
+
+
+if __name__ == "__main__":
+    main()
