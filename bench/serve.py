@@ -107,8 +107,13 @@ def wait_up(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
 
 async def run_load(base_url: str, model: str, texts: list[str],
                    args: argparse.Namespace) -> Result:
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
-                                timeout=600)
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
+                                  timeout=600) as client:
+        return await _load(client, model, texts, args)
+
+
+async def _load(client: openai.AsyncOpenAI, model: str, texts: list[str],
+                args: argparse.Namespace) -> Result:
     queue = list(enumerate(texts))
     ttft, itl, tokens, errors = [], [], [0], [0]
 

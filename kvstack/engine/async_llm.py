@@ -5,8 +5,11 @@ sessions) may share the same core from other threads meanwhile.
 """
 
 import asyncio
+import contextlib
+import queue
 import threading
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,54 +27,57 @@ class AsyncLLM:
         """An LLM to serve (or what builds one, as `LLM(model, engine_config, ...)`)."""
         self.llm = model if isinstance(model, LLM) else LLM(model, engine_config, **settings)
         self.core = self.llm.core
-        self._work = threading.Condition()
+        # What coroutines ask of the core, taken by the engine thread between steps: an
+        # event loop never waits on the core's lock (which a stepping thread takes again
+        # as soon as it lets go), so outputs keep flowing while requests arrive.
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._closed = False
-        # request id -> how to hand it an output or an engine failure
-        self._deliver: dict[str, Any] = {}
+        # request id -> how to hand it an output or a failure (the engine thread's)
+        self._deliver: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._thread = threading.Thread(target=self._loop, name="kvstack-engine", daemon=True)
         self._thread.start()
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, continue_from: str | None = None,
                        keep_cache: bool = False) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine makes them, the final one last. Bad input
-        raises ValueError before anything is queued; a caller that stops iterating early
-        (a closed connection) aborts the request. continue_from / keep_cache: as
-        `LLM.add_request`'s (a conversation kept in the cache between turns)."""
+        """The request's outputs as the engine makes them, the final one last. A bad prompt
+        raises ValueError before anything is queued, a request the engine refuses (too
+        long, an unknown conversation) ValueError at the first step; a caller that stops
+        iterating early (a closed connection) aborts the request. continue_from /
+        keep_cache: as `LLM.add_request`'s (a conversation kept in the cache)."""
         if self._closed:
             raise EngineError("the engine is shut down")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def deliver(item: RequestOutput | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        with self.core.lock:  # no step may route an output before it is subscribed
-            request_id = self.llm.add_request(prompt, sampling_params, request_id,
-                                              continue_from, keep_cache, on_output=deliver)
-            self._deliver[request_id] = deliver
-        with self._work:
-            self._work.notify()
+        # A continuation may add nothing: the previous turn's last token is still to feed.
+        ids = [] if continue_from is not None and not prompt else self.llm.encode(prompt)
+        request_id = request_id if request_id is not None else f"async-{uuid.uuid4().hex}"
+        self._inbox.put(("add", (ids, sampling_params, request_id, continue_from,
+                                 keep_cache, prompt if isinstance(prompt, str) else None,
+                                 deliver)))
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                item = await outputs.get()
+                if isinstance(item, ValueError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineError(f"request {request_id}: the engine failed: "
                                       f"{type(item).__name__}: {item}") from item
                 finished = item.finished
                 yield item
         finally:
-            self._deliver.pop(request_id, None)
             if not finished:
-                self.core.abort(request_id)
-                self.core.router.forget(request_id)
+                self._inbox.put(("abort", request_id))
 
     def shutdown(self) -> None:
         """Stop the engine thread (requests still running are aborted)."""
-        with self._work:
-            self._closed = True
-            self._work.notify()
+        self._closed = True
+        self._inbox.put(("stop", None))
         self._thread.join()
         for request_id in list(self._deliver):
             self.core.abort(request_id)
@@ -82,16 +88,44 @@ class AsyncLLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    # ---- the engine thread -------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self._work:
-                while not self._closed and not self.core.has_unfinished_requests():
-                    self._work.wait()
-                if self._closed:
-                    return
-            try:
-                self.core.step()
-            except Exception as error:  # the engine itself, not one request, failed
-                for request_id, deliver in list(self._deliver.items()):
-                    deliver(error)  # ahead of the abort's own final output
-                    self.core.abort(request_id)
+            # Wait for work when there is none; otherwise take what arrived and step.
+            idle = not self.core.has_unfinished_requests()
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    kind, what = self._inbox.get(block=idle)
+                    idle = False
+                    if kind == "stop":
+                        return
+                    self._take(kind, what)
+            if self.core.has_unfinished_requests():
+                try:
+                    self.core.step()
+                except Exception as error:  # the engine itself, not one request, failed
+                    for request_id, deliver in list(self._deliver.items()):
+                        deliver(error)  # ahead of the abort's own final output
+                        self.core.abort(request_id)
+                        self._deliver.pop(request_id, None)
+
+    def _take(self, kind: str, what: Any) -> None:
+        if kind == "abort":
+            self._deliver.pop(what, None)
+            self.core.abort(what)
+            self.core.router.forget(what)
+            return
+        ids, params, request_id, continue_from, keep_cache, text, deliver = what
+
+        def route(out: RequestOutput) -> None:
+            if out.finished:
+                self._deliver.pop(out.request_id, None)
+            deliver(out)
+
+        try:
+            self.core.add_request(ids, params or SamplingParams(), text, request_id,
+                                  continue_from, keep_cache, on_output=route)
+        except ValueError as error:
+            deliver(error)
+            return
+        self._deliver[request_id] = deliver
