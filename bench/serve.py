@@ -242,7 +242,7 @@ def main() -> None:
         table.add_row(name, f"{row['ttft_p50_ms']:.0f}", f"{row['ttft_p99_ms']:.0f}",
                       f"{row['itl_p50_ms']:.1f}", f"{row['itl_p99_ms']:.1f}",
                       f"{row['output_tok_s']:.1f}", ratio, hit, str(row["errors"]))
-    Console().print(table)
+    Console(width=160).print(table)
     print(f"model: dim 256, 8 layers, 4 heads of 64, vocab {tokenizer.vocab_size}; each "
           f"server alone, 1 thread; (b) {'with' if args.hf_continuous_batching else 'without'}"
           f" continuous batching; torch {torch.__version__}; {a.errors} errors in (a)")

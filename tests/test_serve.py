@@ -234,10 +234,18 @@ def test_a_session_across_requests_and_a_restart_equals_one_session(tmp_path, lo
     got.append(ask(second, history))
     assert got == expected
     assert second.metric("sessions_resumed_total") == 1
+    # Killed in the middle of the session's next turn (and of other requests).
+    busy = second.client.completions.create(
+        model=MODEL, prompt=history + got[2] + turns[0], stream=True, temperature=0,
+        max_tokens=3000, extra_body={"ignore_eos": True, "session": "agent"})
+    other = second.client.completions.create(model=MODEL, prompt=LONG, stream=True,
+                                             max_tokens=3000, temperature=0)
+    for _, _ in zip(range(3), busy, strict=False):
+        next(iter(other))
     assert second.stop(signal.SIGKILL) != 0
-    third = Server(tmp_path)  # a killed server lost nothing saved
+    third = Server(tmp_path)  # the killed turn is lost, the saved session is not
     shown = third.client.get("/sessions/agent", cast_to=object)
-    assert shown["tokens"] == len(history) + 8
+    assert shown["tokens"] == len(history) + 8  # as the last finished turn left it
     third.client.delete("/sessions/agent", cast_to=object)
     with pytest.raises(openai.NotFoundError):
         third.client.get("/sessions/agent", cast_to=object)
