@@ -18,15 +18,25 @@ rebuilds them by replay.
 
 Saving is atomic at every instant: block files are written to a temporary name, fsynced
 and renamed (a kill leaves either no file or a whole one), then one SQLite transaction
-swaps the session row. Only after it commits are block files no session names deleted, so
-a kill at any point leaves the old session or the new one; opening the directory sweeps
-the files a killed save left. One process uses a cache directory at a time.
+swaps the session row, so a kill at any point leaves the old session or the new one.
+
+Any number of processes and threads may share a directory; SQLite's write lock (BEGIN
+IMMEDIATE, waited for) orders their changes. A save first pins every block it will name
+(a `pins` row with its writer's host and pid, in one transaction), then writes the blocks
+it lacks and rewrites any whose file is missing or does not match its name, then commits
+the session row and drops its pins. Garbage collection runs under the write lock and
+deletes only blocks no session, prefix entry or pin names, file and row together; pins of
+writers that died are cleared when another opens the directory. Temporary files carry
+their writer's name. Names read from the manifest are checked (64 hex digits) before they
+become paths, and files are created 0600 in 0700 directories.
 """
 
 import contextlib
 import hashlib
 import json
 import os
+import re
+import socket
 import sqlite3
 import threading
 import time
@@ -61,6 +71,11 @@ CREATE TABLE IF NOT EXISTS prefix_blocks (
     used_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS prefix_blocks_by_block ON prefix_blocks (block);
+CREATE TABLE IF NOT EXISTS pins (
+    block TEXT NOT NULL,
+    writer TEXT NOT NULL,
+    PRIMARY KEY (block, writer)
+);
 """
 
 # Which session names which block, derived from sessions.blocks (which stays the checked
@@ -80,7 +95,10 @@ UNNAMED_BLOCKS = """
 SELECT hash FROM blocks
 WHERE hash NOT IN (SELECT block FROM prefix_blocks)
   AND hash NOT IN (SELECT block FROM session_blocks)
+  AND hash NOT IN (SELECT block FROM pins)
 """
+BLOCK_NAME = re.compile(r"[0-9a-f]{64}")
+BUSY_WAIT_S = 60  # how long a transaction waits for another writer's lock
 
 
 @dataclass(frozen=True)
@@ -122,10 +140,15 @@ class DiskTier:
         self.root = Path(root).expanduser()
         self.budget_bytes = budget_bytes
         self.blocks_dir = self.root / "blocks"
-        self.blocks_dir.mkdir(parents=True, exist_ok=True)
+        # Saved conversations are the user's own: 0700 directories, 0600 files.
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.blocks_dir.mkdir(mode=0o700, exist_ok=True)
         self.manifest = self.root / MANIFEST
         self._local = threading.local()
+        fresh = not self.manifest.exists()
         self._db.executescript(SCHEMA)
+        if fresh:
+            os.chmod(self.manifest, 0o600)
         if self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'session_blocks'"
                             ).fetchone() is None:
             with self._transaction():
@@ -145,7 +168,7 @@ class DiskTier:
         Writers on other connections are waited for, not failed on."""
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.manifest, isolation_level=None, timeout=60)
+            db = sqlite3.connect(self.manifest, isolation_level=None, timeout=BUSY_WAIT_S)
             db.execute("PRAGMA synchronous=FULL")
             self._local.db = db
         return db
@@ -157,7 +180,17 @@ class DiskTier:
 
     # ---- paths and sizes ---------------------------------------------------------------
     def block_path(self, name: str) -> Path:
+        """The file of block `name`; a name that is not 64 hex digits (a damaged or forged
+        manifest row) is refused before it becomes a path."""
+        if not isinstance(name, str) or not BLOCK_NAME.fullmatch(name):
+            raise ValueError(f"{self.manifest} names a block {str(name)[:80]!r}: not a block "
+                             "name (64 hex digits); the manifest is damaged")
         return self.blocks_dir / name[:2] / f"{name}.blk"
+
+    @property
+    def writer(self) -> str:
+        """This thread's name in pins and temporary files: host, process, thread."""
+        return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
 
     @property
     def used_bytes(self) -> int:
@@ -171,43 +204,77 @@ class DiskTier:
         new blocks would not fit the budget."""
         if not name or "/" in name or name.startswith("."):
             raise ValueError(f"session name {name!r}: use a non-empty name without '/'")
+        blocks = dict(zip((hashlib.sha256(p).hexdigest() for p in payloads), payloads,
+                          strict=True))
         names = [hashlib.sha256(p).hexdigest() for p in payloads]
-        new = {n: p for n, p in zip(names, payloads, strict=True) if not self._block_bytes(n)}
-        needed = sum(len(p) for p in new.values())
-        old = self._session_blocks(name)
-        freed = sum(self._block_bytes(n) for n in old - set(names)
-                    if not self._named_elsewhere(n, name))
-        # The prefix cache's blocks give way to a session; never one this save names.
-        while (self.used_bytes - freed + needed > self.budget_bytes
-               and self._drop_oldest_prefix(keep=set(names))):
-            pass
-        if self.used_bytes - freed + needed > self.budget_bytes:
-            raise ValueError(
-                f"disk budget full: session {name!r} needs {needed:,} new bytes, "
-                f"{self.budget_bytes - self.used_bytes:,} of {self.budget_bytes:,} are free "
-                f"in {self.root}; remove sessions (kvstack session rm) or raise the budget")
-        for block_name, payload in new.items():
-            self._write_block(block_name, payload)
-        blocks_json = json.dumps(names)
-        token_blob = _token_blob(token_ids)
-        checksum = _row_checksum(name, model_fingerprint, FORMAT_VERSION, block_tokens,
-                                 held_tokens, token_blob, blocks_json, window_ring_bytes)
-        with self._transaction():
-            self._db.executemany("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
-                                 [(n, len(p)) for n, p in new.items()])
-            self._db.execute(
-                "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, model_fingerprint, FORMAT_VERSION, block_tokens, held_tokens,
-                 token_blob, blocks_json, window_ring_bytes, time.time(), checksum))
-            self._db.execute("DELETE FROM session_blocks WHERE session = ?", (name,))
-            self._name_blocks(name, names)
+        with self._pinned(set(blocks)):
+            with self._transaction():
+                new = {n: p for n, p in blocks.items() if not self._block_bytes(n)}
+                needed = sum(len(p) for p in new.values())
+                old = self._session_blocks(name)
+                freed = sum(self._block_bytes(n) for n in old - set(blocks)
+                            if not self._named_elsewhere(n, name))
+            # The prefix cache's blocks give way to a session; never one this save pins.
+            while (self.used_bytes - freed + needed > self.budget_bytes
+                   and self._drop_oldest_prefix()):
+                pass
+            if self.used_bytes - freed + needed > self.budget_bytes:
+                raise ValueError(
+                    f"disk budget full: session {name!r} needs {needed:,} new bytes, "
+                    f"{self.budget_bytes - self.used_bytes:,} of {self.budget_bytes:,} are "
+                    f"free in {self.root}; remove sessions (kvstack session rm) or raise the "
+                    "budget")
+            try:
+                for block_name, payload in blocks.items():
+                    # A block already stored is trusted only if its file still matches its
+                    # name: a damaged one is rewritten from the good bytes in memory.
+                    if block_name in new or not self._intact(block_name):
+                        self._write_block(block_name, payload)
+            except OSError as e:
+                raise OSError(e.errno, f"while saving session {name!r} in {self.root}: "
+                                       f"{e.strerror or e}") from e
+            blocks_json = json.dumps(names)
+            token_blob = _token_blob(token_ids)
+            checksum = _row_checksum(name, model_fingerprint, FORMAT_VERSION, block_tokens,
+                                     held_tokens, token_blob, blocks_json, window_ring_bytes)
+            with self._transaction():
+                self._db.executemany("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
+                                     [(n, len(p)) for n, p in blocks.items()])
+                self._db.execute(
+                    "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (name, model_fingerprint, FORMAT_VERSION, block_tokens, held_tokens,
+                     token_blob, blocks_json, window_ring_bytes, time.time(), checksum))
+                self._db.execute("DELETE FROM session_blocks WHERE session = ?", (name,))
+                self._name_blocks(name, names)
         self._collect_garbage()
+
+    @contextmanager
+    def _pinned(self, blocks: set[str]) -> Iterator[None]:
+        """Blocks no collector (in any process) deletes while the body runs: what a save
+        relies on between looking them up and committing the row that names them."""
+        writer = self.writer
+        with self._transaction():
+            self._db.executemany("INSERT OR IGNORE INTO pins VALUES (?, ?)",
+                                 [(b, writer) for b in blocks])
+        try:
+            yield
+        finally:
+            with self._transaction():
+                self._db.execute("DELETE FROM pins WHERE writer = ?", (writer,))
+
+    def _intact(self, block: str) -> bool:
+        try:
+            return hashlib.sha256(self.block_path(block).read_bytes()).hexdigest() == block
+        except FileNotFoundError:
+            return False
 
     def _write_block(self, name: str, payload: bytes) -> None:
         path = self.block_path(name)
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        # Two writers of one block never share a temporary file.
+        tmp = path.with_name(f"{name}.{self.writer.replace(':', '_')}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
@@ -250,19 +317,21 @@ class DiskTier:
         """Keep a prefix-cache block; the least recently used ones make room for it
         (saved sessions are never pushed out). False if it cannot fit."""
         name = hashlib.sha256(payload).hexdigest()
-        known = self._block_bytes(name) > 0
-        needed = 0 if known else len(payload)
-        while (self.used_bytes + needed > self.budget_bytes
-               and self._drop_oldest_prefix(keep={name})):
-            pass
-        if self.used_bytes + needed > self.budget_bytes:
-            return False
-        if not known:
-            self._write_block(name, payload)
-        with self._transaction():
-            self._db.execute("INSERT OR IGNORE INTO blocks VALUES (?, ?)", (name, len(payload)))
-            self._db.execute("INSERT OR REPLACE INTO prefix_blocks VALUES (?, ?, ?)",
-                             (chain_hash, name, time.time()))
+        with self._pinned({name}):
+            known = self._block_bytes(name) > 0
+            needed = 0 if known else len(payload)
+            while (self.used_bytes + needed > self.budget_bytes
+                   and self._drop_oldest_prefix()):
+                pass
+            if self.used_bytes + needed > self.budget_bytes:
+                return False
+            if not known or not self._intact(name):
+                self._write_block(name, payload)
+            with self._transaction():
+                self._db.execute("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
+                                 (name, len(payload)))
+                self._db.execute("INSERT OR REPLACE INTO prefix_blocks VALUES (?, ?, ?)",
+                                 (chain_hash, name, time.time()))
         return True
 
     def take_prefix(self, chain_hash: str) -> bytes | None:
@@ -325,13 +394,20 @@ class DiskTier:
     # ---- helpers -----------------------------------------------------------------------
     @contextmanager
     def _transaction(self) -> Iterator[None]:
-        self._db.execute("BEGIN IMMEDIATE")
+        """One write transaction: the write lock is waited for (BUSY_WAIT_S, then
+        sqlite3.OperationalError "database is locked"); whatever fails inside it, the
+        COMMIT included (a full disk, a lock held too long), is rolled back, so the lock
+        is never kept and the next transaction starts clean."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
         try:
             yield
+            db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
             raise
-        self._db.execute("COMMIT")
 
     def _name_blocks(self, session: str, blocks: list[str]) -> None:
         self._db.executemany("INSERT OR IGNORE INTO session_blocks VALUES (?, ?)",
@@ -350,7 +426,7 @@ class DiskTier:
         row = self._db.execute("SELECT nbytes FROM blocks WHERE hash = ?", (block,)).fetchone()
         return row[0] if row else 0
 
-    def _drop_oldest_prefix(self, keep: set[str]) -> bool:
+    def _drop_oldest_prefix(self) -> bool:
         """Forget the least recently used prefix-cache block; False if there is none."""
         oldest = self._db.execute("SELECT chain_hash FROM prefix_blocks "
                                   "ORDER BY used_at LIMIT 1").fetchone()
@@ -358,27 +434,53 @@ class DiskTier:
             return False
         with self._transaction():
             self._db.execute("DELETE FROM prefix_blocks WHERE chain_hash = ?", oldest)
-        self._collect_garbage(keep)
+        self._collect_garbage()
         return True
 
-    def _collect_garbage(self, keep: frozenset[str] | set[str] = frozenset()) -> None:
-        """Drop the blocks no session or prefix entry names (nor `keep`: blocks a save in
-        progress is about to name): rows first (one transaction), then their files. A file
-        left by a kill in between is swept when the directory is next opened."""
+    def _collect_garbage(self) -> None:
+        """Drop the blocks no session, prefix entry or pin names, row and file together
+        under the write lock (a save that finds the row gone writes the file anew, and
+        cannot lose it to this collector)."""
         with self._transaction():
+            # A row whose name is not a block name is left alone (and never a path).
             unnamed = [row[0] for row in self._db.execute(UNNAMED_BLOCKS).fetchall()
-                       if row[0] not in keep]
+                       if isinstance(row[0], str) and BLOCK_NAME.fullmatch(row[0])]
             self._db.executemany("DELETE FROM blocks WHERE hash = ?", [(b,) for b in unnamed])
-        for block in unnamed:
-            self.block_path(block).unlink(missing_ok=True)
+            for block in unnamed:
+                self.block_path(block).unlink(missing_ok=True)
 
     def _sweep_files(self) -> None:
-        """At open: remove what a killed process left, temporary files of a block being
-        written and block files the manifest no longer (or not yet) names."""
-        for tmp in self.blocks_dir.rglob("*.tmp"):
-            tmp.unlink(missing_ok=True)
+        """At open: what killed writers left. Their pins go (writers on this host whose
+        process is gone), then their temporary files, then block files no row and no pin
+        names (written by a save that never committed) -- all under the write lock, so a
+        live writer's files are never taken."""
+        host = socket.gethostname()
+        with self._transaction():
+            dead = {w for (w,) in self._db.execute("SELECT DISTINCT writer FROM pins")
+                    if _dead_writer(w, host)}
+            self._db.executemany("DELETE FROM pins WHERE writer = ?", [(w,) for w in dead])
+            for tmp in self.blocks_dir.rglob("*.tmp"):
+                writer = tmp.name.split(".", 1)[1].removesuffix(".tmp").replace("_", ":")
+                if writer == "tmp" or _dead_writer(writer, host):  # "tmp": an older kvstack's
+                    tmp.unlink(missing_ok=True)
+            known = {row[0] for row in self._db.execute("SELECT hash FROM blocks")}
+            pinned = {row[0] for row in self._db.execute("SELECT block FROM pins")}
+            for path in self.blocks_dir.rglob("*.blk"):
+                if path.stem not in known and path.stem not in pinned:
+                    path.unlink(missing_ok=True)
         self._collect_garbage()
-        known = {row[0] for row in self._db.execute("SELECT hash FROM blocks")}
-        for path in self.blocks_dir.rglob("*.blk"):
-            if path.stem not in known:
-                path.unlink(missing_ok=True)
+
+
+def _dead_writer(writer: str, host: str) -> bool:
+    """Whether a writer named host:pid:thread is a process of this host that has ended (a
+    writer of another host, or a name that is not one, is left alone)."""
+    parts = writer.rsplit(":", 2)
+    if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
