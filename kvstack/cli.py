@@ -394,6 +394,12 @@ def _open_session(llm: "LLM", name: str | None, console: Console) -> "Session":
     return llm.session(name or "chat")
 
 
+def _shown(name: str) -> str:
+    """A session name as a terminal shows it: rich markup and control characters (ANSI
+    escapes) made visible rather than acted on."""
+    return escape("".join(c if c.isprintable() else repr(c)[1:-1] for c in name))
+
+
 def _cmd_session(args: argparse.Namespace) -> int:
     from kvstack.cache.disk import MANIFEST, DiskTier
     from kvstack.cache.paged import parse_bytes
@@ -407,18 +413,30 @@ def _cmd_session(args: argparse.Namespace) -> int:
         return 0
     disk = DiskTier(args.cache_dir, parse_bytes(args.disk_budget, "disk_budget"))
     if args.action == "list":
-        rows = [disk.show(name) for name in disk.names()]
+        # A damaged record is listed as such; every intact session still is.
+        rows, damaged = [], {}
+        for name in disk.names():
+            try:
+                rows.append(disk.show(name))
+            except ValueError as e:
+                damaged[name] = str(e)
         if args.json:
-            print(json.dumps([_session_dict(r) for r in rows]))
+            print(json.dumps([_session_dict(r) for r in rows]
+                             + [{"name": n, "damaged": why} for n, why in damaged.items()]))
             return 0
-        table = Table(box=box.SIMPLE_HEAD, title=f"saved sessions in {disk.root}")
+        table = Table(box=box.SIMPLE_HEAD, title=f"saved sessions in {escape(str(disk.root))}")
         for column in ("name", "tokens", "disk bytes", "+ window rings", "saved"):
             table.add_column(column, justify="left" if column == "name" else "right")
         for r in rows:
-            table.add_row(r.name, f"{len(r.token_ids):,}", f"{r.disk_bytes:,}",
+            table.add_row(_shown(r.name), f"{len(r.token_ids):,}", f"{r.disk_bytes:,}",
                           f"{r.window_ring_bytes:,}", time.strftime(
                               "%Y-%m-%d %H:%M", time.localtime(r.saved_at)))
+        for name in damaged:
+            table.add_row(_shown(name), "[red]damaged[/red]", "", "", "")
         Console().print(table)
+        for name, why in damaged.items():
+            print(f"session {_shown(name)}: {why} (kvstack session rm removes it)",
+                  file=sys.stderr)
         return 0
     if not args.name:
         raise ValueError(f"kvstack session {args.action} needs a session name")
@@ -895,6 +913,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RuntimeError as e:  # the engine's own failures (EngineError) and torch's
         print(f"kvstack {args.command}: engine error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk: full, unreadable, not ours
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"kvstack {args.command}: {e.strerror or e}{where}", file=sys.stderr)
         return 1
 
 

@@ -262,3 +262,51 @@ def test_processes_saving_removing_and_opening_one_directory_with_kills(tmp_path
     named = {b for name in disk.names() for b in disk.show(name).blocks}
     files = {p.stem for p in disk.blocks_dir.rglob("*.blk")}
     assert files == named
+
+
+def test_session_list_shows_intact_sessions_beside_a_damaged_one(tmp_path, capsys):
+    from kvstack.cli import main
+
+    disk = DiskTier(tmp_path, 1 << 30)
+    save(disk, "good")
+    save(disk, "[bold]\x1b[31mred")  # markup and an ANSI escape in a name
+    save(disk, "bad")
+    disk._db.execute("UPDATE sessions SET held_tokens = held_tokens + 1 WHERE name = 'bad'")
+    assert main(["session", "list", "--cache-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "good" in out and "damaged" in out and "\x1b" not in out
+    assert "[bold]\\x1b[31mred" in out  # shown, not acted on
+    assert "session bad: " in err and "corrupt" in err
+    assert main(["session", "list", "--cache-dir", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {r["name"] for r in listed} == {"good", "[bold]\x1b[31mred", "bad"}
+    assert next(r for r in listed if r["name"] == "bad")["damaged"]
+
+
+def test_request_settings_are_typed_strictly():
+    from kvstack import SamplingParams
+    from kvstack.cache.paged import parse_bytes
+
+    for bad, field in ((dict(max_tokens=True), "max_tokens"), (dict(ignore_eos="no"),
+                       "ignore_eos"), (dict(seed=1 << 64), "seed"), (dict(seed=-1), "seed"),
+                       (dict(temperature=True), "temperature"), (dict(top_k=False), "top_k")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+    for text in ("inf", "nan", "-inf GiB"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_bytes(text)
+
+
+def test_another_tokenizer_is_another_fingerprint(tmp_path):
+    import shutil
+
+    from kvstack import LLM
+    from kvstack.engine.llm import bundled_model
+
+    shutil.copytree(bundled_model(), tmp_path / "m")
+    same = LLM(tmp_path / "m", kv_budget="16MiB", threads=1, cache_dir=tmp_path / "c")
+    tokenizer = tmp_path / "m" / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text() + "\n")  # same ids, other bytes: not trusted
+    other = LLM(tmp_path / "m", kv_budget="16MiB", threads=1, cache_dir=tmp_path / "c")
+    assert same.model.fingerprint() == other.model.fingerprint()
+    assert same.fingerprint != other.fingerprint

@@ -344,7 +344,7 @@ def parse_bytes(budget: int | str, what: str = "kv_budget") -> int:
         try:
             value = int(float(text[: len(text) - len(unit)] if text.endswith(unit) else text)
                         * units[unit])
-        except ValueError:
+        except (ValueError, OverflowError):  # "lots", "inf", "nan"
             raise ValueError(f"{what} {budget!r}: not a size like 4GiB or 512MiB") from None
     else:
         raise ValueError(f"{what} must be a byte count or a size like '4GiB', got {budget!r}")

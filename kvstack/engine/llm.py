@@ -8,6 +8,7 @@ requests with continuous batching. It is a front end over the `EngineCore`, whic
 runs the step; its settings are one `EngineConfig` (given whole, or as keyword arguments).
 """
 
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from importlib import resources
@@ -88,7 +89,10 @@ class LLM:
         self.model_dir: Path | None = None if random_init else (
             bundled_model() if str(model) == "default" else Path(model))
         self.config = self.model.config
-        self.fingerprint = self.model.fingerprint()
+        # The weights and cache formats, and the tokenizer: another tokenizer.json reads the
+        # same ids as other text, so its sessions and cached blocks are not this LLM's.
+        self.fingerprint = hashlib.sha256(
+            f"{self.model.fingerprint()}/{self.tokenizer.digest}".encode()).hexdigest()
         self.replay = config.replay
         self.cache_dir = Path(config.cache_dir).expanduser()
         self._disk: DiskTier | None = None  # opened on first use

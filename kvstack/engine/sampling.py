@@ -33,30 +33,39 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        def number(x: object) -> bool:  # True is an int to Python, not a number here
+            return isinstance(x, int | float) and not isinstance(x, bool)
+
         checks = (
-            (isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= 1 << 24,
+            (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+             and 1 <= self.max_tokens <= 1 << 24,
              f"max_tokens must be an integer from 1 to {1 << 24}, got {self.max_tokens!r}"),
-            (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
+            (number(self.temperature) and math.isfinite(self.temperature)
              and 0 <= self.temperature <= 100,
              f"temperature must be between 0 and 100, got {self.temperature!r}"),
-            (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1,
+            (number(self.top_p) and 0 < self.top_p <= 1,
              f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0,
+            (isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+             and self.top_k >= 0,
              f"top_k must be a non-negative integer (0: no limit), got {self.top_k!r}"),
-            (self.seed is None or isinstance(self.seed, int),
-             f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and 0 <= self.seed < 1 << 64),
+             f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}"),
+            (isinstance(self.ignore_eos, bool),
+             f"ignore_eos must be True or False, got {self.ignore_eos!r}"),
             (all(isinstance(s, str) and s for s in self.stop),
              f"stop must be non-empty strings, got {self.stop!r}"),
-            (isinstance(self.presence_penalty, int | float)
+            (number(self.presence_penalty)
              and -2 <= self.presence_penalty <= 2,
              f"presence_penalty must be between -2 and 2, got {self.presence_penalty!r}"),
-            (isinstance(self.frequency_penalty, int | float)
+            (number(self.frequency_penalty)
              and -2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be between -2 and 2, got {self.frequency_penalty!r}"),
-            (isinstance(self.repetition_penalty, int | float)
+            (number(self.repetition_penalty)
              and 0 < self.repetition_penalty <= 10,
              f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}"),
             (self.logprobs is None or (isinstance(self.logprobs, int)
+                                       and not isinstance(self.logprobs, bool)
                                        and 0 <= self.logprobs <= 20),
              f"logprobs must be an integer from 0 to 20, got {self.logprobs!r}"),
         )

@@ -1,5 +1,6 @@
 """Tokenizers: bytes for random-init models, `tokenizer.json` for trained ones."""
 
+import hashlib
 from pathlib import Path
 from typing import Protocol
 
@@ -7,6 +8,7 @@ from typing import Protocol
 class Tokenizer(Protocol):
     eos_id: int | None
     vocab_size: int
+    digest: str  # what the ids mean: part of what cached blocks and sessions are keyed by
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -18,6 +20,7 @@ class ByteTokenizer:
 
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
+    digest = "bytes"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -50,6 +53,7 @@ class JsonTokenizer:
 
         path = Path(path)
         try:
+            self.digest = hashlib.sha256(path.read_bytes()).hexdigest()
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own exception type
             raise ValueError(f"tokenizer {path}: cannot load ({e})") from e
