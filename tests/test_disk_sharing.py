@@ -310,3 +310,35 @@ def test_another_tokenizer_is_another_fingerprint(tmp_path):
     other = LLM(tmp_path / "m", kv_budget="16MiB", threads=1, cache_dir=tmp_path / "c")
     assert same.model.fingerprint() == other.model.fingerprint()
     assert same.fingerprint != other.fingerprint
+
+
+def test_a_damaged_or_lost_index_deletes_no_session_block(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 30)
+    save(disk, "a")
+    disk._db.execute("DELETE FROM session_blocks")  # the index of the records, damaged
+    save(disk, "b")  # collects garbage
+    disk._db.execute("DROP TABLE blocks")  # a table gone
+    DiskTier(tmp_path, 1 << 30)  # opening sweeps
+    assert disk.load("a", "model")[1] == blocks_of("a", 0)
+    (tmp_path / "manifest.sqlite").unlink()  # the manifest lost
+    DiskTier(tmp_path, 1 << 30)
+    assert len(list((tmp_path / "blocks").rglob("*.blk"))) == len(
+        set(blocks_of("a", 0)) | set(blocks_of("b", 0)))
+
+
+def test_a_full_disk_under_the_prefix_cache_costs_no_request(tmp_path, monkeypatch):
+    from kvstack import LLM, SamplingParams
+
+    llm = LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16,
+              cache_dir=tmp_path, disk_prefix_cache=True)
+    free = llm.cache.free_blocks
+
+    def full(self, chain_hash, payload):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "put_prefix", full)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = llm.generate([list(range(1, 60)), list(range(2, 50))], params)
+    assert [len(o.token_ids) for o in outs] == [40, 40]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert llm.cache.free_blocks == free

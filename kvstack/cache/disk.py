@@ -34,6 +34,7 @@ become paths, and files are created 0600 in 0700 directories.
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -97,6 +98,7 @@ WHERE hash NOT IN (SELECT block FROM prefix_blocks)
   AND hash NOT IN (SELECT block FROM session_blocks)
   AND hash NOT IN (SELECT block FROM pins)
 """
+log = logging.getLogger("kvstack")
 BLOCK_NAME = re.compile(r"[0-9a-f]{64}")
 BUSY_WAIT_S = 60  # how long a transaction waits for another writer's lock
 
@@ -159,7 +161,13 @@ class DiskTier:
                     # A corrupt record names nothing: loading that session says so.
                     with contextlib.suppress(ValueError, TypeError):
                         self._name_blocks(name, json.loads(blocks_json))
-        self._sweep_files()
+        if fresh and next(self.blocks_dir.rglob("*.blk"), None) is not None:
+            # Block files with no manifest: it was lost, not emptied. Nothing is swept, so
+            # whoever restores it finds its sessions' blocks.
+            log.warning("%s: block files without a manifest; left in place (restore %s, or "
+                        "remove %s to reclaim them)", self.root, MANIFEST, self.blocks_dir)
+        else:
+            self._sweep_files()
 
     @property
     def _db(self) -> sqlite3.Connection:
@@ -442,9 +450,13 @@ class DiskTier:
         under the write lock (a save that finds the row gone writes the file anew, and
         cannot lose it to this collector)."""
         with self._transaction():
-            # A row whose name is not a block name is left alone (and never a path).
+            # A row whose name is not a block name is left alone (and never a path), and
+            # so is a block any session record names: session_blocks is only an index of
+            # those records, and a damaged index must not delete what they need.
             unnamed = [row[0] for row in self._db.execute(UNNAMED_BLOCKS).fetchall()
-                       if isinstance(row[0], str) and BLOCK_NAME.fullmatch(row[0])]
+                       if isinstance(row[0], str) and BLOCK_NAME.fullmatch(row[0])
+                       and self._db.execute("SELECT 1 FROM sessions WHERE instr(blocks, ?)"
+                                            " LIMIT 1", (row[0],)).fetchone() is None]
             self._db.executemany("DELETE FROM blocks WHERE hash = ?", [(b,) for b in unnamed])
             for block in unnamed:
                 self.block_path(block).unlink(missing_ok=True)
@@ -463,10 +475,18 @@ class DiskTier:
                 writer = tmp.name.split(".", 1)[1].removesuffix(".tmp").replace("_", ":")
                 if writer == "tmp" or _dead_writer(writer, host):  # "tmp": an older kvstack's
                     tmp.unlink(missing_ok=True)
-            known = {row[0] for row in self._db.execute("SELECT hash FROM blocks")}
-            pinned = {row[0] for row in self._db.execute("SELECT block FROM pins")}
-            for path in self.blocks_dir.rglob("*.blk"):
-                if path.stem not in known and path.stem not in pinned:
+            known = {row[0] for row in self._db.execute(
+                "SELECT hash FROM blocks UNION SELECT block FROM pins "
+                "UNION SELECT block FROM prefix_blocks")}
+            records = self._db.execute("SELECT blocks FROM sessions").fetchall()
+            try:
+                for (blocks_json,) in records:
+                    known.update(json.loads(blocks_json))
+            except (ValueError, TypeError):
+                # A record that cannot be read might name any file: delete none.
+                known = None
+            for path in self.blocks_dir.rglob("*.blk") if known is not None else ():
+                if path.stem not in known:
                     path.unlink(missing_ok=True)
         self._collect_garbage()
 

@@ -9,6 +9,7 @@ partial groups (per sequence and never paged: they are not persisted). A decode 
 the running sequences through one `kvstack.cache.batch.DecodeBatch` over the same pools.
 """
 
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from kvstack.cache.prefix import block_hashes
 from kvstack.cache.rows import PackedRows, PartialGroups, WindowRings
 from kvstack.cache.store import KVStore
 from kvstack.config import ModelConfig
+
+log = logging.getLogger("kvstack")
 
 
 def check_block_tokens(config: ModelConfig, block_tokens: int) -> None:
@@ -572,7 +575,12 @@ class PagedCache:
             self._spill_to_disk(chain_hash, rows)
 
     def _spill_to_disk(self, chain_hash: bytes, rows: torch.Tensor) -> None:
-        self.disk.put_prefix(chain_hash.hex(), rows.numpy().tobytes())
+        # A lower tier that cannot take a block (a full disk) costs a recompute later,
+        # never the request that is running.
+        try:
+            self.disk.put_prefix(chain_hash.hex(), rows.numpy().tobytes())
+        except OSError as e:
+            log.warning("disk prefix cache: block not kept (%s)", e)
 
     def count_prefix_lookup(self, queried: int, hit: int) -> None:
         self.prefix_queried_tokens += queried
