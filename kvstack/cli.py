@@ -352,9 +352,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 console.print("\n(reply stopped)", style="dim")
                 continue
             if args.session:
-                session.save()
+                try:
+                    session.save()
+                except OSError as e:  # the turn stays in the conversation; a later save
+                    console.print(f"[red]not saved: {escape(str(e))}[/red]")  # may succeed
         except (ValueError, EngineError) as e:  # a turn refused or failed: say so, go on
-            console.print(f"[red]{e}[/red]")
+            console.print(f"[red]{escape(str(e))}[/red]")
             if "leaves no room" in str(e):
                 console.print(f"[dim]the conversation holds {len(session.token_ids):,} tokens "
                               f"and the model takes {llm.core.max_model_len:,}: /reset "
