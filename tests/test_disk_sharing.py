@@ -156,14 +156,22 @@ def test_manifest_names_never_become_paths_outside_the_directory(tmp_path):
     forged = "../../victim"
     disk._db.execute("INSERT INTO blocks VALUES (?, 7)", (forged,))
     blocks = json.dumps([forged])
-    checksum = _row_checksum("evil", "model", 1, 16, 16, _token_blob([1]), blocks, 0)
-    disk._db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                     ("evil", "model", 1, 16, 16, _token_blob([1]), blocks, 0, 0.0, checksum))
+    fields = ("model", 1, 16, 16, _token_blob([1]), blocks, 0)
+
+    def row(name: str, key: bytes | None) -> None:
+        checksum = _row_checksum(name, *fields, key=key)
+        disk._db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                         (name, *fields, 0.0, checksum))
+
+    row("forged", None)  # a bare SHA-256, as anyone who can write the manifest computes it
+    row("signed", disk._key)  # signed with the directory's key, naming a path outside
     DiskTier(tmp_path / "cache", 1 << 30)  # open: sweep and collect
     disk.remove("a")
     assert outside.read_bytes() == b"keep me"
+    with pytest.raises(ValueError, match="corrupt"):
+        disk.load("forged", "model")
     with pytest.raises(ValueError, match="not a block name"):
-        disk.load("evil", "model")
+        disk.load("signed", "model")
 
 
 def test_files_are_the_users_alone(tmp_path):
@@ -171,7 +179,8 @@ def test_files_are_the_users_alone(tmp_path):
     save(disk, "a")
     block = disk.block_path(hashlib.sha256(SYSTEM[0]).hexdigest())
     for path, mode in ((disk.root, 0o700), (disk.blocks_dir, 0o700), (block.parent, 0o700),
-                       (block, 0o600), (disk.manifest, 0o600)):
+                       (block, 0o600), (disk.manifest, 0o600),
+                       (disk.root / "manifest.key", 0o600)):
         assert stat.S_IMODE(path.stat().st_mode) == mode, path
 
 
@@ -342,3 +351,14 @@ def test_a_full_disk_under_the_prefix_cache_costs_no_request(tmp_path, monkeypat
     assert [len(o.token_ids) for o in outs] == [40, 40]
     assert all(o.finish_reason == "length" for o in outs)
     assert llm.cache.free_blocks == free
+
+
+def test_rows_of_a_manifest_from_before_the_key_are_signed_once(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 30)
+    save(disk, "old")
+    fields = disk._db.execute("SELECT * FROM sessions WHERE name = 'old'").fetchone()[:8]
+    disk._db.execute("UPDATE sessions SET checksum = ?", (_row_checksum(*fields),))
+    (tmp_path / "manifest.key").unlink()  # as a manifest written before keys were
+    reopened = DiskTier(tmp_path, 1 << 30)
+    assert reopened.load("old", "model")[1] == blocks_of("old", 0)
+    assert reopened._key != disk._key

@@ -33,6 +33,7 @@ become paths, and files are created 0600 in 0700 directories.
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from pathlib import Path
 
 FORMAT_VERSION = 1  # the block payload layout and the manifest schema
 MANIFEST = "manifest.sqlite"  # under the cache directory
+KEY_FILE = "manifest.key"  # the key session rows are signed with (0600)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -126,8 +128,10 @@ def _tokens_of(blob: bytes) -> list[int]:
 
 
 def _row_checksum(name: str, fingerprint: str, version: int, block_tokens: int, held: int,
-                  token_blob: bytes, blocks_json: str, ring_bytes: int) -> str:
-    digest = hashlib.sha256()
+                  token_blob: bytes, blocks_json: str, ring_bytes: int,
+                  key: bytes | None = None) -> str:
+    """SHA-256 of a session row's fields; with `key`, HMAC-SHA-256 under it."""
+    digest = hmac.new(key, digestmod=hashlib.sha256) if key is not None else hashlib.sha256()
     for part in (name, fingerprint, str(version), str(block_tokens), str(held), blocks_json,
                  str(ring_bytes)):
         digest.update(part.encode() + b"\0")
@@ -161,6 +165,7 @@ class DiskTier:
                     # A corrupt record names nothing: loading that session says so.
                     with contextlib.suppress(ValueError, TypeError):
                         self._name_blocks(name, json.loads(blocks_json))
+        self._key = self._row_key()
         if fresh and next(self.blocks_dir.rglob("*.blk"), None) is not None:
             # Block files with no manifest: it was lost, not emptied. Nothing is swept, so
             # whoever restores it finds its sessions' blocks.
@@ -168,6 +173,49 @@ class DiskTier:
                         "remove %s to reclaim them)", self.root, MANIFEST, self.blocks_dir)
         else:
             self._sweep_files()
+
+    def _row_key(self) -> bytes:
+        """The directory's key for session rows (32 random bytes, 0600), made on first open.
+        Rows of a manifest written before there was a key that verify by plain SHA-256 are
+        signed once, as the key is made; from then on only signed rows load, so a row forged
+        by recomputing a bare SHA-256 (by whoever can write the manifest but not read the
+        key file) is refused as corrupt. The key is made under the write lock and
+        published by a rename after the rows it signed commit; a kill between leaves its
+        temporary file, which the next open publishes."""
+        path = self.root / KEY_FILE
+        made = None
+        with self._transaction():  # one process makes it; the others wait, then read it
+            if not path.exists():
+                pending = [p.read_bytes() for p in self.root.glob(f"{KEY_FILE}.*.tmp")]
+                made = next((k for k in pending if len(k) == 32 and self._signed_by(k)),
+                            None)
+                if made is None:
+                    made = os.urandom(32)
+                    for row in self._db.execute("SELECT * FROM sessions").fetchall():
+                        fields, checksum = row[:8], row[9]
+                        if _row_checksum(*fields) == checksum:
+                            self._db.execute("UPDATE sessions SET checksum = ? WHERE name = ?",
+                                             (_row_checksum(*fields, key=made), row[0]))
+                tmp = self.root / f"{KEY_FILE}.{self.writer.replace(':', '_')}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(made)
+                    f.flush()
+                    os.fsync(f.fileno())
+        if made is not None:
+            os.replace(tmp, path)
+            for stale in self.root.glob(f"{KEY_FILE}.*.tmp"):
+                stale.unlink(missing_ok=True)
+        key = path.read_bytes()
+        if len(key) != 32:
+            raise ValueError(f"{path}: not a session key (32 bytes); its sessions cannot be "
+                             "verified")
+        return key
+
+    def _signed_by(self, key: bytes) -> bool:
+        """Whether the manifest's rows were signed with `key` (or it has none)."""
+        row = self._db.execute("SELECT * FROM sessions LIMIT 1").fetchone()
+        return row is None or hmac.compare_digest(_row_checksum(*row[:8], key=key), row[9])
 
     @property
     def _db(self) -> sqlite3.Connection:
@@ -244,7 +292,8 @@ class DiskTier:
             blocks_json = json.dumps(names)
             token_blob = _token_blob(token_ids)
             checksum = _row_checksum(name, model_fingerprint, FORMAT_VERSION, block_tokens,
-                                     held_tokens, token_blob, blocks_json, window_ring_bytes)
+                                     held_tokens, token_blob, blocks_json, window_ring_bytes,
+                                     self._key)
             with self._transaction():
                 self._db.executemany("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
                                      [(n, len(p)) for n, p in blocks.items()])
@@ -379,8 +428,9 @@ class DiskTier:
             raise ValueError(f"no saved session {name!r} in {self.root}")
         (_, fingerprint, version, block_tokens, held, token_blob, blocks_json, ring_bytes,
          saved_at, checksum) = row
-        if _row_checksum(name, fingerprint, version, block_tokens, held, token_blob,
-                         blocks_json, ring_bytes) != checksum:
+        if not hmac.compare_digest(
+                _row_checksum(name, fingerprint, version, block_tokens, held, token_blob,
+                              blocks_json, ring_bytes, self._key), checksum):
             raise ValueError(f"session {name!r}: its record in {self.manifest} is corrupt "
                              "(its checksum does not match)")
         blocks = json.loads(blocks_json)
