@@ -12,7 +12,8 @@ or another.
 
 A block file is named by the SHA-256 of its bytes, so its name is its checksum and equal
 blocks are stored once. A session row holds the model's fingerprint, the format version,
-the token ids and the names of its blocks, plus a SHA-256 of all of those: a flipped byte
+the token ids and the names of its blocks, plus an HMAC-SHA-256 of all of those under the
+directory's key (`manifest.key`): a flipped byte
 in the manifest fails that session alone. Window rings are never saved: a resumed session
 rebuilds them by replay.
 
