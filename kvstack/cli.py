@@ -1,12 +1,14 @@
 """The `kvstack` command."""
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -344,9 +346,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 session.keep_last(max(1, llm.core.max_model_len - params.max_tokens))
             turn = session.stream(params)
             try:
-                for out in turn:
-                    print(out.text[len(shown):], end="", flush=True)
-                    shown = out.text
+                with typing_hidden(sys.stdin):
+                    for out in turn:
+                        print(out.text[len(shown):], end="", flush=True)
+                        shown = out.text
             except KeyboardInterrupt:  # stop this reply, keep the chat
                 turn.close()
                 console.print("\n(reply stopped)", style="dim")
@@ -395,6 +398,29 @@ def _open_session(llm: "LLM", name: str | None, console: Console) -> "Session":
                       f"tokens, ending …{escape(tail[-160:])}[/dim]", highlight=False)
         return session
     return llm.session(name or "chat")
+
+
+@contextlib.contextmanager
+def typing_hidden(stream: Any) -> Iterator[None]:
+    """While a reply prints: keys typed meanwhile are neither echoed into it nor kept for
+    the next prompt (a terminal's echo is off, its pending input dropped at the end). Not a
+    terminal: nothing to do."""
+    try:
+        import termios
+
+        fd = stream.fileno()
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError, AttributeError):
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO  # lflags
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcflush(fd, termios.TCIFLUSH)
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def _shown(name: str) -> str:

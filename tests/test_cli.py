@@ -165,3 +165,23 @@ def test_the_bundled_model_takes_a_20k_token_prompt(tmp_path, capsys):
                  "--temperature", "0", "--json", "--kv-budget", "64MiB"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["prompt_token_ids"]) > 20_000 and len(out["token_ids"]) == 2
+
+
+def test_typing_during_a_reply_is_not_echoed_nor_kept():
+    import os
+    import termios
+
+    from kvstack.cli import typing_hidden
+
+    controller, terminal = os.openpty()
+    with os.fdopen(terminal, "rb", buffering=0) as tty:
+        assert termios.tcgetattr(terminal)[3] & termios.ECHO
+        with typing_hidden(tty):
+            assert not termios.tcgetattr(terminal)[3] & termios.ECHO
+            os.write(controller, b"typed ahead\n")
+        assert termios.tcgetattr(terminal)[3] & termios.ECHO  # restored
+        os.write(controller, b"next\n")
+        assert tty.readline() == b"next\n"  # what was typed during the reply is gone
+    os.close(controller)
+    with typing_hidden(io.StringIO()):  # not a terminal: nothing to do
+        pass
