@@ -18,7 +18,7 @@ import secrets
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,14 +190,19 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                            code="session_busy")
         run = Run(engine, sessions, metrics, name, ids, params, body, kind)
         state["in_flight"] += 1
+
+        def finished() -> None:
+            state["in_flight"] -= 1
+
+        if body.stream:
+            # The engine requests start here, not when the body is first read: a client
+            # gone before that still has them run out and counted off.
+            run.start(finished)
+            return StreamingResponse(run.events(), media_type="text/event-stream")
         try:
-            if body.stream:
-                return StreamingResponse(run.events(lambda: state.__setitem__(
-                    "in_flight", state["in_flight"] - 1)), media_type="text/event-stream")
             return JSONResponse(await run.complete(request))
         finally:
-            if not body.stream:
-                state["in_flight"] -= 1
+            finished()
 
     return app
 
@@ -260,15 +265,29 @@ class Run:
         return {"id": self.id, "object": self.kind, "created": self.created,
                 "model": self.body.model, "choices": choices, "usage": self._usage(finals)}
 
-    async def events(self, done: Any) -> AsyncIterator[str]:
-        queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+    def start(self, finished: Callable[[], None]) -> None:
+        """Run the engine requests of a streamed response, their outputs to `self.queue`
+        ((index, output), then (index, None) or (index, the error) when one ends);
+        `finished` once all have ended."""
+        self.queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = (
+            asyncio.Queue())
 
         async def pump(index: int) -> None:
-            async for out in self._outputs(index):
-                await queue.put((index, out))
-            await queue.put((index, None))
+            end: Exception | None = None
+            try:
+                async for out in self._outputs(index):
+                    self.queue.put_nowait((index, out))
+            except Exception as e:  # refused (a busy session), or the engine failed
+                end = e
+            finally:
+                self.queue.put_nowait((index, end))
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.params))]
+        self.tasks = [asyncio.create_task(pump(i)) for i in range(len(self.params))]
+        asyncio.gather(*self.tasks, return_exceptions=True).add_done_callback(
+            lambda _: finished())
+
+    async def events(self) -> AsyncIterator[str]:
+        queue, tasks = self.queue, self.tasks
         sent = [""] * len(self.params)
         sent_tokens = [0] * len(self.params)
         open_choices = len(tasks)
@@ -280,6 +299,11 @@ class Run:
                                         "finish_reason": None, "logprobs": None}])
             while open_choices:
                 index, out = await queue.get()
+                if isinstance(out, Exception):
+                    error = out if isinstance(out, APIError) else APIError(
+                        500, f"{type(out).__name__}: {out}", kind="server_error")
+                    yield "data: " + _json(error.body()) + "\n\n"
+                    break
                 if out is None:
                     open_choices -= 1
                     continue
@@ -302,7 +326,6 @@ class Run:
             for task in tasks:  # a client gone mid-stream: its requests are aborted
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            done()
 
     def _choice(self, index: int, out: RequestOutput, text: str, first_token: int,
                 final: bool) -> dict[str, Any]:
