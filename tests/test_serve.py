@@ -175,6 +175,19 @@ def test_a_cancelled_stream_frees_its_blocks(server):
     assert server.metric("device_blocks_used") == before
 
 
+def test_a_plain_request_whose_client_hangs_up_is_aborted(server):
+    before = server.metric("device_blocks_used")
+    impatient = server.client.with_options(timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL, prompt=LONG, temperature=0,
+                                     max_tokens=20000, extra_body={"ignore_eos": True})
+    deadline = time.time() + 20  # far less than the 20,000 tokens would take
+    while server.metric("num_requests_running") and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric("num_requests_running") == 0
+    assert server.metric("device_blocks_used") == before
+
+
 def test_sixty_four_concurrent_streams_all_complete(server):
     async def one(i: int) -> int:
         stream = await server.aclient.completions.create(

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -83,7 +83,16 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         await asyncio.to_thread(engine.shutdown)
         log.info("kvstack serve: stopped (%d sessions on disk)", len(llm.disk.names()))
 
-    app = FastAPI(title="kvstack", lifespan=lifespan)
+    async def authorise(request: Request) -> None:
+        # A dependency, not an HTTP middleware: those wrap the request's receive channel,
+        # and a plain request could then no longer see its client hang up.
+        if config.api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given, f"Bearer {config.api_key}"):
+                raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                               kind="authentication_error", code="invalid_api_key")
+
+    app = FastAPI(title="kvstack", lifespan=lifespan, dependencies=[Depends(authorise)])
     app.state.sessions = sessions
 
     @app.exception_handler(APIError)
@@ -97,16 +106,6 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         param = where[0] if where else None
         return JSONResponse(APIError(400, f"{'.'.join(where) or 'body'}: {first['msg']}",
                                      param).body(), status_code=400)
-
-    @app.middleware("http")
-    async def authorise(request: Request, call_next: Any) -> Response:
-        if config.api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given, f"Bearer {config.api_key}"):
-                return JSONResponse(APIError(401, "missing or wrong API key (Authorization: "
-                                             "Bearer ...)", kind="authentication_error",
-                                             code="invalid_api_key").body(), status_code=401)
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:
