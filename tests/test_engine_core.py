@@ -328,12 +328,13 @@ def test_a_decode_step_reads_one_thing_back_from_the_device(monkeypatch):
     assert reads == ["tolist"]
 
 
-def test_with_experts_only_their_dispatch_reads_back(monkeypatch):
+@pytest.mark.parametrize("name", ["tiny", "tiny-v41"])
+def test_with_experts_only_their_dispatch_reads_back(monkeypatch, name):
     """Routing tokens to experts in eager torch needs the chosen experts on the host; the
-    rest of the step reads nothing more."""
+    rest of the step (with Engram and hyper-connections on tiny-v41) reads nothing more."""
     from kvstack.model.model import MoE
 
-    llm = decoding_engine("tiny")
+    llm = decoding_engine(name)
     reads = count_host_reads(monkeypatch, outside=MoE)
     llm.step()
     assert reads == ["tolist"]

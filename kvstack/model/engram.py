@@ -304,13 +304,17 @@ class EngramHash(nn.Module):
         return (self.max_ngram_size - 1) * self.n_heads
 
     def forward(
-        self, ids: torch.Tensor, history: torch.Tensor, start: int | torch.Tensor
+        self, ids: torch.Tensor, history: torch.Tensor, start: int | torch.Tensor,
+        check: bool = True,
     ) -> torch.Tensor:
         """Global table rows int64 [B, n, L, C] for the new tokens.
 
         ids: int64 [B, n], raw ids at positions start..start+n-1; history: int64 [B, N-1],
         raw ids at positions start-N+1..start-1 (entries at positions < 0 are ignored, so
         they may hold anything); start: one int or int64 [B] (a start per sequence).
+        check=False skips looking at the values (starts not negative, ids inside the token
+        map), which reads them back from the device: for a decode step, whose ids and
+        positions were checked on the host.
         """
         if ids.dim() != 2:
             raise ValueError(f"engram hash: ids must be [B, n], got {list(ids.shape)}")
@@ -331,7 +335,7 @@ class EngramHash(nn.Module):
             starts = start.to(device=device, dtype=torch.int64).reshape(batch)  # [B]
         else:
             starts = torch.full((batch,), int(start), dtype=torch.int64, device=device)
-        if batch and int(starts.min()) < 0:
+        if check and batch and int(starts.min()) < 0:
             raise ValueError(f"engram hash: negative start {int(starts.min())}")
 
         raw = torch.cat((history.to(device, torch.int64), ids.to(device, torch.int64)), dim=1)
@@ -344,7 +348,7 @@ class EngramHash(nn.Module):
                                dtype=torch.int64, device=device)
         size = self.token_map.numel()
         bad = (raw < 0) | (raw >= size)
-        if bool(bad.any()):
+        if check and bool(bad.any()):
             raise ValueError(
                 f"engram hash: token id {int(raw[bad][0])} is outside the token map "
                 f"(ids 0..{size - 1}, {size} tokens)"
@@ -447,14 +451,16 @@ class Engram(nn.Module):
             )
         self._fill(lambda lo, hi: values[lo:hi], self.n_rows)
 
-    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+    def lookup(self, rows: torch.Tensor, check: bool = True) -> torch.Tensor:
         """Float32 table rows [..., head_dim] for global row indices rows [...] (int64).
 
         Only the rows read are dequantised. Float32 holds an E4M3 value times a power-of-two
         scale exactly (so does the reference's bf16), so the rows are the stored values.
+        check=False trusts the indices (EngramHash's are in range by construction) and
+        reads nothing back from the device.
         """
         flat = rows.reshape(-1).to(self.table_codes.device)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.n_rows):
+        if check and flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.n_rows):
             raise ValueError(
                 f"engram: row indices span {int(flat.min())}..{int(flat.max())}, outside the "
                 f"table's 0..{self.n_rows - 1}"
@@ -476,7 +482,7 @@ class Engram(nn.Module):
             raise ValueError(
                 f"engram: x must be [B, n, {self.hc_mult}, {self.dim}], got {list(x.shape)}"
             )
-        embedded = self.lookup(rows).flatten(-2)  # [B, n, C * D]
+        embedded = self.lookup(rows, check=False).flatten(-2)  # rows from EngramHash: in range
         kv = self.wkv(embedded)  # [B, n, (h + 1) * dim]
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.dim))  # [B, n, h, dim]

@@ -852,7 +852,10 @@ class Model(nn.Module):
         if self.engram_hash is None:
             return None
         history = store.recent_ids(start, self.config.engram_max_ngram_size - 1)
-        return self.engram_hash(ids, history.to(ids.device), start)
+        # A decode batch (per-sequence starts) had its ids and positions checked on the
+        # host; looking again would read them back from the device.
+        return self.engram_hash(ids, history.to(ids.device), start,
+                                check=not isinstance(start, torch.Tensor))
 
     def _logits(self, s: TokenStates) -> torch.Tensor:
         c, x = self.config, s.x
