@@ -135,6 +135,8 @@ def parse_args() -> argparse.Namespace:
                         help="also decode batches of these sizes at --batch-context")
     parser.add_argument("--batch-context", type=int, default=2048,
                         help="tokens of context of each sequence of a batch")
+    parser.add_argument("--layer-contexts", type=int, nargs="+", default=None,
+                        help="also time each layer of (a)'s decode step at these contexts")
     args = parser.parse_args()
     # Even contexts: the ratio-2 streams then hold whole groups and no partial one.
     if min(args.contexts) <= 0 or any(c % 2 for c in args.contexts):
@@ -147,6 +149,10 @@ def parse_args() -> argparse.Namespace:
         args.batches = sorted(set(args.batches))
     if args.batch_context <= 0 or args.batch_context % 2:
         parser.error("--batch-context must be positive and even")
+    if args.layer_contexts is not None:
+        if min(args.layer_contexts) <= 0 or any(c % 2 for c in args.layer_contexts):
+            parser.error("--layer-contexts must be positive and even")
+        args.layer_contexts = sorted(set(args.layer_contexts))
     return args
 
 
@@ -243,7 +249,7 @@ def measure_engine(llm: LLM, context: int, steps: int, repeat: int) -> Measured:
         def step() -> None:
             if not store.reserve(seq.num_tokens):
                 raise RuntimeError("the cache pools are full")
-            seq.output_ids.append(llm.runner.decode([seq])[0])
+            seq.output_ids.append(llm.runner.decode([seq])[0].token)
 
         tok_s = time_decode(step, steps, repeat)
     finally:
@@ -268,8 +274,8 @@ def measure_engine_batch(config: ModelConfig, max_tokens: int, batch: int, conte
             for seq in seqs:
                 if not seq.store.reserve(seq.num_tokens):
                     raise RuntimeError("the cache pools are full")
-            for seq, token in zip(seqs, llm.runner.decode(seqs), strict=True):
-                seq.output_ids.append(token)
+            for seq, sample in zip(seqs, llm.runner.decode(seqs), strict=True):
+                seq.output_ids.append(sample.token)
 
         tok_s = batch * time_decode(step, steps, repeat)
         counted = count_ops(step) if ops else None
@@ -277,6 +283,74 @@ def measure_engine_batch(config: ModelConfig, max_tokens: int, batch: int, conte
         for store in stores:
             llm.cache.close_sequence(store)
     return BatchMeasured(tok_s, counted)
+
+
+def measure_layers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each layer's share of (a)'s batch-1 decode step at every --layer-contexts length:
+    the median over the timed steps of the wall time between the layer's forward pre-hook
+    and its forward hook (a CPU runs the step synchronously, so that is the layer's own
+    time). Rows: layer, mode, ms per context, the longest context's ms over the shortest's."""
+    contexts = args.layer_contexts
+    max_tokens = max(contexts) + max(64, 1 + WARMUP_STEPS + args.steps)
+    config = bench_config(max_tokens)
+    llm = engine(config, max_tokens)
+    layers = llm.model.layers
+    spent: list[list[float]] = [[] for _ in layers]
+    started = [0.0]
+
+    def before(*_: Any) -> None:
+        started[0] = time.perf_counter()
+
+    def after(layer: int) -> Callable[..., None]:
+        return lambda *_: spent[layer].append(time.perf_counter() - started[0])
+
+    hooks = [h for i, block in enumerate(layers)
+             for h in (block.register_forward_pre_hook(before),
+                       block.register_forward_hook(after(i)))]
+    ms: dict[int, list[float]] = {}
+    try:
+        for context in contexts:
+            store = llm.cache.open_sequence()
+            try:
+                ids = fill(store, config, context, torch.Generator().manual_seed(context))
+                seq = Sequence("layers", ids, SamplingParams(temperature=0, ignore_eos=True),
+                               output_ids=[ids[-1]], store=store)
+                for i in range(WARMUP_STEPS + args.steps):
+                    if i == WARMUP_STEPS:
+                        for times in spent:
+                            times.clear()
+                    if not store.reserve(seq.num_tokens):
+                        raise RuntimeError("the cache pools are full")
+                    seq.output_ids.append(llm.runner.decode([seq])[0].token)
+            finally:
+                llm.cache.close_sequence(store)
+            ms[context] = [1e3 * sorted(t)[len(t) // 2] for t in spent]
+    finally:
+        for h in hooks:
+            h.remove()
+    def mode(spec: Any) -> str:
+        return spec.mode.value + (" in pool" if spec.uses_candidates and spec.ratio else "")
+
+    return [{"layer": i, "mode": mode(config.layers[i]),
+             "ms": {c: ms[c][i] for c in contexts},
+             "growth": ms[contexts[-1]][i] / ms[contexts[0]][i]} for i in range(len(layers))]
+
+
+def render_layers(console: Console, rows: list[dict[str, Any]], steps: int) -> None:
+    contexts = list(rows[0]["ms"])
+    table = Table(title="(a)'s decode step per layer, batch 1")
+    table.add_column("layer", justify="right")
+    table.add_column("mode")
+    for c in contexts:
+        table.add_column(f"ms @ {c // 1024}K" if c >= 1024 else f"ms @ {c}", justify="right")
+    table.add_column(f"{contexts[-1] // 1024}K ÷ {contexts[0] // 1024}K", justify="right")
+    for r in rows:
+        table.add_row(str(r["layer"]), r["mode"], *(f"{r['ms'][c]:.2f}" for c in contexts),
+                      f"{r['growth']:.2f}×")
+    console.print(table)
+    console.print(f"median over {steps} steps after {WARMUP_STEPS} warm-up of each layer's "
+                  f"forward (pre-hook to hook); torch {torch.__version__}, "
+                  f"{torch.get_num_threads()} threads")
 
 
 # ---- (c): transformers' Llama --------------------------------------------------------------
@@ -574,6 +648,7 @@ def main() -> None:
         c = measure_hf(llama, context, args.steps, args.repeat) if llama is not None else None
         rows.append(row(context, a, b, c))
     batch_table, batch_notes = ([], []) if args.batches is None else measure_batches(args)
+    layer_table = None if args.layer_contexts is None else measure_layers(args)
     plot_path = Path(args.plot) if HAVE_MATPLOTLIB else None
     if plot_path is not None:
         plot(rows, plot_path)
@@ -605,6 +680,8 @@ def main() -> None:
             report["batch_context"] = args.batch_context
             report["batch_notes"] = batch_notes
             report["batches"] = [asdict(r) for r in batch_table]
+        if layer_table is not None:
+            report["layers"] = layer_table
         print(json.dumps(report, indent=2))
         return
     console = Console()
@@ -639,6 +716,8 @@ def main() -> None:
             f"{torch.get_num_threads()} threads")
         for line in batch_notes:
             console.print(line, markup=False)
+    if layer_table is not None:
+        render_layers(console, layer_table, args.steps)
     if plot_path is not None:
         console.print(f"plot: {plot_path}")
 

@@ -9,7 +9,7 @@ import torch
 from kvstack.cache.contiguous import ContiguousCache
 from kvstack.cache.layout import CacheLayout
 from kvstack.config import Mode, ModelConfig, preset
-from kvstack.model.model import Gate, Model, rope_frequencies
+from kvstack.model.model import Gate, Model, pool_mask, rope_frequencies, select_topk
 from kvstack.model.params import count_parameters, parameter_shapes
 
 BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
@@ -141,6 +141,46 @@ def test_candidate_pool_restricts_later_index_sources(monkeypatch):
     planted(consumer, {11: 1e9})  # entry 11 shares entry 10's block: in the pool
     target = model(tokens(1, 64), collect=True).attention_targets
     assert torch.all(target[6][0, 32:, 11] > 0)
+
+
+def test_a_reindex_layer_scoring_only_its_pool_selects_as_scoring_every_entry():
+    """Layer 6 indexes inside layer 4's candidate pool. Scoring only the pool's keys must
+    pick what scoring the whole stream and masking to the pool picks, ties (equal keys)
+    and pool blocks past the visible entries included."""
+    c = preset("tiny").replace(candidate_topk_blocks=6, candidate_block_size=4, index_topk=5)
+    indexer = make_model(c).layers[6].attn.indexer
+    g = torch.Generator().manual_seed(0)
+    n, b, q = 96, 2, 3
+    cache = ContiguousCache(c, batch_size=b, max_tokens=128)
+    keys = torch.randn(b, n, c.index_head_dim, generator=g)
+    keys[:, 40:60] = keys[:, 20:21]  # twenty-one equal keys: ties to break
+    cache.append_stream(4, {"kv": torch.randn(b, n, c.head_dim, generator=g), "index": keys})
+    positions = torch.tensor([[70, 71, 95], [60, 88, 90]])  # entries past 70 unseen by some
+    x, qr = torch.randn(b, q, c.dim, generator=g), torch.randn(b, q, c.q_lora_rank, generator=g)
+    for trial in range(5):
+        blocks = torch.stack([torch.randperm(n // 4, generator=g)[:6] for _ in range(b * q)])
+        blocks = blocks.view(b, q, 6)
+        if trial == 0:
+            blocks[..., :2] = torch.tensor([5, 10])  # entries 20..23 and 40..43: tied keys
+        in_pool = pool_mask(blocks, n, c)
+        scored = indexer.scores(x, qr, positions, cache, n).masked_fill(~in_pool, float("-inf"))
+        expected = select_topk(scored, c.index_topk)
+        assert torch.equal(indexer.select_in_pool(x, qr, positions, cache, blocks, n), expected)
+
+
+def test_a_decode_step_scores_no_more_than_the_pool_in_reindex_layers(monkeypatch):
+    """Once the stream outgrows the pool, a decode step's Reindex layer scores the pool's
+    keys alone: it never scores the whole stream, whose cost grows with the context."""
+    c = preset("tiny")
+    model = make_model(c)
+    cache = ContiguousCache(c, batch_size=1, max_tokens=64)
+    model.prefill(tokens(1, 40), cache)
+
+    def whole_stream(*args):
+        raise AssertionError("layer 6 scored its whole stream")
+
+    monkeypatch.setattr(model.layers[6].attn.indexer, "scores", whole_stream)
+    model.decode(tokens(1, 1)[:, 0], cache)
 
 
 # ---- incremental = reference ----------------------------------------------------------

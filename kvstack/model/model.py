@@ -347,10 +347,9 @@ class Indexer(nn.Module):
         self.wq = nn.Linear(config.q_lora_rank, hi * di, bias=False)
         self.wweights = nn.Linear(config.dim, hi, bias=False)
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
-               store: KVStore, n_entries: int) -> torch.Tensor:
-        """score(t, j) = sum_h w_th relu(q_th . k_j), invisible entries -inf: [B, n, N].
-        The keys are read from the store KEY_CHUNK entries at a time."""
+    def _queries(self, x: torch.Tensor, qr: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries q [B, n, Hi, Di] and head weights w [B, n, Hi]."""
         c = self.config
         hi, di = c.index_n_heads, c.index_head_dim
         q = rotate(self.wq(qr).unflatten(-1, (hi, di)), positions, self.freqs).float()
@@ -358,7 +357,13 @@ class Indexer(nn.Module):
             # Unchecked: a query only ranks entries, and anything non-finite reaches the
             # logits, which the engine checks once per step.
             q = straight_through(q, c.index_query_format, check=False)
-        w = self.wweights(x).float() * (di**-0.5 * hi**-0.5)  # [B, n, Hi]
+        return q, self.wweights(x).float() * (di**-0.5 * hi**-0.5)
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
+               store: KVStore, n_entries: int) -> torch.Tensor:
+        """score(t, j) = sum_h w_th relu(q_th . k_j), invisible entries -inf: [B, n, N].
+        The keys are read from the store KEY_CHUNK entries at a time."""
+        q, w = self._queries(x, qr, positions)
         chunks = []
         for start in range(0, n_entries, KEY_CHUNK):
             keys = store.read_stream(self.spec.kv_source, "index", start,
@@ -368,6 +373,24 @@ class Indexer(nn.Module):
         s = torch.cat(chunks, dim=-1) if chunks else w.new_zeros(*w.shape[:2], 0)
         visible = torch.arange(n_entries, device=x.device) < _visible(positions, self.spec)
         return s.masked_fill(~visible, float("-inf"))
+
+    def select_in_pool(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
+                       store: KVStore, blocks: torch.Tensor, n_entries: int) -> torch.Tensor:
+        """The top-k of each query's candidate pool, blocks [B, n, kb] -> entries [B, n, k]
+        (-1 for none), scoring only the kb * candidate_block_size keys the pool holds, so
+        the work does not grow with the stream. It selects what scoring every entry and
+        masking to the pool selects: the pool is scored in entry order, so ties still go
+        to the earlier entry."""
+        bs = self.config.candidate_block_size
+        blocks = blocks.sort(dim=-1).values
+        entries = (blocks[..., None] * bs + torch.arange(bs, device=x.device)).flatten(-2)
+        visible = entries < _visible(positions, self.spec)  # [B, n, K]
+        q, w = self._queries(x, qr, positions)
+        keys = store.gather_stream(self.spec.kv_source, "index",
+                                   entries.clamp(max=n_entries - 1)).float()  # [B, n, K, Di]
+        s = torch.einsum("bnhk,bnh->bnk", torch.einsum("bnhd,bnkd->bnhk", q, keys).relu(), w)
+        chosen = select_topk(s.masked_fill(~visible, float("-inf")), self.config.index_topk)
+        return torch.where(chosen >= 0, entries.gather(-1, chosen.clamp(min=0)), -1)
 
 
 def _visible(positions: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
@@ -529,6 +552,12 @@ class Attention(nn.Module):
         n_entries = store.stream_len(spec.kv_source) if spec.ratio else 0
         all_kv = (store.read_stream(spec.kv_source, "kv", 0, n_entries)
                   if spec.ratio and ctx.dense else None)
+        # A Reindex layer scores only its candidate pools where a query block's pools
+        # hold fewer keys than the stream (a decode step, once the stream outgrows one
+        # pool); decided once per call, so every block's top-k has one width.
+        score_pools = (spec.uses_candidates and not ctx.collect and n_entries > 0
+                       and min(n, QUERY_BLOCK) * c.candidate_topk_blocks
+                       * c.candidate_block_size < n_entries)
         # Query blocks end to end (score, pool, top-k, attend), so no [n, N] matrix is
         # ever whole unless `collect` asks for the scores.
         outs, topks, pools, scores = [], [], [], []
@@ -540,16 +569,20 @@ class Attention(nn.Module):
                 # reached the trunk through qr and x otherwise, a third of the
                 # cross-entropy's gradient on some compressors), and the cross-entropy
                 # never reaches the indexer (its scores only pick entries).
-                s = self.indexer.scores(x[:, block].detach(), qr[:, block].detach(),
-                                        positions[:, block], store, n_entries)
-                if ctx.collect:  # the indexer is trained on every visible entry it scores
-                    scores.append(s)
-                if spec.is_candidate_source:
-                    pools.append(candidate_blocks(s, positions[:, block], spec, c))
-                elif spec.uses_candidates:
-                    in_pool = pool_mask(ctx.pool[spec.kv_source][:, block], n_entries, c)
-                    s = s.masked_fill(~in_pool, float("-inf"))
-                topks.append(select_topk(s, c.index_topk))
+                xi, qri = x[:, block].detach(), qr[:, block].detach()
+                pool = ctx.pool[spec.kv_source][:, block] if spec.uses_candidates else None
+                if score_pools:
+                    topks.append(self.indexer.select_in_pool(xi, qri, positions[:, block],
+                                                             store, pool, n_entries))
+                else:
+                    s = self.indexer.scores(xi, qri, positions[:, block], store, n_entries)
+                    if ctx.collect:  # the indexer is trained on every visible entry it scores
+                        scores.append(s)
+                    if spec.is_candidate_source:
+                        pools.append(candidate_blocks(s, positions[:, block], spec, c))
+                    elif pool is not None:
+                        s = s.masked_fill(~pool_mask(pool, n_entries, c), float("-inf"))
+                    topks.append(select_topk(s, c.index_topk))
             if spec.ratio and not ctx.dense:
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
             if spec.index in ctx.window_only:
