@@ -37,6 +37,7 @@ the overhead that batching amortises; it does not depend on the machine's noise.
 """
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import inspect
@@ -88,6 +89,9 @@ class Row:
     speedup_vs_hf: float | None  # (a)/(c) tokens/s
     bytes_saving_vs_dense: float  # (b)/(a) bytes per token
     bytes_saving_vs_hf: float | None  # (c)/(a) bytes per token
+    compiled_tok_s: float | None = None  # (a') with --compile
+    compiled_speedup_vs_eager: float | None = None  # (a')/(a) tokens/s
+    compiled_speedup_vs_hf: float | None = None  # (a')/(c) tokens/s
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,10 @@ class BatchRow:
     stack_top_level_ops: int | None
     dense_top_level_ops: int | None
     hf_top_level_ops: int | None
+    compiled_tok_s: float | None = None  # (a') with --compile
+    compiled_speedup_vs_hf: float | None = None
+    compiled_aten_ops: int | None = None
+    compiled_top_level_ops: int | None = None
 
 
 def parse_args() -> argparse.Namespace:
@@ -135,6 +143,8 @@ def parse_args() -> argparse.Namespace:
                         help="also decode batches of these sizes at --batch-context")
     parser.add_argument("--batch-context", type=int, default=2048,
                         help="tokens of context of each sequence of a batch")
+    parser.add_argument("--compile", action="store_true",
+                        help="also measure (a') = (a) with compile_decode (torch.compile)")
     parser.add_argument("--layer-contexts", type=int, nargs="+", default=None,
                         help="also time each layer of (a)'s decode step at these contexts")
     args = parser.parse_args()
@@ -207,14 +217,15 @@ def count_ops(step: Callable[[], None]) -> OpCount:
 
 
 # ---- (a) and (b): kvstack's engine ---------------------------------------------------------
-def engine(config: ModelConfig, max_tokens: int, batch: int = 1) -> LLM:
+def engine(config: ModelConfig, max_tokens: int, batch: int = 1,
+           compile_decode: bool = False) -> LLM:
     """An LLM whose budget holds `batch` sequences of max_tokens and nothing more (a
     window-ring slot and the blocks of each), so the benchmark allocates what it uses."""
     layout = CacheLayout.from_config(config)
     budget = batch * (layout.window_bytes_per_sequence
                       + block_bytes(layout, BLOCK_TOKENS) * -(-max_tokens // BLOCK_TOKENS))
     return LLM(config, random_init=True, kv_budget=budget, max_num_seqs=batch,
-               block_tokens=BLOCK_TOKENS)
+               block_tokens=BLOCK_TOKENS, compile_decode=compile_decode)
 
 
 def fill(store: PagedSequenceStore, config: ModelConfig, context: int,
@@ -258,10 +269,11 @@ def measure_engine(llm: LLM, context: int, steps: int, repeat: int) -> Measured:
 
 
 def measure_engine_batch(config: ModelConfig, max_tokens: int, batch: int, context: int,
-                         steps: int, repeat: int, ops: bool) -> BatchMeasured:
+                         steps: int, repeat: int, ops: bool,
+                         compile_decode: bool = False) -> BatchMeasured:
     """Decode `batch` sequences of `context` tokens as one batch, on an engine sized for
     exactly them; with `ops`, also the aten ops of one more step."""
-    llm = engine(config, max_tokens, batch)
+    llm = engine(config, max_tokens, batch, compile_decode)
     stores = [llm.cache.open_sequence() for _ in range(batch)]
     try:
         greedy = SamplingParams(temperature=0, ignore_eos=True)
@@ -523,11 +535,15 @@ def measure_batches(args: argparse.Namespace) -> tuple[list[BatchRow], list[str]
     config = bench_config(max_tokens)
     dense = dense_control(config)
     counted = {args.batches[0], args.batches[-1]}
-    a, b = {}, {}
+    a, b, compiled = {}, {}, {}
     for n in args.batches:
         a[n] = measure_engine_batch(config, max_tokens, n, context, args.steps, args.repeat,
                                     n in counted)
         gc.collect()
+        if args.compile:
+            compiled[n] = measure_engine_batch(config, max_tokens, n, context, args.steps,
+                                               args.repeat, n in counted, compile_decode=True)
+            gc.collect()
         b[n] = measure_engine_batch(dense, max_tokens, n, context, args.steps, args.repeat,
                                     n in counted)
         gc.collect()
@@ -545,7 +561,18 @@ def measure_batches(args: argparse.Namespace) -> tuple[list[BatchRow], list[str]
             c[n] = measure_hf_batch(llama, n, context, context + extra, args.steps,
                                     args.repeat, n in counted, failure is None)
             gc.collect()
-    return batch_rows(args.batches, context, a, b, c, hf_cache), notes
+    rows = batch_rows(args.batches, context, a, b, c, hf_cache)
+    if args.compile:
+        rows = [with_compiled_batch(r, compiled[r.batch]) for r in rows]
+    return rows, notes
+
+
+def with_compiled_batch(r: BatchRow, m: BatchMeasured) -> BatchRow:
+    return dataclasses.replace(
+        r, compiled_tok_s=m.tok_s,
+        compiled_speedup_vs_hf=None if r.hf_tok_s is None else m.tok_s / r.hf_tok_s,
+        compiled_aten_ops=None if m.ops is None else m.ops.aten_ops,
+        compiled_top_level_ops=None if m.ops is None else m.ops.top_level_ops)
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -576,6 +603,12 @@ def render(console: Console, r: Row) -> None:
     if r.hf_tok_s is not None:
         table.add_row("(c) HF Llama", f"{r.hf_tok_s:.1f}", f"{r.hf_bytes_per_token:,.1f}",
                       f"{r.speedup_vs_hf:.2f}×", f"{r.bytes_saving_vs_hf:.2f}×")
+    if r.compiled_tok_s is not None:
+        vs_hf = "" if r.compiled_speedup_vs_hf is None else f"; {r.compiled_speedup_vs_hf:.2f}× (c)"
+        table.add_row("(a') stack, compiled", f"{r.compiled_tok_s:.1f}",
+                      f"{r.stack_bytes_per_token:,.1f}", f"{1 / r.compiled_speedup_vs_eager:.2f}×",
+                      "")
+        table.caption = f"(a') = {r.compiled_speedup_vs_eager:.2f}× (a){vs_hf}"
     console.print(table)
 
 
@@ -597,6 +630,12 @@ def render_batch(console: Console, r: BatchRow, base: int) -> None:
         table.add_row("(c) HF Llama", f"{r.hf_tok_s:.1f}",
                       f"{r.speedup_vs_hf:.2f}×", f"{r.hf_scaling:.2f}×", ops(r.hf_aten_ops),
                       ops(r.hf_top_level_ops))
+    if r.compiled_tok_s is not None:
+        table.add_row("(a') stack, compiled", f"{r.compiled_tok_s:.1f}",
+                      f"{r.stack_tok_s / r.compiled_tok_s:.2f}×", "",
+                      ops(r.compiled_aten_ops), ops(r.compiled_top_level_ops))
+        if r.compiled_speedup_vs_hf is not None:
+            table.caption = f"(a') = {r.compiled_speedup_vs_hf:.2f}× (c)"
     console.print(table)
 
 
@@ -640,6 +679,7 @@ def main() -> None:
     config = bench_config(max_tokens)
     dense = dense_control(config)
     stack_llm, dense_llm = engine(config, max_tokens), engine(dense, max_tokens)
+    compiled_llm = engine(config, max_tokens, compile_decode=True) if args.compile else None
     llama = hf_model(config, max_tokens) if HAVE_TRANSFORMERS else None
     rows = []
     for context in args.contexts:
@@ -647,6 +687,11 @@ def main() -> None:
         b = measure_engine(dense_llm, context, args.steps, args.repeat)
         c = measure_hf(llama, context, args.steps, args.repeat) if llama is not None else None
         rows.append(row(context, a, b, c))
+        if compiled_llm is not None:
+            t = measure_engine(compiled_llm, context, args.steps, args.repeat)
+            rows[-1] = dataclasses.replace(
+                rows[-1], compiled_tok_s=t.tok_s, compiled_speedup_vs_eager=t.tok_s / a.tok_s,
+                compiled_speedup_vs_hf=None if c is None else t.tok_s / c.tok_s)
     batch_table, batch_notes = ([], []) if args.batches is None else measure_batches(args)
     layer_table = None if args.layer_contexts is None else measure_layers(args)
     plot_path = Path(args.plot) if HAVE_MATPLOTLIB else None
@@ -675,6 +720,8 @@ def main() -> None:
             "plot": str(plot_path) if plot_path else None,
             "skipped": skipped,
             "rows": [asdict(r) for r in rows],
+            "compile_seconds": (None if compiled_llm is None
+                                else compiled_llm.runner.compile_seconds),
         }
         if args.batches is not None:
             report["batch_context"] = args.batch_context
@@ -696,6 +743,10 @@ def main() -> None:
     for r in rows:
         render(console, r)
     console.print(caption)
+    if compiled_llm is not None:
+        console.print(f"(a') = (a) with compile_decode=True: torch.compile (Inductor), one "
+                      f"graph per layer, compiled in {compiled_llm.runner.compile_seconds:.0f} "
+                      "s over the warm-up steps (not timed)")
     for line in skipped:
         console.print(line, markup=False)  # "[bench]" is not rich markup
     if args.batches is not None:

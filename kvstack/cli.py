@@ -206,7 +206,8 @@ def _load_llm(args: argparse.Namespace, **settings: Any) -> "LLM":
                random_init=args.random_init, seed=args.init_seed, device=args.device,
                cache_dir=args.cache_dir, host_budget=args.host_budget or 0,
                disk_prefix_cache=args.disk_prefix_cache, numerics=args.numerics,
-               threads=args.threads, max_model_len=args.max_model_len, **settings)
+               threads=args.threads, max_model_len=args.max_model_len,
+               compile_decode=args.compile, **settings)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -730,6 +731,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int,
                    help="torch threads (default: half the cores, at most 8: all of them "
                         "collapse on a busy machine)")
+    p.add_argument("--compile", action="store_true",
+                   help="run decode steps through torch.compile, one graph per layer: "
+                        "minutes to compile on the first step on a small CPU, faster after")
     p.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="tokens a sequence may hold, below the model's max_seq_len")
     p.add_argument("--numerics", choices=NUMERICS, default="default",

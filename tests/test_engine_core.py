@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from kvstack import LLM, EngineConfig, EngineError, SamplingParams
+from kvstack.config import preset
 from kvstack.engine.output import Detokenizer
 from kvstack.engine.tokenizer import ByteTokenizer, JsonTokenizer
-from kvstack.model.model import Block
+from kvstack.model.model import Block, Model
+from kvstack.model.packed import PackedExperts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -410,3 +412,42 @@ def test_asyncio_front_end_requests_interleave_with_a_sync_caller(alone):
             return [o async for o in engine.generate("", GREEDY)]
         with pytest.raises(ValueError, match="the prompt is empty"):
             asyncio.run(bad())
+
+
+# Every layer mode in five layers: window only, Full at ratio 2 and its Reuse (encoder),
+# the CED stream at ratio 1 as the candidate source, Reindex inside its pool; with the
+# tiny preset's MoE and hyper-connections.
+FIVE_LAYERS = preset("tiny").replace(
+    n_layers=5, compress_ratios=[0, 2, 2, 1, 1], kv_source_layers=[1, 3],
+    index_source_layers=[1, 3, 4], candidate_source_layer=3, n_encoder_layers=3)
+
+
+def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
+    """Traced one graph per layer with fullgraph (a graph break is an error): a batch of
+    two at different positions decodes the same greedy tokens as eager, and its table
+    growing by blocks makes no new graph. Traced with aot_eager, which runs the captured
+    graphs without Inductor's code generation (minutes on a 2-core machine; bench/decode.py
+    --compile measures Inductor's)."""
+    original = Model.compile_decode
+    monkeypatch.setattr(Model, "compile_decode", lambda self: original(self, "aot_eager"))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    # 5 and 59 tokens: tables of 1 and 4 blocks, then 3 and 7
+    two = [prompts(3)[1], prompts(3)[2]]
+    settings = {"kv_budget": "2MiB", "block_tokens": 16}
+    eager = LLM(FIVE_LAYERS, random_init=True, **settings)
+    assert eager.memory_report()["backend"] == {"decode": "eager"}
+    llm = LLM(FIVE_LAYERS, random_init=True, compile_decode=True, **settings)
+    before = llm.memory_report()["backend"]["graphs"]
+    outputs = llm.generate(two, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager.generate(two, params)]
+    backend = llm.memory_report()["backend"]
+    assert backend["decode"] == "torch.compile"
+    assert backend["graphs"] - before == FIVE_LAYERS.n_layers
+    assert backend["compile_seconds"] > 0
+
+
+def test_compiled_decode_refuses_packed_experts(monkeypatch):
+    model = Model(preset("tiny"))
+    monkeypatch.setattr(model.layers[1].ffn, "experts", PackedExperts([]))
+    with pytest.raises(ValueError, match="packed"):
+        model.compile_decode("aot_eager")

@@ -45,8 +45,17 @@ class DecodeBatch(KVStore):
             device=dev)
         self.stream_lens = {layer: (self.positions + 1) // r  # [B], this step's entry included
                             for layer, r in pools.ratios.items()}
-        self._longest = {layer: max((p + 1) // r for p in lengths)
-                         for layer, r in pools.ratios.items()}
+        # A traced step (Model.compile_decode) takes the batch size and the table's width
+        # as symbolic, so that one graph per layer serves every batch.
+        for t in (self.positions, self.slots, self.block_table):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(self.block_table, 1)
+        # The ids before each new token that Engram hashes (host copies, so the step
+        # itself builds nothing from host lists).
+        count = self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
+        self._history = torch.tensor(
+            [[0] * max(0, count - len(s.held_ids)) + s.held_ids[max(0, len(s.held_ids) - count):]
+             if count else [] for s in stores], dtype=torch.long, device=dev)  # [B, count]
         # Where each stream layer's new entry goes: its row for the sequences whose token
         # completes a group, row 0 of the null block for the rest.
         self._new_rows = {}
@@ -79,13 +88,11 @@ class DecodeBatch(KVStore):
             store.advance(token)
 
     def recent_ids(self, start: torch.Tensor, count: int) -> torch.Tensor:
-        """Built from the host's copy of each sequence's ids (its new token included)."""
-        rows = []
-        for store in self.stores:
-            p = store.num_tokens - 1
-            past = store.held_ids[max(0, p - count) : p]
-            rows.append([0] * (count - len(past)) + past)
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        """Taken from the host's copy of each sequence's ids when the batch was made."""
+        if count != self._history.shape[1]:
+            raise ValueError(f"a decode batch holds the {self._history.shape[1]} ids before "
+                             f"each new token (what Engram hashes), not {count}")
+        return self._history
 
     # ---- window rings ------------------------------------------------------------------
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,9 +104,11 @@ class DecodeBatch(KVStore):
 
     # ---- streams -----------------------------------------------------------------------
     def stream_len(self, layer: int) -> int:
-        """The longest sequence's entries after this step's token (each sequence's own
-        count is `stream_lens[layer]`; reads past it come back from the null block)."""
-        return self._longest[layer]
+        """Entries the block table reaches, at least the longest sequence's after this
+        step's token (each sequence's own count is `stream_lens[layer]`; reads past it
+        come back from the null block, and attention masks them by position). A function
+        of the table's width, so a traced step's shapes follow it, not each group."""
+        return self.block_table.shape[1] * (self.pools.block_tokens // self.pools.ratios[layer])
 
     def append_stream(
         self, layer: int, entries: dict[str, torch.Tensor]

@@ -50,6 +50,9 @@ class EngineConfig:
     max_model_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
     threads: int | None = None  # torch intra-op threads; None: default_threads()
     numerics: str = "default"  # one of kvstack.config.NUMERICS
+    # Decode steps through torch.compile, one graph per layer: minutes to compile on the
+    # first step on a small CPU, faster steps after (Model.compile_decode).
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         def positive(key: str) -> None:
@@ -69,7 +72,7 @@ class EngineConfig:
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got "
                              f"{self.numerics!r}")
-        for key in ("enable_prefix_caching", "disk_prefix_cache"):
+        for key in ("enable_prefix_caching", "disk_prefix_cache", "compile_decode"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"engine setting {key} must be true or false, got "
                                  f"{getattr(self, key)!r}")

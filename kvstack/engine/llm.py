@@ -249,6 +249,7 @@ class LLM:
         report["engram"] = [{"layer": block.spec.index, "bytes": block.engram.table_bytes,
                              "device": str(block.engram.table_codes.device)}
                             for block in self.model.layers if block.engram is not None]
+        report["backend"] = self.runner.backend()
         return report
 
     # ---- sessions ----------------------------------------------------------------------

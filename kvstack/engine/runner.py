@@ -1,5 +1,9 @@
 """Runs the model for the sequences a step scheduled, and samples their next tokens."""
 
+import logging
+import time
+from typing import Any
+
 import torch
 
 from kvstack.cache.batch import DecodeBatch
@@ -7,12 +11,21 @@ from kvstack.engine.sampling import Sample, sample_batch
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
 
+log = logging.getLogger("kvstack")
+
 
 class ModelRunner:
-    def __init__(self, model: Model, replay: str, chunk_size: int) -> None:
+    def __init__(self, model: Model, replay: str, chunk_size: int,
+                 compile_decode: bool = False) -> None:
         self.model, self.replay, self.chunk_size = model, replay, chunk_size
         self.device = model.embed.weight.device
         self.replayed_tokens = 0  # tokens re-run to rebuild window state, since start
+        self.compiled = compile_decode
+        self.compile_seconds = 0.0  # decode steps that compiled a graph, in all
+        if compile_decode:
+            model.compile_decode()
+        log.info("kvstack decode: %s", "torch.compile (inductor, one graph per layer, "
+                 "compiled on the first decode step)" if compile_decode else "eager torch")
 
     @torch.no_grad()
     def prefill(self, seq: Sequence) -> Sample:
@@ -40,5 +53,27 @@ class ModelRunner:
         positions (one `DecodeBatch`: the step's plan over the block pools); their next
         tokens."""
         batch = DecodeBatch([s.store for s in seqs])
-        logits = self.model.decode([s.output_ids[-1] for s in seqs], batch)
-        return sample_batch(logits, seqs)
+        if not self.compiled:
+            return sample_batch(self.model.decode([s.output_ids[-1] for s in seqs], batch), seqs)
+        graphs, started = _graphs(), time.perf_counter()
+        samples = sample_batch(self.model.decode([s.output_ids[-1] for s in seqs], batch), seqs)
+        if _graphs() > graphs:
+            spent = time.perf_counter() - started
+            self.compile_seconds += spent
+            log.info("kvstack decode: compiled %d graph(s) for a batch of %d in %.1f s",
+                     _graphs() - graphs, len(seqs), spent)
+        return samples
+
+    def backend(self) -> dict[str, Any]:
+        """What runs a decode step, and what compiling it has cost so far."""
+        if not self.compiled:
+            return {"decode": "eager"}
+        return {"decode": "torch.compile", "graphs": _graphs(),
+                "compile_seconds": round(self.compile_seconds, 3)}
+
+
+def _graphs() -> int:
+    """Graphs torch.compile has made in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

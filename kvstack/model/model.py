@@ -172,11 +172,19 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.gate(x)  # [T, k] each
         out = torch.zeros_like(x, dtype=torch.float32)
-        for e in torch.unique(chosen).tolist():
-            token, slot = torch.nonzero(chosen == e, as_tuple=True)
-            y = swiglu(x[token], *self.experts.projections(e), self.limit,
-                       weights[token, slot, None])
-            out.index_add_(0, token, y.float())
+        # Eager, each chosen expert runs on its tokens; a traced decode step has no shape
+        # that depends on the routing, so there every expert runs on every token with a
+        # routing weight of zero where it was not chosen (the same sum, in the same order).
+        if torch.compiler.is_compiling():
+            for e in range(len(self.experts.w1)):
+                weight = (weights * (chosen == e)).sum(-1, keepdim=True)  # [T, 1]
+                out = out + swiglu(x, *self.experts.projections(e), self.limit, weight).float()
+        else:
+            for e in torch.unique(chosen).tolist():
+                token, slot = torch.nonzero(chosen == e, as_tuple=True)
+                y = swiglu(x[token], *self.experts.projections(e), self.limit,
+                           weights[token, slot, None])
+                out.index_add_(0, token, y.float())
         if self.shared is not None:
             out = out + self.shared(x)
         return out.type_as(x).view(shape)
@@ -365,7 +373,10 @@ class Indexer(nn.Module):
         The keys are read from the store KEY_CHUNK entries at a time."""
         q, w = self._queries(x, qr, positions)
         chunks = []
-        for start in range(0, n_entries, KEY_CHUNK):
+        # Counted in chunks, not stepped over positions: a traced step then depends on
+        # the number of chunks alone, not on the exact count of entries.
+        for i in range(-(-n_entries // KEY_CHUNK)):
+            start = i * KEY_CHUNK
             keys = store.read_stream(self.spec.kv_source, "index", start,
                                      min(start + KEY_CHUNK, n_entries))
             s = torch.einsum("bnhd,bkd->bnhk", q, keys.float()).relu()
@@ -834,6 +845,7 @@ class Model(nn.Module):
         # fingerprint then needs no pass over the tensors.
         self.checkpoint_digest: str | None = None
         self.checkpoint_report = None  # kvstack.model.checkpoint.CheckpointReport, if loaded
+        self._compiled_layers: list[nn.Module] | None = None  # compile_decode's graphs
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -900,11 +912,32 @@ class Model(nn.Module):
             x = HyperConnection.collapse(x, pre)
         return self.head(self.norm(x)).float()
 
+    def compile_decode(self, backend: str = "inductor") -> None:
+        """Run decode steps through torch.compile, one graph per layer (fullgraph: a
+        graph break is an error, never a silent fall back to eager). Prefill and replay
+        stay eager. A layer compiles on its first decode step, and again when its shapes
+        first change (the batch size, the block table's width; after that they are
+        symbolic). The traced MoE runs every routed expert on every token, so float
+        experts only: a checkpoint's packed experts would be dequantised whole each step."""
+        if any(isinstance(m, PackedExperts) for m in self.modules()):
+            raise ValueError("compiled decode runs every routed expert on every token, and "
+                             "this model's experts are packed (a V4.1 checkpoint's FP4): "
+                             "decode it eager")
+        # The layers share Block.forward's code, whose graphs torch caches together: room
+        # for every layer's graphs (each layer's spec is its own, so its own graphs).
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * self.config.n_layers)
+        self._compiled_layers = [torch.compile(block, fullgraph=True, backend=backend)
+                                 for block in self.layers]
+
     def _run(self, s: TokenStates, start: int | torch.Tensor, store: KVStore, layers: range,
              ctx: StepContext | None = None) -> TokenStates:
         ctx = ctx or StepContext()
+        # A decode step (per-sequence starts) runs the compiled layers, if any.
+        compiled = self._compiled_layers is not None and isinstance(start, torch.Tensor)
+        run = self._compiled_layers if compiled else self.layers
         for i in layers:
-            s = self.layers[i](s, start, store, ctx)
+            s = run[i](s, start, store, ctx)
         return s
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
