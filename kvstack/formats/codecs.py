@@ -43,10 +43,25 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     return code | (_sign_bits(v) << 3)
 
 
+# Each table's copy on every other device it was used on, made once: a lookup on a GPU
+# then reads a resident table instead of copying it from the host every call.
+_TABLE_COPIES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _resident(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if table.device == device or torch.compiler.is_compiling():  # a traced copy is a constant
+        return table.to(device)
+    key = (id(table), device)
+    if key not in _TABLE_COPIES:
+        _TABLE_COPIES[key] = table.to(device)
+    return _TABLE_COPIES[key]
+
+
 def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """table[codes] for uint8 codes: rows of table [256 or 16, ...] by code. index_select
-    on the flattened codes, which is several times faster on CPU than advanced indexing."""
-    rows = table.to(codes.device).index_select(0, codes.flatten().long())
+    on the flattened codes, which is several times faster on CPU than advanced indexing.
+    The tables are module constants, so their ids name them for as long as the process."""
+    rows = _resident(table, codes.device).index_select(0, codes.flatten().long())
     return rows.view(*codes.shape, *table.shape[1:])
 
 
@@ -157,10 +172,18 @@ def e4m3_decode(code: torch.Tensor) -> torch.Tensor:
     return _lookup(_E4M3_TABLE, code)
 
 
+def _ue8m0_table() -> torch.Tensor:
+    b = torch.arange(256, dtype=torch.int32)
+    values = pow2(b.clamp(1, 254) - 127)  # exact powers of two, from the bits
+    values[0] = 2.0**-127  # a subnormal, which pow2's bits cannot form
+    values[255] = float("nan")
+    return values
+
+
+_UE8M0_TABLE = _ue8m0_table()
+
+
 def ue8m0_decode(byte: torch.Tensor) -> torch.Tensor:
     """UE8M0 scale bytes (biased exponents) to float32: 2**(byte-127); 255 is NaN and 0 is
     2**-127, as in the OCP microscaling formats."""
-    b = byte.to(torch.int32)
-    normal = pow2(b.clamp(1, 254) - 127)
-    out = torch.where(b == 0, torch.full_like(normal, 2.0**-127), normal)
-    return torch.where(b == 255, torch.full_like(out, float("nan")), out)
+    return _lookup(_UE8M0_TABLE, byte)
