@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev,bench,serve]"
+	$(BIN)/pip install --quiet -e ".[dev,bench,serve,kernels]"
 	touch $@
 
 demo: $(BIN)/.installed

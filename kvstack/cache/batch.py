@@ -19,7 +19,8 @@ from kvstack.cache.store import KVStore
 
 
 class DecodeBatch(KVStore):
-    def __init__(self, stores: list[PagedSequenceStore]) -> None:
+    def __init__(self, stores: list[PagedSequenceStore], kernel_attention: bool = False) -> None:
+        """kernel_attention: attention by the Triton kernel (`attend`)."""
         if not stores:
             raise ValueError("a decode batch needs at least one sequence")
         pools = stores[0].pools
@@ -34,6 +35,7 @@ class DecodeBatch(KVStore):
             s.check_room(1)
         super().__init__(stores[0].config, len(stores), pools.device)
         self.stores, self.pools = stores, pools
+        self.kernel_attention = kernel_attention
         self.rings, self.partials = stores[0].rings, stores[0].partials
         dev, null = self.device, pools.null_block
         lengths = [s.num_tokens for s in stores]  # the new tokens' positions
@@ -156,3 +158,21 @@ class DecodeBatch(KVStore):
 
     def drop_window_state(self) -> None:
         raise ValueError("a decode batch does not replay: rebuild each store first")
+
+    # ---- the kernel backend ------------------------------------------------------------
+    def attend(self, layer: int, source: int | None, q: torch.Tensor,
+               selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
+        """With `kernel_attention`: q [B, 1, H, D] over the layer's window ring (the new
+        entry written) and the selected entries of source's stream ([B, 1, k], -1 for
+        none; None for none at all), with the sink: [B, 1, H, D], by the Triton kernel."""
+        from kvstack.cache.kernels import sparse_attention
+
+        ring = self.rings.rows[layer].data
+        if selected is None or source is None:
+            pool, chosen = ring, torch.full((self.batch_size, 0), -1, device=self.device)
+        else:
+            pool, chosen = self.pools.rows[source, "kv"].data, selected[:, 0]
+        out = sparse_attention(q[:, 0], sink, ring, self.rings.pos[layer], self.slots,
+                               self.positions, pool, self.block_table, chosen,
+                               self.config.window_size)
+        return out[:, None].type_as(q)

@@ -11,6 +11,7 @@ from kvstack.cache.paged import parse_bytes
 from kvstack.config import NUMERICS, REPLAY_MODES, ModelConfig
 
 log = logging.getLogger("kvstack")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _check_device(device: str) -> None:
@@ -53,6 +54,10 @@ class EngineConfig:
     # Decode steps through torch.compile, one graph per layer: minutes to compile on the
     # first step on a small CPU, faster steps after (Model.compile_decode).
     compile_decode: bool = False
+    # A decode step's attention: "triton" (kvstack.cache.kernels: reads the packed rows
+    # through the block table), "torch", or "auto" (triton on CUDA when it is installed
+    # and the cache formats are the kernel's, torch elsewhere).
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(key: str) -> None:
@@ -69,6 +74,12 @@ class EngineConfig:
         if self.replay not in REPLAY_MODES:
             raise ValueError(f"replay must be one of {', '.join(REPLAY_MODES)}, got "
                              f"{self.replay!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+                             f"{self.attention!r}")
+        if self.attention == "triton" and self.compile_decode:
+            raise ValueError("attention='triton' and compile_decode are two ways to run a "
+                             "decode step: choose one")
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got "
                              f"{self.numerics!r}")

@@ -72,7 +72,8 @@ class EngineCore:
                                 config.host_budget_bytes, disk_tier)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, config.replay, config.chunk_size, config.compile_decode)
+        self.runner = ModelRunner(model, config.replay, config.chunk_size, config.compile_decode,
+                                  config.attention)
         self.router = OutputRouter()
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()

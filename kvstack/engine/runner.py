@@ -1,6 +1,8 @@
 """Runs the model for the sequences a step scheduled, and samples their next tokens."""
 
+import importlib.util
 import logging
+import os
 import time
 from typing import Any
 
@@ -16,16 +18,19 @@ log = logging.getLogger("kvstack")
 
 class ModelRunner:
     def __init__(self, model: Model, replay: str, chunk_size: int,
-                 compile_decode: bool = False) -> None:
+                 compile_decode: bool = False, attention: str = "torch") -> None:
         self.model, self.replay, self.chunk_size = model, replay, chunk_size
         self.device = model.embed.weight.device
         self.replayed_tokens = 0  # tokens re-run to rebuild window state, since start
         self.compiled = compile_decode
         self.compile_seconds = 0.0  # decode steps that compiled a graph, in all
+        self.attention = _attention_backend(attention, model, self.device, compile_decode)
         if compile_decode:
             model.compile_decode()
-        log.info("kvstack decode: %s", "torch.compile (inductor, one graph per layer, "
-                 "compiled on the first decode step)" if compile_decode else "eager torch")
+        log.info("kvstack decode: %s, attention by %s", "torch.compile (inductor, one graph "
+                 "per layer, compiled on the first decode step)" if compile_decode
+                 else "eager torch", "the Triton kernel" if self.attention == "triton"
+                 else "torch")
 
     @torch.no_grad()
     def prefill(self, seq: Sequence) -> Sample:
@@ -52,7 +57,7 @@ class ModelRunner:
         """Feed each sequence's last sampled token, all in one batch whatever their
         positions (one `DecodeBatch`: the step's plan over the block pools); their next
         tokens."""
-        batch = DecodeBatch([s.store for s in seqs])
+        batch = DecodeBatch([s.store for s in seqs], self.attention == "triton")
         if not self.compiled:
             return sample_batch(self.model.decode([s.output_ids[-1] for s in seqs], batch), seqs)
         graphs, started = _graphs(), time.perf_counter()
@@ -67,9 +72,34 @@ class ModelRunner:
     def backend(self) -> dict[str, Any]:
         """What runs a decode step, and what compiling it has cost so far."""
         if not self.compiled:
-            return {"decode": "eager"}
-        return {"decode": "torch.compile", "graphs": _graphs(),
+            return {"decode": "eager", "attention": self.attention}
+        return {"decode": "torch.compile", "attention": self.attention, "graphs": _graphs(),
                 "compile_seconds": round(self.compile_seconds, 3)}
+
+
+def _attention_backend(choice: str, model: Model, device: torch.device,
+                       compile_decode: bool) -> str:
+    """"triton" or "torch" for an EngineConfig.attention choice; a "triton" that cannot
+    run here is refused, naming why."""
+    c = model.config
+    why = None
+    if importlib.util.find_spec("triton") is None:
+        why = "triton is not installed (pip install triton)"
+    elif device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        why = f"the model is on {device.type}, and Triton kernels run on CUDA devices"
+    elif c.arch != "v41":
+        why = "the dense control has no window rings or compressed streams"
+    else:
+        from kvstack.cache.kernels import KV_FORMAT, WINDOW_FORMAT
+
+        if (c.window_format, c.kv_format) != (WINDOW_FORMAT, KV_FORMAT):
+            why = (f"the kernel reads {WINDOW_FORMAT} window rings and {KV_FORMAT} kv "
+                   f"streams, the model's are {c.window_format} and {c.kv_format}")
+    if choice == "triton" and why is not None:
+        raise ValueError(f"attention='triton': {why}")
+    if choice == "auto":
+        return "torch" if why or compile_decode or device.type != "cuda" else "triton"
+    return choice
 
 
 def _graphs() -> int:

@@ -553,10 +553,16 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(qr).unflatten(-1, (c.n_heads, c.head_dim)), positions, self.freqs)
         window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
-        past, past_positions = store.window(spec.index)
-        window = torch.cat((past.type_as(window), store.write_window(spec.index, window, start)), 1)
-        window_positions = torch.cat((past_positions.expand(b, -1), positions.expand(b, -1)),
-                                     dim=1)  # [B, m + n]
+        # A kernel backend reads the ring itself, once the new entry is in it.
+        kernel = store.kernel_attention and not (ctx.probe or ctx.collect or ctx.dense)
+        if kernel:
+            store.write_window(spec.index, window, start)
+        else:
+            past, past_positions = store.window(spec.index)
+            window = torch.cat((past.type_as(window),
+                                store.write_window(spec.index, window, start)), 1)
+            window_positions = torch.cat((past_positions.expand(b, -1),
+                                          positions.expand(b, -1)), dim=1)  # [B, m + n]
 
         if self.compressor is not None:
             self.compressor(x, start, store)
@@ -598,8 +604,13 @@ class Attention(nn.Module):
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
             if spec.index in ctx.window_only:
                 all_kv = selected = None  # window and sink only
-            outs.append(self._attend(q[:, block], positions[:, block], window, window_positions,
-                                     store, all_kv, selected, ctx, n_entries))
+            if kernel:
+                outs.append(store.attend(spec.index, spec.kv_source, q[:, block], selected,
+                                         self.sink))
+            else:
+                outs.append(self._attend(q[:, block], positions[:, block], window,
+                                         window_positions, store, all_kv, selected, ctx,
+                                         n_entries))
         if topks:
             ctx.topk[spec.index] = torch.cat(topks, dim=1)
             if ctx.collect:

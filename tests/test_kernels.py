@@ -1,0 +1,83 @@
+"""The Triton decode kernels against the torch backend, under Triton's interpreter
+(TRITON_INTERPRET=1 runs the kernels on the CPU, one program at a time: small shapes)."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+pytest.importorskip("triton")
+
+from kvstack import LLM, SamplingParams
+from kvstack.cache.kernels import KV_FORMAT, WINDOW_FORMAT, sparse_attention
+from kvstack.cache.rows import PackedRows
+from kvstack.config import preset
+
+
+def test_sparse_attention_equals_dequantise_then_attend():
+    """Window rings of three slots (one half empty), compressed entries through a block
+    table with a null block, some selections missing (-1): the kernel's output equals the
+    torch codecs' dequantised rows attended with the sink."""
+    g = torch.Generator().manual_seed(0)
+    b, h, d, window, per, n_blocks = 3, 2, 64, 8, 4, 6
+    ring = PackedRows(WINDOW_FORMAT, d, (4, window), torch.device("cpu"))
+    ring_values = torch.randn(4, window, d, generator=g) * 3
+    ring.data[:], _ = ring.pack(ring_values)
+    slots = torch.tensor([2, 0, 3])
+    positions = torch.tensor([20, 5, 11])
+    ring_positions = torch.full((4, window), -1)
+    for slot, t in zip(slots.tolist(), positions.tolist(), strict=True):
+        held = torch.arange(max(0, t - window + 1), t + 1)
+        ring_positions[slot, held % window] = held
+    pool = PackedRows(KV_FORMAT, d, (n_blocks + 1, per), torch.device("cpu"))
+    pool.data[:n_blocks], _ = pool.pack(torch.randn(n_blocks, per, d, generator=g))
+    block_table = torch.tensor([[4, 1, 0], [2, 6, 6], [5, 3, 6]])  # 6: the null block
+    selected = torch.tensor([[0, 5, 9, -1], [1, 2, -1, -1], [7, 3, 0, 4]])
+    q = torch.randn(b, h, d, generator=g)
+    sink = torch.randn(h, generator=g)
+
+    out = sparse_attention(q, sink, ring.data, ring_positions, slots, positions, pool.data,
+                           block_table, selected, window)
+
+    for i in range(b):
+        t, slot = int(positions[i]), int(slots[i])
+        seen = (ring_positions[slot] >= 0) & (ring_positions[slot] > t - window)
+        keys = [ring.read(ring.data[slot, seen])]
+        for e in selected[i][selected[i] >= 0].tolist():
+            keys.append(pool.read(pool.data[block_table[i, e // per], e % per])[None])
+        rows = torch.cat(keys)  # [n, d]
+        logits = torch.cat((q[i] @ rows.T * d**-0.5, sink[:, None]), dim=1)  # [h, n + 1]
+        expected = logits.softmax(-1)[:, :-1] @ rows
+        assert torch.allclose(out[i], expected, atol=1e-5, rtol=1e-5), i
+
+
+def llm(**settings) -> LLM:
+    return LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16, **settings)
+
+
+def test_decoding_with_the_kernel_gives_the_torch_backends_tokens():
+    """The engine's decode steps with attention by the kernel: a batch of two at different
+    positions, every layer mode of the tiny preset, the same greedy tokens as torch."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(200, 205))]
+    kernel = llm(attention="triton")
+    assert kernel.memory_report()["backend"]["attention"] == "triton"
+    torch_backend = llm(attention="torch")
+    assert torch_backend.memory_report()["backend"]["attention"] == "torch"
+    assert ([o.token_ids for o in kernel.generate(prompts, params)]
+            == [o.token_ids for o in torch_backend.generate(prompts, params)])
+
+
+def test_the_kernel_is_refused_where_it_cannot_run(monkeypatch):
+    assert llm().memory_report()["backend"]["attention"] == "torch"  # auto, on a CPU
+    with pytest.raises(ValueError, match="dense control"):
+        LLM("dense-tiny", random_init=True, kv_budget="2MiB", attention="triton")
+    with pytest.raises(ValueError, match="window rings"):
+        LLM(preset("tiny").replace(window_format="bf16"), random_init=True, kv_budget="2MiB",
+            attention="triton")
+    with pytest.raises(ValueError, match="choose one"):
+        llm(attention="triton", compile_decode=True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="CUDA"):
+        llm(attention="triton")
