@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvstack.config import NUMERICS, PRESETS, ModelConfig, preset
+from kvstack.config import ATTENTION_BACKENDS, NUMERICS, PRESETS, ModelConfig, preset
 from kvstack.plan import make_plan
 
 if TYPE_CHECKING:  # the engine pulls in the model; `kvstack plan` does not need it
@@ -207,7 +207,7 @@ def _load_llm(args: argparse.Namespace, **settings: Any) -> "LLM":
                cache_dir=args.cache_dir, host_budget=args.host_budget or 0,
                disk_prefix_cache=args.disk_prefix_cache, numerics=args.numerics,
                threads=args.threads, max_model_len=args.max_model_len,
-               compile_decode=args.compile, **settings)
+               compile_decode=args.compile, attention=args.attention, **settings)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -734,6 +734,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="run decode steps through torch.compile, one graph per layer: "
                         "minutes to compile on the first step on a small CPU, faster after")
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
+                   help="a decode step's attention: the Triton kernel over the packed rows "
+                        "(CUDA), torch, or auto (Triton on CUDA when installed)")
     p.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="tokens a sequence may hold, below the model's max_seq_len")
     p.add_argument("--numerics", choices=NUMERICS, default="default",

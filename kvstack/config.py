@@ -58,6 +58,9 @@ NUMERICS = ("default", "reference")
 # How window state is rebuilt by replay (design.md section 2): "bounded" re-runs the last
 # window tokens (approximate), "exact" enough for the reference forward's result.
 REPLAY_MODES = ("bounded", "exact")
+# Who computes a decode step's attention (EngineConfig.attention): the Triton kernel over
+# the packed rows, torch over the rows it reads, or the first that can run (auto).
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,6 @@ class DecodeBatch(KVStore):
             device=dev)
         self.stream_lens = {layer: (self.positions + 1) // r  # [B], this step's entry included
                             for layer, r in pools.ratios.items()}
-        # A traced step (Model.compile_decode) takes the batch size and the table's width
-        # as symbolic, so that one graph per layer serves every batch.
-        for t in (self.positions, self.slots, self.block_table):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(self.block_table, 1)
         # The ids before each new token that Engram hashes (host copies, so the step
         # itself builds nothing from host lists).
         count = self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
@@ -68,6 +63,14 @@ class DecodeBatch(KVStore):
             complete = (self.positions + 1) % r == 0
             self._new_rows[layer] = (torch.where(complete, block, null),
                                      torch.where(complete, entry % per, 0))
+
+    def mark_dynamic(self) -> None:
+        """For a traced step (Model.compile_decode): the batch size and the table's width
+        are symbolic, so that one graph per layer serves every batch. (Not done for an
+        eager step: it would load torch's compiler.)"""
+        for t in (self.positions, self.slots, self.block_table, self._history):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(self.block_table, 1)
 
     # ---- tokens ----------------------------------------------------------------------
     @property

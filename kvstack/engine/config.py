@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstack.cache.paged import parse_bytes
-from kvstack.config import NUMERICS, REPLAY_MODES, ModelConfig
+from kvstack.config import ATTENTION_BACKENDS, NUMERICS, REPLAY_MODES, ModelConfig
 
 log = logging.getLogger("kvstack")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _check_device(device: str) -> None:
@@ -54,9 +53,8 @@ class EngineConfig:
     # Decode steps through torch.compile, one graph per layer: minutes to compile on the
     # first step on a small CPU, faster steps after (Model.compile_decode).
     compile_decode: bool = False
-    # A decode step's attention: "triton" (kvstack.cache.kernels: reads the packed rows
-    # through the block table), "torch", or "auto" (triton on CUDA when it is installed
-    # and the cache formats are the kernel's, torch elsewhere).
+    # ATTENTION_BACKENDS: auto is triton on CUDA when it is installed and the cache
+    # formats are the kernel's (kvstack.cache.kernels), torch elsewhere.
     attention: str = "auto"
 
     def __post_init__(self) -> None:

@@ -60,6 +60,7 @@ class ModelRunner:
         batch = DecodeBatch([s.store for s in seqs], self.attention == "triton")
         if not self.compiled:
             return sample_batch(self.model.decode([s.output_ids[-1] for s in seqs], batch), seqs)
+        batch.mark_dynamic()
         graphs, started = _graphs(), time.perf_counter()
         samples = sample_batch(self.model.decode([s.output_ids[-1] for s in seqs], batch), seqs)
         if _graphs() > graphs:
