@@ -10,7 +10,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 pytest.importorskip("triton")
 
 from kvstack import LLM, SamplingParams
-from kvstack.cache.kernels import KV_FORMAT, WINDOW_FORMAT, sparse_attention
+from kvstack.cache.kernels import (
+    INDEX_FORMAT,
+    KV_FORMAT,
+    WINDOW_FORMAT,
+    index_scores,
+    sparse_attention,
+)
 from kvstack.cache.rows import PackedRows
 from kvstack.config import preset
 
@@ -52,13 +58,39 @@ def test_sparse_attention_equals_dequantise_then_attend():
         assert torch.allclose(out[i], expected, atol=1e-5, rtol=1e-5), i
 
 
+def test_index_scores_equal_dequantise_then_score():
+    """Entries of a ratio-2 stream through a block table, three sequences at positions
+    that see different numbers of complete groups (the rest -inf): the kernel's scores
+    equal the torch codecs' keys scored head by head."""
+    g = torch.Generator().manual_seed(1)
+    b, hi, di, per, n_blocks, ratio, n = 3, 2, 64, 8, 5, 2, 70
+    pool = PackedRows(INDEX_FORMAT, di, (n_blocks + 1, per), torch.device("cpu"))
+    pool.data[:n_blocks], _ = pool.pack(torch.randn(n_blocks, per, di, generator=g))
+    block_table = torch.tensor([[3, 0, 4, 1, 2, 5, 5, 5, 5], [1, 5, 5, 5, 5, 5, 5, 5, 5],
+                                [4, 3, 2, 1, 0, 5, 5, 5, 5]])  # 5: the null block
+    positions = torch.tensor([77, 9, 80])
+    q = torch.randn(b, hi, di, generator=g)
+    w = torch.randn(b, hi, generator=g)
+
+    out = index_scores(q, w, pool.data, block_table, positions, n, ratio)
+
+    entries = torch.arange(n)
+    for i in range(b):
+        keys = pool.read(pool.data[block_table[i, entries // per], entries % per])  # [n, di]
+        expected = ((q[i] @ keys.T).relu() * w[i, :, None]).sum(0)
+        visible = entries < (positions[i] + 1) // ratio
+        assert torch.allclose(out[i][visible], expected[visible], atol=1e-5, rtol=1e-5), i
+        assert torch.all(out[i][~visible] == float("-inf")), i
+
+
 def llm(**settings) -> LLM:
     return LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16, **settings)
 
 
 def test_decoding_with_the_kernel_gives_the_torch_backends_tokens():
-    """The engine's decode steps with attention by the kernel: a batch of two at different
-    positions, every layer mode of the tiny preset, the same greedy tokens as torch."""
+    """The engine's decode steps with attention and index scores by the kernels: a batch
+    of two at different positions, every layer mode of the tiny preset, the same greedy
+    tokens as torch."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [list(range(3, 40)), list(range(200, 205))]
     kernel = llm(attention="triton")

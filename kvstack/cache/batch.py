@@ -19,8 +19,9 @@ from kvstack.cache.store import KVStore
 
 
 class DecodeBatch(KVStore):
-    def __init__(self, stores: list[PagedSequenceStore], kernel_attention: bool = False) -> None:
-        """kernel_attention: attention by the Triton kernel (`attend`)."""
+    def __init__(self, stores: list[PagedSequenceStore], kernels: bool = False) -> None:
+        """kernels: attention and index scores by the Triton kernels (`attend`,
+        `index_scores`)."""
         if not stores:
             raise ValueError("a decode batch needs at least one sequence")
         pools = stores[0].pools
@@ -35,7 +36,7 @@ class DecodeBatch(KVStore):
             s.check_room(1)
         super().__init__(stores[0].config, len(stores), pools.device)
         self.stores, self.pools = stores, pools
-        self.kernel_attention = kernel_attention
+        self.kernels = kernels
         self.rings, self.partials = stores[0].rings, stores[0].partials
         dev, null = self.device, pools.null_block
         lengths = [s.num_tokens for s in stores]  # the new tokens' positions
@@ -163,9 +164,21 @@ class DecodeBatch(KVStore):
         raise ValueError("a decode batch does not replay: rebuild each store first")
 
     # ---- the kernel backend ------------------------------------------------------------
+    def index_scores(self, source: int, q: torch.Tensor, w: torch.Tensor,
+                     n_entries: int) -> torch.Tensor:
+        """With `kernels`: the indexer's scores of queries q [B, 1, Hi, Di] with head
+        weights w [B, 1, Hi] over the first n_entries of source's index stream, entries
+        not yet visible -inf: [B, 1, n_entries], by the Triton kernel."""
+        from kvstack.cache.kernels import index_scores
+
+        out = index_scores(q[:, 0], w[:, 0], self.pools.rows[source, "index"].data,
+                           self.block_table, self.positions, n_entries,
+                           self.pools.ratios[source])
+        return out[:, None]
+
     def attend(self, layer: int, source: int | None, q: torch.Tensor,
                selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
-        """With `kernel_attention`: q [B, 1, H, D] over the layer's window ring (the new
+        """With `kernels`: q [B, 1, H, D] over the layer's window ring (the new
         entry written) and the selected entries of source's stream ([B, 1, k], -1 for
         none; None for none at all), with the sink: [B, 1, H, D], by the Triton kernel."""
         from kvstack.cache.kernels import sparse_attention

@@ -1,5 +1,10 @@
 """Triton kernels of the decode step: a `DecodeBatch`'s backend on GPUs.
 
+`index_scores` is an indexer's scoring of every entry of a stream for each sequence's
+query: a program per (sequence, run of entries) reads the entries' FP4 index keys (E2M1
+codes, one UE8M0 scale per 32) through the block table, dequantises them in registers and
+sums the heads' weighted ReLU scores, so no float copy of the keys is made.
+
 `sparse_attention` is a decode step's attention for one layer: each (sequence, head)
 program reads the packed rows it attends to where they lie -- the window ring's FP8 rows
 (E4M3 codes, one UE8M0 scale per 32) of the sequence's slot, and the selected compressed
@@ -19,8 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-WINDOW_FORMAT = "fp8_ue8m0_32"  # what the kernel decodes: a layout's window rings...
-KV_FORMAT = "fp4_e4m3_16"  # ...and its compressed kv streams
+# What the kernels decode: a layout's window rings, compressed kv and index streams.
+WINDOW_FORMAT = "fp8_ue8m0_32"
+KV_FORMAT = "fp4_e4m3_16"
+INDEX_FORMAT = "fp4_ue8m0_32"
 
 
 @triton.jit
@@ -35,7 +42,7 @@ def _e4m3(byte):
 
 @triton.jit
 def _e2m1(nibble):
-    c = nibble & 0x7
+    c = (nibble & 0x7).to(tl.int32)  # signed: e - 1 below must not wrap
     e = c >> 1
     m = (c & 1).to(tl.float32)
     magnitude = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
@@ -100,6 +107,50 @@ def _sparse_attention(q_ptr, out_ptr, sink_ptr, ring_ptr, ring_pos_ptr, slots_pt
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.exp(sink - m_new)
     tl.store(out_ptr + (b * H + h) * D + d, acc * alpha / l_i, mask=in_d)
+
+
+@triton.jit
+def _index_scores(q_ptr, w_ptr, out_ptr, pool_ptr, table_ptr, positions_ptr,
+                  N, ratio, per, max_blocks,
+                  HI: tl.constexpr, DI: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    in_d = d < DI
+    t = tl.load(positions_ptr + b)
+    visible = (j < N) & (j < (t + 1) // ratio)  # the entry's group is complete
+    block = tl.load(table_ptr + b * max_blocks + j // per, mask=visible, other=0)
+    row = (block.to(tl.int64) * per + j % per) * (DI // 2 + DI // 32)
+    where = visible[:, None] & in_d[None, :]
+    packed = tl.load(pool_ptr + row[:, None] + d[None, :] // 2, mask=where, other=0)
+    nibble = tl.where((d % 2 == 0)[None, :], packed & 0xF, packed >> 4)
+    scales = tl.load(pool_ptr + row[:, None] + DI // 2 + d[None, :] // 32, mask=where,
+                     other=127)
+    keys = _e2m1(nibble) * tl.exp2(scales.to(tl.float32) - 127.0)  # [BLOCK_N, BLOCK_D]
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for h in tl.static_range(HI):
+        q = tl.load(q_ptr + (b * HI + h) * DI + d, mask=in_d, other=0.0)
+        total += tl.load(w_ptr + b * HI + h) * tl.maximum(tl.sum(keys * q[None, :], 1), 0.0)
+    tl.store(out_ptr + b * N + j, tl.where(visible, total, float("-inf")), mask=j < N)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
+                 block_table: torch.Tensor, positions: torch.Tensor, n_entries: int,
+                 ratio: int) -> torch.Tensor:
+    """score(j) = sum_h w_h relu(q_h . k_j) of each sequence's query (q [B, Hi, Di], head
+    weights w [B, Hi], at positions [B]) over entries 0..n_entries-1 of a ratio-`ratio`
+    stream (pool [blocks, entries per block, bytes] through block_table [B, max_blocks]),
+    entries whose group is not complete -inf: [B, n_entries]."""
+    b, hi, di = q.shape
+    out = torch.empty(b, n_entries, dtype=torch.float32, device=q.device)
+    block_n = 64
+    _index_scores[(b, triton.cdiv(n_entries, block_n))](
+        q.float().contiguous(), w.float().contiguous(), out, pool.contiguous(),
+        block_table.contiguous(), positions.contiguous(), n_entries, ratio, pool.shape[1],
+        block_table.shape[1], HI=hi, DI=di, BLOCK_D=triton.next_power_of_2(di),
+        BLOCK_N=block_n)
+    return out
 
 
 def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor,

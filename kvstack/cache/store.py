@@ -24,9 +24,10 @@ from kvstack.config import ModelConfig
 
 
 class KVStore(ABC):
-    # Whether attention of a decode step is `attend` (a kernel reading the packed rows)
-    # rather than the model's own math over what the read methods hand back.
-    kernel_attention = False
+    # Whether a decode step's attention and index scores are `attend` and `index_scores`
+    # (kernels reading the packed rows) rather than the model's own math over what the
+    # read methods hand back.
+    kernels = False
 
     def __init__(
         self, config: ModelConfig, batch_size: int, device: torch.device | str = "cpu"

@@ -91,11 +91,13 @@ def _attention_backend(choice: str, model: Model, device: torch.device,
     elif c.arch != "v41":
         why = "the dense control has no window rings or compressed streams"
     else:
-        from kvstack.cache.kernels import KV_FORMAT, WINDOW_FORMAT
+        from kvstack.cache.kernels import INDEX_FORMAT, KV_FORMAT, WINDOW_FORMAT
 
-        if (c.window_format, c.kv_format) != (WINDOW_FORMAT, KV_FORMAT):
-            why = (f"the kernel reads {WINDOW_FORMAT} window rings and {KV_FORMAT} kv "
-                   f"streams, the model's are {c.window_format} and {c.kv_format}")
+        if ((c.window_format, c.kv_format, c.index_format)
+                != (WINDOW_FORMAT, KV_FORMAT, INDEX_FORMAT)):
+            why = (f"the kernels read {WINDOW_FORMAT} window rings, {KV_FORMAT} kv streams "
+                   f"and {INDEX_FORMAT} index streams, the model's are {c.window_format}, "
+                   f"{c.kv_format} and {c.index_format}")
     if choice == "triton" and why is not None:
         raise ValueError(f"attention='triton': {why}")
     if choice == "auto":

@@ -372,6 +372,8 @@ class Indexer(nn.Module):
         """score(t, j) = sum_h w_th relu(q_th . k_j), invisible entries -inf: [B, n, N].
         The keys are read from the store KEY_CHUNK entries at a time."""
         q, w = self._queries(x, qr, positions)
+        if store.kernels:
+            return store.index_scores(self.spec.kv_source, q, w, n_entries)
         chunks = []
         # Counted in chunks, not stepped over positions: a traced step then depends on
         # the number of chunks alone, not on the exact count of entries.
@@ -554,7 +556,7 @@ class Attention(nn.Module):
         q = rotate(self.wq_b(qr).unflatten(-1, (c.n_heads, c.head_dim)), positions, self.freqs)
         window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
         # A kernel backend reads the ring itself, once the new entry is in it.
-        kernel = store.kernel_attention and not (ctx.probe or ctx.collect or ctx.dense)
+        kernel = store.kernels and not (ctx.probe or ctx.collect or ctx.dense)
         if kernel:
             store.write_window(spec.index, window, start)
         else:
