@@ -446,6 +446,18 @@ def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
     assert backend["compile_seconds"] > 0
 
 
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_the_traced_moe_equals_the_eager_one(tokens):
+    """Traced, the MoE gathers the chosen experts' weights for fewer (token, expert) pairs
+    than experts (1 token, 2 of 4 experts) and runs every expert for more (6 tokens)."""
+    torch.manual_seed(0)
+    moe = Model(preset("tiny")).layers[1].ffn
+    x = torch.randn(tokens, 1, preset("tiny").dim)
+    with torch.no_grad():
+        traced = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+        assert torch.allclose(traced, moe(x), atol=1e-6, rtol=1e-5)
+
+
 def test_compiled_decode_refuses_packed_experts(monkeypatch):
     model = Model(preset("tiny"))
     monkeypatch.setattr(model.layers[1].ffn, "experts", PackedExperts([]))

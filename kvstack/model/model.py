@@ -172,11 +172,23 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.gate(x)  # [T, k] each
         out = torch.zeros_like(x, dtype=torch.float32)
-        # Eager, each chosen expert runs on its tokens; a traced decode step has no shape
-        # that depends on the routing, so there every expert runs on every token with a
-        # routing weight of zero where it was not chosen (the same sum, in the same order).
-        if torch.compiler.is_compiling():
-            for e in range(len(self.experts.w1)):
+        # Eager, each chosen expert runs on its tokens. A traced decode step has no shape
+        # that depends on the routing: with fewer (token, expert) pairs than experts each
+        # pair gathers its expert's weights and runs once; with more, every expert runs
+        # on every token, its routing weight zero where it was not chosen.
+        n_experts = len(self.experts.w1)
+        if torch.compiler.is_compiling() and chosen.numel() <= n_experts:
+            pairs = chosen.flatten()  # [T k]
+            w1, w2, w3 = (w.index_select(0, pairs) for w in
+                          (self.experts.w1, self.experts.w2, self.experts.w3))
+            inputs = x.repeat_interleave(chosen.shape[1], dim=0)  # [T k, dim]
+            y = swiglu(inputs, lambda v: torch.einsum("pd,pid->pi", v, w1),
+                       lambda v: torch.einsum("pi,pdi->pd", v, w2),
+                       lambda v: torch.einsum("pd,pid->pi", v, w3), self.limit,
+                       weights.reshape(-1, 1))
+            out = y.float().unflatten(0, chosen.shape).sum(1)
+        elif torch.compiler.is_compiling():
+            for e in range(n_experts):
                 weight = (weights * (chosen == e)).sum(-1, keepdim=True)  # [T, 1]
                 out = out + swiglu(x, *self.experts.projections(e), self.limit, weight).float()
         else:
@@ -928,12 +940,14 @@ class Model(nn.Module):
     def compile_decode(self, backend: str = "inductor") -> None:
         """Run decode steps through torch.compile, one graph per layer (fullgraph: a
         graph break is an error, never a silent fall back to eager). Prefill and replay
-        stay eager. A layer compiles on its first decode step, and again when its shapes
-        first change (the batch size, the block table's width; after that they are
-        symbolic). The traced MoE runs every routed expert on every token, so float
-        experts only: a checkpoint's packed experts would be dequantised whole each step."""
+        stay eager. A layer compiles on its first decode step; the table's width is
+        symbolic, so a growing context compiles again only when its streams need another
+        KEY_CHUNK of index keys, and a batch size compiles again where the MoE changes
+        how it runs (below: gathering the chosen experts or running them all). The traced
+        MoE indexes the experts' float weights, so a checkpoint's packed experts are
+        refused."""
         if any(isinstance(m, PackedExperts) for m in self.modules()):
-            raise ValueError("compiled decode runs every routed expert on every token, and "
+            raise ValueError("compiled decode indexes a stack of float expert weights, and "
                              "this model's experts are packed (a V4.1 checkpoint's FP4): "
                              "decode it eager")
         # The layers share Block.forward's code, whose graphs torch caches together: room
