@@ -171,27 +171,10 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.gate(x)  # [T, k] each
-        out = torch.zeros_like(x, dtype=torch.float32)
-        # Eager, each chosen expert runs on its tokens. A traced decode step has no shape
-        # that depends on the routing: with fewer (token, expert) pairs than experts each
-        # pair gathers its expert's weights and runs once; with more, every expert runs
-        # on every token, its routing weight zero where it was not chosen.
-        n_experts = len(self.experts.w1)
-        if torch.compiler.is_compiling() and chosen.numel() <= n_experts:
-            pairs = chosen.flatten()  # [T k]
-            w1, w2, w3 = (w.index_select(0, pairs) for w in
-                          (self.experts.w1, self.experts.w2, self.experts.w3))
-            inputs = x.repeat_interleave(chosen.shape[1], dim=0)  # [T k, dim]
-            y = swiglu(inputs, lambda v: torch.einsum("pd,pid->pi", v, w1),
-                       lambda v: torch.einsum("pi,pdi->pd", v, w2),
-                       lambda v: torch.einsum("pd,pid->pi", v, w3), self.limit,
-                       weights.reshape(-1, 1))
-            out = y.float().unflatten(0, chosen.shape).sum(1)
-        elif torch.compiler.is_compiling():
-            for e in range(n_experts):
-                weight = (weights * (chosen == e)).sum(-1, keepdim=True)  # [T, 1]
-                out = out + swiglu(x, *self.experts.projections(e), self.limit, weight).float()
-        else:
+        if torch.compiler.is_compiling():
+            out = self._traced(x, weights, chosen)
+        else:  # each chosen expert on its tokens
+            out = torch.zeros_like(x, dtype=torch.float32)
             for e in torch.unique(chosen).tolist():
                 token, slot = torch.nonzero(chosen == e, as_tuple=True)
                 y = swiglu(x[token], *self.experts.projections(e), self.limit,
@@ -200,6 +183,30 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         return out.type_as(x).view(shape)
+
+    def _traced(self, x: torch.Tensor, weights: torch.Tensor,
+                chosen: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum [T, dim] in a traced step, where no shape may depend on
+        the routing: with fewer (token, expert) pairs than experts each pair gathers its
+        expert's weights and runs once; with more, every expert runs on every token, its
+        routing weight zero where it was not chosen. (Float experts: compile_decode
+        refuses packed ones.)"""
+        n_experts = len(self.experts.w1)
+        if chosen.numel() <= n_experts:
+            pairs = chosen.flatten()  # [T k]
+            w1, w2, w3 = (w.index_select(0, pairs) for w in
+                          (self.experts.w1, self.experts.w2, self.experts.w3))
+            inputs = x.repeat_interleave(chosen.shape[1], dim=0)  # [T k, dim]
+            y = swiglu(inputs, lambda v: torch.einsum("pd,pid->pi", v, w1),
+                       lambda v: torch.einsum("pi,pdi->pd", v, w2),
+                       lambda v: torch.einsum("pd,pid->pi", v, w3), self.limit,
+                       weights.reshape(-1, 1))
+            return y.float().unflatten(0, chosen.shape).sum(1)
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(n_experts):
+            weight = (weights * (chosen == e)).sum(-1, keepdim=True)  # [T, 1]
+            out = out + swiglu(x, *self.experts.projections(e), self.limit, weight).float()
+        return out
 
 
 # ---- hyper-connections ----------------------------------------------------------------
