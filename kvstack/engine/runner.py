@@ -24,6 +24,7 @@ class ModelRunner:
         self.replayed_tokens = 0  # tokens re-run to rebuild window state, since start
         self.compiled = compile_decode
         self.compile_seconds = 0.0  # decode steps that compiled a graph, in all
+        self.compiled_graphs = 0  # graphs those steps made
         self.attention = _attention_backend(attention, model, self.device, compile_decode)
         if compile_decode:
             model.compile_decode()
@@ -66,6 +67,7 @@ class ModelRunner:
         if _graphs() > graphs:
             spent = time.perf_counter() - started
             self.compile_seconds += spent
+            self.compiled_graphs += _graphs() - graphs
             log.info("kvstack decode: compiled %d graph(s) for a batch of %d in %.1f s",
                      _graphs() - graphs, len(seqs), spent)
         return samples
@@ -74,8 +76,8 @@ class ModelRunner:
         """What runs a decode step, and what compiling it has cost so far."""
         if not self.compiled:
             return {"decode": "eager", "attention": self.attention}
-        return {"decode": "torch.compile", "attention": self.attention, "graphs": _graphs(),
-                "compile_seconds": round(self.compile_seconds, 3)}
+        return {"decode": "torch.compile", "attention": self.attention,
+                "graphs": self.compiled_graphs, "compile_seconds": round(self.compile_seconds, 3)}
 
 
 def _attention_backend(choice: str, model: Model, device: torch.device,
