@@ -314,6 +314,31 @@ def test_one_batched_decode_equals_decoding_each_sequence_alone(name):
     assert all(s.caught_up for s in together)
 
 
+def test_a_decode_batch_reads_nothing_past_a_sequence_s_entries():
+    """A batch reads a stream by whole blocks; the rows of a sequence's last block past
+    its entries (left by an earlier sequence, or never written) come back as the null
+    block's zeros, never as what is there."""
+    from kvstack.cache.batch import DecodeBatch
+    from kvstack.cache.paged import PagedCache
+    from kvstack.model import Model
+
+    model = Model(preset("tiny")).eval()
+    cache = PagedCache(model.config, "2MiB", 16, 2)
+    store = cache.open_sequence()
+    assert store.reserve(24)
+    model.prefill(torch.tensor([list(range(1, 21))]), store)  # 20 tokens of 2 blocks
+    layer, kind = 1, "index"  # a ratio-2 stream: 10 entries, 8 per block
+    pool = cache.pools.rows[layer, kind]
+    pool.data[store.block_table[1], 2:] = 0xFF  # NaN scales past the sequence's entries
+    batch = DecodeBatch([store])
+    n = batch.stream_len(layer)
+    rows = batch.read_stream(layer, kind, 0, n)
+    held = batch.stream_lens[layer].item()  # 10: this step's entry included
+    assert torch.equal(rows[0, held:], torch.zeros_like(rows[0, held:]))
+    assert torch.equal(rows[0, :held - 1], store.read_stream(layer, kind, 0, held - 1)[0])
+    assert torch.equal(batch.read_stream(layer, kind, 3, 13), rows[:, 3:13])
+
+
 def test_a_decode_batch_refuses_stores_it_cannot_step():
     from kvstack.cache.batch import DecodeBatch
     from kvstack.cache.paged import PagedCache

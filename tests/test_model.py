@@ -5,11 +5,20 @@ import gc
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstack.cache.contiguous import ContiguousCache
 from kvstack.cache.layout import CacheLayout
 from kvstack.config import Mode, ModelConfig, preset
-from kvstack.model.model import Gate, Model, pool_mask, rope_frequencies, select_topk
+from kvstack.model.model import (
+    Gate,
+    Model,
+    first_k_descending,
+    pool_mask,
+    rope_frequencies,
+    select_topk,
+)
 from kvstack.model.params import count_parameters, parameter_shapes
 
 BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
@@ -166,6 +175,26 @@ def test_a_reindex_layer_scoring_only_its_pool_selects_as_scoring_every_entry():
         scored = indexer.scores(x, qr, positions, cache, n).masked_fill(~in_pool, float("-inf"))
         expected = select_topk(scored, c.index_topk)
         assert torch.equal(indexer.select_in_pool(x, qr, positions, cache, blocks, n), expected)
+
+
+# Few distinct values, signed zeros and infinities: most scores tie with another.
+_SCORES = st.lists(st.sampled_from([0.0, -0.0, 1.5, -1.5, 2.0, 1e-30, float("inf"),
+                                    float("-inf")]), min_size=1, max_size=80)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_SCORES, st.integers(1, 80))
+def test_the_top_k_is_the_stable_sort_s_first_k(values, k):
+    """first_k_descending picks by one top-k what a stable descending sort puts first,
+    in its order: among equal scores (0.0 and -0.0 included) the earlier entry wins."""
+    scores = torch.tensor(values).view(1, -1)
+    k = min(k, scores.shape[-1])
+    stable = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    assert torch.equal(first_k_descending(scores, k), stable)
+    chosen = stable.masked_fill(scores.gather(-1, stable) == float("-inf"), -1)
+    ascending = torch.where(chosen < 0, scores.shape[-1], chosen).sort(-1).values
+    assert torch.equal(select_topk(scores, k),
+                       ascending.masked_fill(ascending == scores.shape[-1], -1))
 
 
 def test_a_decode_step_scores_no_more_than_the_pool_in_reindex_layers(monkeypatch):

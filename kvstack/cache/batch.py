@@ -141,8 +141,16 @@ class DecodeBatch(KVStore):
         return self.pools.rows[layer, kind].data[block, torch.where(held, entries % per, 0)]
 
     def read_stream(self, layer: int, kind: str, start: int, stop: int) -> torch.Tensor:
-        entries = torch.arange(start, stop, device=self.device).expand(self.batch_size, -1)
-        return self.pools.rows[layer, kind].read(self._rows(layer, kind, entries))
+        # Whole blocks through the table, one copy per block rather than an index per
+        # entry; entries past a sequence's own count then read as the null block's zeros.
+        pool, per = self.pools.rows[layer, kind], self.pools.entries_per_block[layer, kind]
+        first = start // per
+        blocks = self.block_table[:, first : -(-stop // per)]  # [B, blocks]
+        rows = pool.data.index_select(0, blocks.flatten()).view(  # [B, stop - start, bytes]
+            self.batch_size, -1, pool.data.shape[-1])[:, start - first * per : stop - first * per]
+        held = (torch.arange(start, stop, device=self.device)
+                < self.stream_lens[layer][:, None])  # [B, stop - start]
+        return pool.read(rows * held[..., None])  # (a product: where() is 7x slower on CPU)
 
     def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
         # Only the selected rows are read and dequantised.

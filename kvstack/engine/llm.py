@@ -20,7 +20,7 @@ import torch
 from kvstack.cache.disk import DiskTier
 from kvstack.cache.paged import PagedCache
 from kvstack.config import ModelConfig, preset
-from kvstack.engine.config import EngineConfig
+from kvstack.engine.config import EngineConfig, retain_freed_memory
 from kvstack.engine.core import EngineCore
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import SamplingParams
@@ -83,6 +83,8 @@ class LLM:
         self.engine_config = config
         config.apply_threads()
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cpu":
+            retain_freed_memory()
         self.model, self.tokenizer = _load(model, random_init, seed, device, config.numerics)
         # Where the weights came from (None for random weights): files stored with the
         # model, such as its chat template, are read from there.
