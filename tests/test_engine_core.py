@@ -11,7 +11,7 @@ from kvstack import LLM, EngineConfig, EngineError, SamplingParams
 from kvstack.config import preset
 from kvstack.engine.output import Detokenizer
 from kvstack.engine.tokenizer import ByteTokenizer, JsonTokenizer
-from kvstack.model.model import Block, Model
+from kvstack.model.model import Block, Model, grouped_mm, grouped_mm_by_group
 from kvstack.model.packed import PackedExperts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -466,15 +466,32 @@ def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
 
 
 @pytest.mark.parametrize("tokens", [1, 6])
-def test_the_traced_moe_equals_the_eager_one(tokens):
-    """Traced, the MoE gathers the chosen experts' weights for fewer (token, expert) pairs
-    than experts (1 token, 2 of 4 experts) and runs every expert for more (6 tokens)."""
+def test_the_grouped_moe_equals_each_expert_on_its_tokens(tokens):
+    """Inference runs the routed experts as grouped matmuls over the pairs sorted by
+    expert (traced as well as eager); training runs each chosen expert on its tokens.
+    They agree, for 1 token (2 of 4 experts) and for 6 (every expert, some twice)."""
     torch.manual_seed(0)
     moe = Model(preset("tiny")).layers[1].ffn
     x = torch.randn(tokens, 1, preset("tiny").dim)
+    each = moe(x).detach()  # grad enabled: the per-expert loop
     with torch.no_grad():
+        grouped = moe(x)
         traced = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
-        assert torch.allclose(traced, moe(x), atol=1e-6, rtol=1e-5)
+    assert torch.allclose(grouped, each, atol=1e-6, rtol=1e-5)
+    assert torch.equal(traced, grouped)
+
+
+def test_grouped_matmuls_by_group_equal_torch_s_grouped_gemm():
+    """The per-group form (what a CUDA device runs for float32, and any shape whose rows
+    are not whole 16 bytes) against torch's kernel, with an expert that has no rows."""
+    g = torch.Generator().manual_seed(0)
+    ends = torch.tensor([2, 2, 7], dtype=torch.int32)
+    for width in (8, 5):  # 32-byte rows (torch's kernel), 20-byte ones (by group)
+        x, w = torch.randn(7, 16, generator=g), torch.randn(3, 16, width, generator=g)
+        got = grouped_mm(x, w, ends)
+        assert torch.allclose(got, grouped_mm_by_group(x, w, ends), atol=1e-6)
+        assert torch.allclose(got[:2], x[:2] @ w[0], atol=1e-6)
+        assert torch.allclose(got[2:], x[2:] @ w[2], atol=1e-6)
 
 
 def test_compiled_decode_refuses_packed_experts(monkeypatch):

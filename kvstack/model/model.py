@@ -11,6 +11,7 @@ reference cannot drift apart.
 """
 
 import hashlib
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -172,9 +173,9 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.gate(x)  # [T, k] each
-        if torch.compiler.is_compiling():
-            out = self._traced(x, weights, chosen)
-        else:  # each chosen expert on its tokens
+        if isinstance(self.experts, Experts) and not torch.is_grad_enabled():
+            out = self._grouped(x, weights, chosen)
+        else:  # each chosen expert on its tokens (packed experts; training's autograd)
             out = torch.zeros_like(x, dtype=torch.float32)
             for e in torch.unique(chosen).tolist():
                 token, slot = torch.nonzero(chosen == e, as_tuple=True)
@@ -185,29 +186,60 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         return out.type_as(x).view(shape)
 
-    def _traced(self, x: torch.Tensor, weights: torch.Tensor,
-                chosen: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum [T, dim] in a traced step, where no shape may depend on
-        the routing: with fewer (token, expert) pairs than experts each pair gathers its
-        expert's weights and runs once; with more, every expert runs on every token, its
-        routing weight zero where it was not chosen. (Float experts: compile_decode
-        refuses packed ones.)"""
-        n_experts = len(self.experts.w1)
-        if chosen.numel() <= n_experts:
-            pairs = chosen.flatten()  # [T k]
-            w1, w2, w3 = (w.index_select(0, pairs) for w in
-                          (self.experts.w1, self.experts.w2, self.experts.w3))
-            inputs = x.repeat_interleave(chosen.shape[1], dim=0)  # [T k, dim]
-            y = swiglu(inputs, lambda v: torch.einsum("pd,pid->pi", v, w1),
-                       lambda v: torch.einsum("pi,pdi->pd", v, w2),
-                       lambda v: torch.einsum("pd,pid->pi", v, w3), self.limit,
-                       weights.reshape(-1, 1))
-            return y.float().unflatten(0, chosen.shape).sum(1)
-        out = torch.zeros_like(x, dtype=torch.float32)
-        for e in range(n_experts):
-            weight = (weights * (chosen == e)).sum(-1, keepdim=True)  # [T, 1]
-            out = out + swiglu(x, *self.experts.projections(e), self.limit, weight).float()
-        return out
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor,
+                 chosen: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum [T, dim] by grouped matmuls: the (token, expert) pairs
+        sorted by expert, each expert's run of rows times its weights, in one call per
+        projection. No shape depends on the routing and nothing is read back to the host,
+        so a traced step runs it as it is; it equals running each expert on its tokens."""
+        n_experts = self.experts.w1.shape[0]
+        pairs = chosen.flatten()  # [T k]
+        order = pairs.argsort(stable=True)
+        # Where each expert's rows end: counted by comparison, a shape bincount would not fix.
+        ends = (pairs[:, None] == torch.arange(n_experts, device=x.device)).sum(0).cumsum(0)
+        ends = ends.to(torch.int32)
+        token = order // chosen.shape[1]
+        w1, w2, w3 = (w.transpose(1, 2) for w in
+                      (self.experts.w1, self.experts.w2, self.experts.w3))
+        y = swiglu(x.index_select(0, token), lambda v: grouped_mm(v, w1, ends),
+                   lambda v: grouped_mm(v, w2, ends), lambda v: grouped_mm(v, w3, ends),
+                   self.limit, weights.flatten()[order, None])
+        return torch.zeros_like(x, dtype=torch.float32).index_add_(0, token, y.float())
+
+
+@torch.library.custom_op("kvstack::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return _grouped_mm(x, w, ends)
+
+
+@_grouped_mm_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    # torch's grouped GEMM takes bf16 alone on CUDA, and strides of whole 16 bytes: the
+    # rest is one matmul per group.
+    aligned = all(stride * t.element_size() % 16 == 0 for t in (x, w)
+                  for stride in t.stride() if stride != 1)
+    if x.device.type == "cpu" and aligned:
+        return F.grouped_mm(x, w, offs=ends)
+    return grouped_mm_by_group(x, w, ends)
+
+
+def grouped_mm_by_group(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """grouped_mm as one matmul per group, the groups' bounds read back to the host."""
+    bounds = [0, *ends.tolist()]
+    return torch.cat([x[a:b] @ w[g] for g, (a, b) in enumerate(itertools.pairwise(bounds))])
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ends[g-1]:ends[g] of x [M, K] times w[g] [K, N] (ends [G] int32): [M, N].
+    Traced through an opaque op: torch's own meta function for it accepts bf16 alone,
+    while its CPU kernel multiplies float32."""
+    if torch.compiler.is_compiling():
+        return _grouped_mm_op(x, w, ends)
+    return _grouped_mm(x, w, ends)
 
 
 # ---- hyper-connections ----------------------------------------------------------------
