@@ -57,10 +57,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstack import LLM, SamplingParams
-from kvstack.cache.layout import CacheLayout
+from kvstack.cache.layout import CacheLayout, decode_step_reads
 from kvstack.cache.paged import PagedSequenceStore, block_bytes
 from kvstack.config import ModelConfig, dense_control
 from kvstack.engine.sequence import Sequence
+from kvstack.model.model import MoE
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
 WARMUP_STEPS = 3
@@ -92,6 +93,8 @@ class Row:
     compiled_tok_s: float | None = None  # (a') with --compile
     compiled_speedup_vs_eager: float | None = None  # (a')/(a) tokens/s
     compiled_speedup_vs_hf: float | None = None  # (a')/(c) tokens/s
+    stack_floor_bytes: int = 0  # what one step must read: weights used and cache
+    hf_floor_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -363,6 +366,69 @@ def render_layers(console: Console, rows: list[dict[str, Any]], steps: int) -> N
     console.print(f"median over {steps} steps after {WARMUP_STEPS} warm-up of each layer's "
                   f"forward (pre-hook to hook); torch {torch.__version__}, "
                   f"{torch.get_num_threads()} threads")
+
+
+# ---- the floor: bytes a step must read, at the machine's copy bandwidth ----------------
+def copy_bandwidth(repeat: int = 5) -> float:
+    """Bytes read per second by a copy of 256 MiB of float32 (best of `repeat`): what one
+    thread streams from memory here, measured in the same run as the steps."""
+    src = torch.ones(1 << 26)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return src.nbytes / best
+
+
+def weight_reads(model: torch.nn.Module, embedding: torch.nn.Embedding) -> int:
+    """Parameter bytes one batch-1 decode step reads: every parameter, except that the
+    embedding gives one row and each MoE layer runs only its activated routed experts."""
+    total = sum(p.nbytes for p in model.parameters())
+    total -= embedding.weight.nbytes - embedding.weight[0].nbytes
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        routed = sum(w.nbytes for w in moe.experts.parameters())
+        total -= routed * (1 - moe.gate.config.n_activated_experts / len(moe.experts.w1))
+    return int(total)
+
+
+def hf_reads(model: Any, context: int) -> int:
+    """The same for the Llama: its weights (one embedding row) and every key and value of
+    its float32 cache."""
+    hf = model.config
+    weights = sum(p.nbytes for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    kv = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * context * 4
+    return weights - embed.nbytes + embed[0].nbytes + kv
+
+
+def render_floor(console: Console, rows: list[Row], bandwidth: float) -> None:
+    table = Table(title="bytes one batch-1 decode step must read, against its time")
+    table.add_column("context", justify="right")
+    for name in ("(a) MB", "floor ms", "(a) ms", "×floor", "(a') ms", "×floor",
+                 "(c) MB", "floor ms", "(c) ms", "×floor"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for r in rows:
+        floor = r.stack_floor_bytes / bandwidth * 1e3
+        cells = [f"{r.context // 1024}K" if r.context >= 1024 else str(r.context),
+                 f"{r.stack_floor_bytes / 1e6:.1f}", f"{floor:.2f}",
+                 f"{1e3 / r.stack_tok_s:.1f}", f"{1e3 / r.stack_tok_s / floor:.1f}×"]
+        if r.compiled_tok_s is not None:
+            cells += [f"{1e3 / r.compiled_tok_s:.1f}", f"{1e3 / r.compiled_tok_s / floor:.1f}×"]
+        else:
+            cells += ["", ""]
+        if r.hf_tok_s is not None and r.hf_floor_bytes is not None:
+            hf_floor = r.hf_floor_bytes / bandwidth * 1e3
+            cells += [f"{r.hf_floor_bytes / 1e6:.1f}", f"{hf_floor:.2f}",
+                      f"{1e3 / r.hf_tok_s:.1f}", f"{1e3 / r.hf_tok_s / hf_floor:.1f}×"]
+        table.add_row(*cells)
+    console.print(table)
+    console.print(f"floor ms = MB / {bandwidth / 1e9:.1f} GB/s, the bytes a copy of 256 MiB "
+                  "reads per second on this thread, measured in this run. (a)'s MB: float32 "
+                  "weights used (one embedding row, the activated experts) and the cache "
+                  "it must read (kvstack.cache.layout.decode_step_reads); (c)'s: its "
+                  "weights and its whole float32 KV cache. ×floor = measured ms / floor ms")
 
 
 # ---- (c): transformers' Llama --------------------------------------------------------------
@@ -686,12 +752,17 @@ def main() -> None:
         a = measure_engine(stack_llm, context, args.steps, args.repeat)
         b = measure_engine(dense_llm, context, args.steps, args.repeat)
         c = measure_hf(llama, context, args.steps, args.repeat) if llama is not None else None
-        rows.append(row(context, a, b, c))
+        rows.append(dataclasses.replace(
+            row(context, a, b, c),
+            stack_floor_bytes=weight_reads(stack_llm.model, stack_llm.model.embed)
+            + decode_step_reads(config, context),
+            hf_floor_bytes=None if llama is None else hf_reads(llama, context)))
         if compiled_llm is not None:
             t = measure_engine(compiled_llm, context, args.steps, args.repeat)
             rows[-1] = dataclasses.replace(
                 rows[-1], compiled_tok_s=t.tok_s, compiled_speedup_vs_eager=t.tok_s / a.tok_s,
                 compiled_speedup_vs_hf=None if c is None else t.tok_s / c.tok_s)
+    bandwidth = copy_bandwidth()
     batch_table, batch_notes = ([], []) if args.batches is None else measure_batches(args)
     layer_table = None if args.layer_contexts is None else measure_layers(args)
     plot_path = Path(args.plot) if HAVE_MATPLOTLIB else None
@@ -720,6 +791,7 @@ def main() -> None:
             "plot": str(plot_path) if plot_path else None,
             "skipped": skipped,
             "rows": [asdict(r) for r in rows],
+            "copy_bandwidth_bytes_per_s": bandwidth,
             "compile_seconds": (None if compiled_llm is None
                                 else compiled_llm.runner.compile_seconds),
         }
@@ -743,6 +815,7 @@ def main() -> None:
     for r in rows:
         render(console, r)
     console.print(caption)
+    render_floor(console, rows, bandwidth)
     if compiled_llm is not None:
         console.print(f"(a') = (a) with compile_decode=True: torch.compile (Inductor), one "
                       f"graph per layer, compiled in {compiled_llm.runner.compile_seconds:.0f} "

@@ -10,7 +10,7 @@ engine allocates its pools from it and measures what it allocated against it.
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvstack.config import ModelConfig
+from kvstack.config import Mode, ModelConfig
 from kvstack.formats import bytes_per_entry
 
 # A ratio>1 source keeps, for the tokens of its incomplete group, the projected values
@@ -126,3 +126,28 @@ class CacheLayout:
             + self.window_bytes_per_sequence
             + self.partial_bytes_per_sequence
         )
+
+
+def decode_step_reads(config: ModelConfig, n_tokens: int) -> int:
+    """The cache bytes one sequence's decode step must read at n_tokens of context, the
+    floor of its cache traffic: per layer its window ring, the top-k rows it attends to
+    and the index keys its indexer scores (every visible entry, or in a Reindex layer
+    restricted to a candidate pool, the pool's entries), and the partial groups. The dense
+    control reads every key and value."""
+    layout = CacheLayout.from_config(config)
+    if config.arch == "dense":
+        return layout.stream_bytes(n_tokens)
+    ring = bytes_per_entry(config.window_format, config.head_dim)
+    row = bytes_per_entry(config.kv_format, config.head_dim)
+    key = bytes_per_entry(config.index_format, config.index_head_dim)
+    pool = config.candidate_topk_blocks * config.candidate_block_size
+    total = layout.partial_bytes_per_sequence
+    for spec in config.layers:
+        total += min(n_tokens, config.window_size) * ring
+        if not spec.ratio:
+            continue
+        visible = n_tokens // spec.ratio
+        total += min(config.index_topk, visible) * row
+        if spec.mode in (Mode.FULL, Mode.REINDEX):
+            total += (min(visible, pool) if spec.uses_candidates else visible) * key
+    return total
