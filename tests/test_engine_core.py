@@ -467,9 +467,10 @@ def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
 
 @pytest.mark.parametrize("tokens", [1, 6])
 def test_the_grouped_moe_equals_each_expert_on_its_tokens(tokens):
-    """Inference runs the routed experts as grouped matmuls over the pairs sorted by
-    expert (traced as well as eager); training runs each chosen expert on its tokens.
-    They agree, for 1 token (2 of 4 experts) and for 6 (every expert, some twice)."""
+    """Inference gathers the weights of each (token, expert) pair for a few pairs (1
+    token: 2 of 4 experts) and runs grouped matmuls over the pairs sorted by expert for
+    more (6 tokens: every expert, some twice), traced as well as eager; training runs each
+    chosen expert on its tokens. They agree."""
     torch.manual_seed(0)
     moe = Model(preset("tiny")).layers[1].ffn
     x = torch.randn(tokens, 1, preset("tiny").dim)

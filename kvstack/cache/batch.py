@@ -16,6 +16,12 @@ import torch
 
 from kvstack.cache.paged import PagedSequenceStore
 from kvstack.cache.store import KVStore
+from kvstack.formats import dequantize, unpack_rows
+
+# Index keys dequantised at once by `score_index_keys`, over the whole batch: they are then
+# still in a CPU's cache when the matmul reads them (chunks of 4,096 keys of 32 sequences
+# made a step ~1.5x slower).
+KEY_FLOATS = 1 << 18
 
 
 class DecodeBatch(KVStore):
@@ -141,16 +147,9 @@ class DecodeBatch(KVStore):
         return self.pools.rows[layer, kind].data[block, torch.where(held, entries % per, 0)]
 
     def read_stream(self, layer: int, kind: str, start: int, stop: int) -> torch.Tensor:
-        # Whole blocks through the table, one copy per block rather than an index per
-        # entry; entries past a sequence's own count then read as the null block's zeros.
-        pool, per = self.pools.rows[layer, kind], self.pools.entries_per_block[layer, kind]
-        first = start // per
-        blocks = self.block_table[:, first : -(-stop // per)]  # [B, blocks]
-        rows = pool.data.index_select(0, blocks.flatten()).view(  # [B, stop - start, bytes]
-            self.batch_size, -1, pool.data.shape[-1])[:, start - first * per : stop - first * per]
-        held = (torch.arange(start, stop, device=self.device)
-                < self.stream_lens[layer][:, None])  # [B, stop - start]
-        return pool.read(rows * held[..., None])  # (a product: where() is 7x slower on CPU)
+        pool = self.pools.rows[layer, kind]
+        return pool.read(stream_rows(pool.data, self.block_table, self.stream_lens[layer],
+                                     start, stop))
 
     def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
         # Only the selected rows are read and dequantised.
@@ -171,22 +170,28 @@ class DecodeBatch(KVStore):
     def drop_window_state(self) -> None:
         raise ValueError("a decode batch does not replay: rebuild each store first")
 
-    # ---- the kernel backend ------------------------------------------------------------
+    # ---- the step's own scoring and attention ------------------------------------------
+    # A decode batch scores index keys itself, by the Triton kernel with `kernels`, else
+    # by torch (`score_index_keys`).
+    scores_index_keys = True
+
     def index_scores(self, source: int, q: torch.Tensor, w: torch.Tensor,
                      n_entries: int) -> torch.Tensor:
-        """With `kernels`: the indexer's scores of queries q [B, 1, Hi, Di] with head
-        weights w [B, 1, Hi] over the first n_entries of source's index stream, entries
-        not yet visible -inf: [B, 1, n_entries], by the Triton kernel."""
-        from kvstack.cache.kernels import index_scores
+        """The indexer's scores of queries q [B, 1, Hi, Di] with head weights w [B, 1, Hi]
+        over the first n_entries of source's index stream, entries not yet visible -inf:
+        [B, 1, n_entries]."""
+        rows = self.pools.rows[source, "index"]
+        args = (q[:, 0], w[:, 0], rows.data, self.block_table, self.positions, n_entries,
+                self.pools.ratios[source])
+        if self.kernels:
+            from kvstack.cache.kernels import index_scores
 
-        out = index_scores(q[:, 0], w[:, 0], self.pools.rows[source, "index"].data,
-                           self.block_table, self.positions, n_entries,
-                           self.pools.ratios[source])
-        return out[:, None]
+            return index_scores(*args)[:, None]
+        return score_index_keys(*args, rows.fmt, rows.width)[:, None]
 
     def attend(self, layer: int, source: int | None, q: torch.Tensor,
                selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
-        """With `kernels`: q [B, 1, H, D] over the layer's window ring (the new
+        """By the Triton kernel (`kernels`): q [B, 1, H, D] over the layer's window ring (the new
         entry written) and the selected entries of source's stream ([B, 1, k], -1 for
         none; None for none at all), with the sink: [B, 1, H, D], by the Triton kernel."""
         from kvstack.cache.kernels import sparse_attention
@@ -200,3 +205,51 @@ class DecodeBatch(KVStore):
                                self.positions, pool, self.block_table, chosen,
                                self.config.window_size)
         return out[:, None].type_as(q)
+
+
+def stream_rows(pool: torch.Tensor, block_table: torch.Tensor, held: torch.Tensor,
+                start: int, stop: int) -> torch.Tensor:
+    """Packed rows start..stop-1 of each sequence's stream, [B, stop - start, bytes], from
+    pool [blocks, entries per block, bytes] through block_table [B, max_blocks]: whole
+    blocks, one copy each rather than an index per entry. Rows at or past a sequence's
+    own count (held [B]) read as the null block's zeros."""
+    per = pool.shape[1]
+    first = start // per
+    blocks = block_table[:, first : -(-stop // per)]  # [B, blocks]
+    rows = pool.index_select(0, blocks.flatten()).view(
+        block_table.shape[0], -1, pool.shape[-1])[:, start - first * per : stop - first * per]
+    inside = torch.arange(start, stop, device=pool.device) < held[:, None]
+    return rows * inside[..., None]  # (a product: where() is 7x slower on a CPU)
+
+
+@torch.library.custom_op("kvstack::score_index_keys", mutates_args=())
+def score_index_keys(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
+                     block_table: torch.Tensor, positions: torch.Tensor, n_entries: int,
+                     ratio: int, fmt: str, width: int) -> torch.Tensor:
+    """score(j) = sum_h w_h relu(q_h . k_j) of each sequence's query (q [B, Hi, Di], w
+    [B, Hi], at positions [B]) over entries 0..n_entries-1 of a ratio-`ratio` stream of
+    index keys in format fmt, entries not yet visible -inf: [B, n_entries]. The keys are
+    read and dequantised a chunk of KEY_FLOATS at a time and multiplied keys first.
+
+    One opaque op to a traced step: torch.compile's own code for these gathers and
+    lookups runs slower than torch's kernels on a CPU, and the chunk follows the batch
+    size, which the graph keeps symbolic."""
+    b, per = q.shape[0], pool.shape[1]
+    held = (positions + 1) // ratio  # [B], this step's entry included
+    chunk = max(per, KEY_FLOATS // (b * width) // per * per)  # whole blocks
+    parts = []
+    for start in range(0, n_entries, chunk):
+        rows = stream_rows(pool, block_table, held, start, min(start + chunk, n_entries))
+        keys = dequantize(unpack_rows(rows, fmt, width))  # [B, K, Di]
+        parts.append(torch.bmm(torch.bmm(keys, q.float().transpose(1, 2)).relu_(),
+                               w.float()[:, :, None])[..., 0])  # [B, K]
+    scores = torch.cat(parts, dim=1) if parts else q.new_zeros(b, 0)
+    visible = torch.arange(n_entries, device=q.device) < held[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+@score_index_keys.register_fake
+def _(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+      positions: torch.Tensor, n_entries: int, ratio: int, fmt: str,
+      width: int) -> torch.Tensor:
+    return q.new_empty(q.shape[0], n_entries, dtype=torch.float32)

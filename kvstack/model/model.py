@@ -30,7 +30,6 @@ from kvstack.model.packed import Experts, PackedExperts, PackedLinear
 
 QUERY_BLOCK = 256  # queries scored at once: bounds the [block, keys] score matrices
 KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
-KEY_FLOATS = 1 << 18  # the indexer's dequantised keys held at once in an eager step (1 MiB)
 GATHER_FLOATS = 1 << 22  # per-query gathers of selected rows: floats held at once
 
 
@@ -174,7 +173,10 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.gate(x)  # [T, k] each
         if isinstance(self.experts, Experts) and not torch.is_grad_enabled():
-            out = self._grouped(x, weights, chosen)
+            # Up to half as many (token, expert) pairs as experts, gathering the weights of
+            # each pair beats a grouped call that walks every expert (measured on a CPU).
+            few = 2 * chosen.numel() <= self.experts.w1.shape[0]
+            out = (self._gathered if few else self._grouped)(x, weights, chosen)
         else:  # each chosen expert on its tokens (packed experts; training's autograd)
             out = torch.zeros_like(x, dtype=torch.float32)
             for e in torch.unique(chosen).tolist():
@@ -185,6 +187,20 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         return out.type_as(x).view(shape)
+
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor,
+                  chosen: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum [T, dim] for a few (token, expert) pairs (a small decode
+        batch): each pair gathers its expert's weights and runs once."""
+        pairs = chosen.flatten()  # [T k]
+        w1, w2, w3 = (w.index_select(0, pairs) for w in
+                      (self.experts.w1, self.experts.w2, self.experts.w3))
+        y = swiglu(x.repeat_interleave(chosen.shape[1], dim=0),  # [T k, dim]
+                   lambda v: torch.einsum("pd,pid->pi", v, w1),
+                   lambda v: torch.einsum("pi,pdi->pd", v, w2),
+                   lambda v: torch.einsum("pd,pid->pi", v, w3), self.limit,
+                   weights.reshape(-1, 1))
+        return y.float().unflatten(0, chosen.shape).sum(1)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor,
                  chosen: torch.Tensor) -> torch.Tensor:
@@ -424,21 +440,12 @@ class Indexer(nn.Module):
         """score(t, j) = sum_h w_th relu(q_th . k_j), invisible entries -inf: [B, n, N].
         The keys are read from the store KEY_CHUNK entries at a time."""
         q, w = self._queries(x, qr, positions)
-        if store.kernels:
+        if store.scores_index_keys:  # a decode batch, over its packed keys
             return store.index_scores(self.spec.kv_source, q, w, n_entries)
         chunks = []
-        # Eager, a chunk holds KEY_FLOATS floats over the whole batch: the dequantised keys
-        # are then still in the CPU's cache when the matmul reads them (a chunk of 32
-        # sequences' 4,096 keys makes the step ~1.5x slower). A traced step keeps whole
-        # KEY_CHUNKs, so that its graph depends on the number of chunks alone, not on the
-        # batch size or the exact count of entries.
-        per_chunk = (KEY_CHUNK if torch.compiler.is_compiling()
-                     else max(1, min(KEY_CHUNK, KEY_FLOATS // (x.shape[0]
-                                                              * self.config.index_head_dim))))
-        for i in range(-(-n_entries // per_chunk)):
-            start = i * per_chunk
+        for start in range(0, n_entries, KEY_CHUNK):
             keys = store.read_stream(self.spec.kv_source, "index", start,
-                                     min(start + per_chunk, n_entries))
+                                     min(start + KEY_CHUNK, n_entries))
             # Keys on the left: one matmul with the entries as its long side, which a CPU
             # runs at twice the speed of the queries-first product.
             s = (keys.float() @ q.flatten(1, 2).transpose(1, 2)).relu()  # [B, K, n * Hi]
