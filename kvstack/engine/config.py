@@ -42,11 +42,11 @@ _HEAP_RETAINED = 1 << 30
 def retain_freed_memory() -> bool:
     """Have glibc's malloc keep freed memory for the next allocation: allocations up to
     32 MiB come from its heap, which is not trimmed back to the OS below 1 GiB. By default
-    every tensor over 128 KiB is a fresh mmap, so each decode step faults its temporaries'
-    pages in again: ~12,000 page faults and ~1.4x the time of a step of 32 sequences on a
-    CPU. (PyTorch's CPU tuning guide swaps in jemalloc or tcmalloc for the same reason;
-    this needs no other library.) Process-wide, like the thread count; False where the C
-    library is not glibc's."""
+    a freed tensor of a few MiB goes back to the OS, so each decode step faults its
+    temporaries' pages in anew (about 12,000 page faults in a step of 32 sequences of the
+    benchmark model). PyTorch's CPU tuning guide swaps in jemalloc or tcmalloc for the
+    same reason; this needs no other library. Process-wide, like the thread count; False
+    where the C library is not glibc's."""
     if not sys.platform.startswith("linux"):
         return False
     try:
