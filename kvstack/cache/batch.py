@@ -222,7 +222,6 @@ def stream_rows(pool: torch.Tensor, block_table: torch.Tensor, held: torch.Tenso
     return rows * inside[..., None]  # (a product: where() is 7x slower on a CPU)
 
 
-@torch.library.custom_op("kvstack::score_index_keys", mutates_args=())
 def score_index_keys(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
                      block_table: torch.Tensor, positions: torch.Tensor, n_entries: int,
                      ratio: int, fmt: str, width: int) -> torch.Tensor:
@@ -233,7 +232,15 @@ def score_index_keys(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
 
     One opaque op to a traced step: torch.compile's own code for these gathers and
     lookups runs slower than torch's kernels on a CPU, and the chunk follows the batch
-    size, which the graph keeps symbolic."""
+    size, which the graph keeps symbolic. (Eager calls it directly: a custom op's first
+    call loads torch's compiler, ~150 MB and seconds.)"""
+    args = (q, w, pool, block_table, positions, n_entries, ratio, fmt, width)
+    return _score_index_keys_op(*args) if torch.compiler.is_compiling() else _scores(*args)
+
+
+def _scores(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+            positions: torch.Tensor, n_entries: int, ratio: int, fmt: str,
+            width: int) -> torch.Tensor:
     b, per = q.shape[0], pool.shape[1]
     held = (positions + 1) // ratio  # [B], this step's entry included
     chunk = max(per, KEY_FLOATS // (b * width) // per * per)  # whole blocks
@@ -248,7 +255,14 @@ def score_index_keys(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
     return scores.masked_fill(~visible, float("-inf"))
 
 
-@score_index_keys.register_fake
+@torch.library.custom_op("kvstack::score_index_keys", mutates_args=())
+def _score_index_keys_op(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
+                         block_table: torch.Tensor, positions: torch.Tensor, n_entries: int,
+                         ratio: int, fmt: str, width: int) -> torch.Tensor:
+    return _scores(q, w, pool, block_table, positions, n_entries, ratio, fmt, width)
+
+
+@_score_index_keys_op.register_fake
 def _(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
       positions: torch.Tensor, n_entries: int, ratio: int, fmt: str,
       width: int) -> torch.Tensor:

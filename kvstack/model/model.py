@@ -252,7 +252,8 @@ def grouped_mm_by_group(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) ->
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows ends[g-1]:ends[g] of x [M, K] times w[g] [K, N] (ends [G] int32): [M, N].
     Traced through an opaque op: torch's own meta function for it accepts bf16 alone,
-    while its CPU kernel multiplies float32."""
+    while its CPU kernel multiplies float32. (Eager calls it directly: a custom op's first
+    call loads torch's compiler.)"""
     if torch.compiler.is_compiling():
         return _grouped_mm_op(x, w, ends)
     return _grouped_mm(x, w, ends)
