@@ -18,9 +18,9 @@ from kvstack.cache.paged import PagedSequenceStore
 from kvstack.cache.store import KVStore
 from kvstack.formats import dequantize, unpack_rows
 
-# Index keys dequantised at once by `score_index_keys`, over the whole batch: they are then
-# still in a CPU's cache when the matmul reads them (chunks of 4,096 keys of 32 sequences
-# made a step ~1.5x slower).
+# Index keys dequantised at once by `score_index_keys`, over the whole batch (1 MiB of
+# float32): they are then still in a CPU's cache when the matmul reads them, where 4,096
+# keys of 32 sequences (32 MiB) would go out to memory and back.
 KEY_FLOATS = 1 << 18
 
 
@@ -191,9 +191,9 @@ class DecodeBatch(KVStore):
 
     def attend(self, layer: int, source: int | None, q: torch.Tensor,
                selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
-        """By the Triton kernel (`kernels`): q [B, 1, H, D] over the layer's window ring (the new
-        entry written) and the selected entries of source's stream ([B, 1, k], -1 for
-        none; None for none at all), with the sink: [B, 1, H, D], by the Triton kernel."""
+        """With `kernels`: q [B, 1, H, D] over the layer's window ring (the new entry
+        written) and the selected entries of source's stream ([B, 1, k], -1 for none;
+        None for none at all), with the sink: [B, 1, H, D], by the Triton kernel."""
         from kvstack.cache.kernels import sparse_attention
 
         ring = self.rings.rows[layer].data
