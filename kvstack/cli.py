@@ -1,6 +1,7 @@
 """The `kvstack` command."""
 
 import argparse
+import atexit
 import contextlib
 import importlib.metadata
 import json
@@ -126,8 +127,91 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         f"sequence{fit}\n"
     )
 
+    if "parallel" in plan:
+        _print_parallel(plan, console)
     if len(plan["mechanisms"]) > 1:
         _print_mechanisms(plan, console)
+
+
+def _gib_gb(n: int) -> str:
+    return f"{_bytes(n)} ({n / 1e9:,.1f} GB)" if n >= 1e9 else _bytes(n)
+
+
+def _print_parallel(plan: dict[str, Any], console: Console) -> None:
+    p = plan["parallel"]
+    n, context = p["tensor_parallel_size"], plan["context"]
+    tables = p["engram_table_bytes_on_host"]
+    experts = (f"{p['experts_per_rank']} whole experts" if p["expert_parallel"] else
+               f"a {p['expert_inter_per_rank']:,}-wide slice of every expert")
+    console.print(
+        f"[bold]Tensor parallel over {n} devices"
+        + (", expert parallel" if p["expert_parallel"] else "") + "[/bold]: each holds "
+        f"query heads {p['heads_per_rank']}, output groups {p['output_groups_per_rank']}, "
+        f"index heads {p['index_heads_per_rank']}, {experts}, vocabulary rows "
+        f"{p['vocab_rows_per_rank']:,}"
+    )
+    console.print(
+        "Weights as DeepSeek publishes V4.1 (FP8 dense projections, FP4 experts"
+        + (", FP8 Engram tables" if tables else "")
+        + f"): {_gib_gb(p['weight_bytes_one_process'])} in one process; per device "
+        + (f"{_bytes(p['engram_table_bytes_per_device'])} of Engram table rows and "
+           if tables else "")
+        + f"{_bytes(p['replicated_bytes_per_device'])} that every device holds whole "
+        "(norms, hyper-connections, wq_a, wkv, compressors, router)"
+    )
+    console.print(
+        f"Cache: each device keeps every token's whole record, so [bold]"
+        f"{p['cache_bytes_per_token_per_device']:g} bytes/token per device[/bold] (the "
+        f"single-process figure; {n} × that over the devices), "
+        f"{_bytes(p['cache_bytes_per_sequence_per_device'])} per sequence of {context:,} tokens"
+    )
+    fit = p.get("fit")
+    if fit:
+        console.print(f"Of each device's {p['hbm_gib_per_device']:g} GiB: the weights, a "
+                      f"{p['reserve_fraction']:.0%} reserve ({_bytes(p['reserve_bytes'])}) for "
+                      "activations and workspaces, the rest for the cache")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("Engram tables" if tables else "")
+    table.add_column("weights/device", justify="right")
+    table.add_column(f"all {n} devices", justify="right")
+    if fit:
+        table.add_column("cache/device", justify="right")
+        table.add_column(f"seqs of {context:,}", justify="right")
+    rows = [("on the devices" if tables else "all weights", "tables_on_device",
+             p["weight_bytes_per_device"], p["weight_bytes_all_devices"])]
+    if tables:
+        rows.append(("on the host", "tables_on_host",
+                     p["weight_bytes_per_device_tables_on_host"],
+                     p["weight_bytes_all_devices"] - tables))
+    for label, key, per_device, all_devices in rows:
+        cells = [label, _bytes(per_device), _bytes(all_devices)]
+        if fit:
+            f = fit[key]
+            cells.append(_bytes(f["cache_bytes"]))
+            cells.append(f"{f['sequences_fit']:,}" if f["sequences_fit"] else
+                         "[bold red]none[/bold red]")
+        table.add_row(*cells)
+    console.print(table)
+    if tables:
+        console.print(f"Engram tables on the host: it holds them whole, {_gib_gb(tables)}; "
+                      "each device the rest")
+    if fit:
+        for label, key, _, _ in rows:
+            f = fit[key]
+            where = f"Engram tables {label}: the" if tables else "The"
+            if f["weights_exceed_hbm"]:
+                console.print(f"[bold red]{where} weights alone ({_bytes(f['weight_bytes'])}) "
+                              f"exceed the device's {p['hbm_gib_per_device']:g} GiB[/bold red]")
+            elif not f["sequences_fit"]:
+                console.print(f"[bold red]{where} weights ({_bytes(f['weight_bytes'])}) and "
+                              "the reserve leave no room for a sequence of "
+                              f"{context:,} tokens[/bold red]")
+        console.print(
+            f"[dim]Every device holds the same sequences, so that is what the {n} serve "
+            f"together. The capacity line above gives all {p['hbm_gib_per_device']:g} GiB "
+            "to the cache.[/dim]"
+        )
+    console.print()
 
 
 def _print_mechanisms(plan: dict[str, Any], console: Console) -> None:
@@ -186,7 +270,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         config, name = ModelConfig.from_json(args.config), args.config
     else:
         config, name = preset(args.preset), args.preset
-    plan = make_plan(config, name, context=args.context, hbm_gib=args.hbm_gib)
+    plan = make_plan(config, name, context=args.context, hbm_gib=args.hbm_gib,
+                     tensor_parallel_size=args.tensor_parallel_size,
+                     expert_parallel=args.expert_parallel)
     if args.json:
         print(json.dumps(plan))
     else:
@@ -199,15 +285,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _load_llm(args: argparse.Namespace, **settings: Any) -> "LLM":
-    from kvstack.engine import LLM
+    """The engine the command runs. Under torchrun with --tensor-parallel-size, rank 0
+    returns it and every other rank serves as a worker until rank 0 stops, then exits."""
+    from kvstack.engine import LLM, EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    return LLM(args.model, kv_budget=args.kv_budget, replay=args.replay,
-               random_init=args.random_init, seed=args.init_seed, device=args.device,
-               cache_dir=args.cache_dir, host_budget=args.host_budget or 0,
-               disk_prefix_cache=args.disk_prefix_cache, numerics=args.numerics,
-               threads=args.threads, max_model_len=args.max_model_len,
-               compile_decode=args.compile, attention=args.attention, **settings)
+    config = EngineConfig(
+        kv_budget=args.kv_budget, replay=args.replay, device=args.device,
+        cache_dir=args.cache_dir, host_budget=args.host_budget or 0,
+        disk_prefix_cache=args.disk_prefix_cache, numerics=args.numerics,
+        threads=args.threads, max_model_len=args.max_model_len, compile_decode=args.compile,
+        attention=args.attention, tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel, **settings)
+    rank = int(os.environ.get("RANK", "0"))
+    if config.tensor_parallel_size > 1 and rank > 0:
+        from kvstack.engine.workers import ModelSource, serve_worker
+
+        serve_worker(rank, config.tensor_parallel_size, None, None,
+                     ModelSource(args.model, args.random_init, args.init_seed), config)
+        raise SystemExit(0)
+    llm = LLM(args.model, config, random_init=args.random_init, seed=args.init_seed)
+    atexit.register(llm.close)  # a sharded engine's workers stop with the command
+    return llm
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -744,6 +843,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "RoPE angles in float32, as DeepSeek's code does (parity checks)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                    help="where the disk tier and saved sessions live (default: %(default)s)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
+                   help="split the model over N processes, one device each (gloo on CPUs, "
+                        "NCCL on GPUs); under torchrun, over its ranks (default: 1)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: whole routed experts by rank instead "
+                        "of a slice of every expert")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -788,7 +893,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--hbm-gib", type=_positive_float, metavar="G",
-        help="GiB of device memory given to the cache: how many sequences fit",
+        help="GiB of memory of one device: how many sequences fit (all of it given to the "
+             "cache; with --tensor-parallel-size, what the weights and a reserve leave)",
+    )
+    plan.add_argument(
+        "--tensor-parallel-size", type=_positive_int, metavar="N",
+        help="what each of N devices holds: weights (as V4.1 is published), Engram tables "
+             "and cache, and with --hbm-gib the sequences each fits",
+    )
+    plan.add_argument(
+        "--expert-parallel", action="store_true",
+        help="with --tensor-parallel-size: whole routed experts per device, not a slice of "
+             "every expert",
     )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=_cmd_plan)

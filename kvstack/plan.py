@@ -1,21 +1,142 @@
 """The memory planner behind `kvstack plan`: cache layout, bytes per token, parameter
 counts and capacity, all computed from a config (a plan, not a measurement: the engine
-measures what it allocates), plus what each of the four mechanisms buys."""
+measures what it allocates), plus what each of the four mechanisms buys, and with tensor
+parallelism, what each device holds."""
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from kvstack.cache.layout import CacheLayout
 from kvstack.config import ModelConfig, dense_control
-from kvstack.model.params import count_parameters, engram_columns, engram_table_bytes
+from kvstack.model.params import (
+    count_parameters,
+    engram_columns,
+    engram_table_bytes,
+    parameter_shapes,
+)
+from kvstack.parallel.plan import ShardingPlan
 
 BASIS = "computed from the config (a plan; the engine measures what it allocates)"
 GIB = 1 << 30
+# Of each device's memory, what the planner keeps from weights and cache: activations,
+# the MoE dispatch and attention workspaces, collective buffers and the CUDA context (the
+# share vLLM's default gpu_memory_utilization of 0.9 leaves).
+RESERVE_FRACTION = 0.1
+
+# How DeepSeek's published V4.1 checkpoint stores each of kvstack's tensors (by its name
+# within a layer). `kvstack.model.checkpoint.v41_names` is the authority; it imports
+# torch, so the planner keeps this rule, and the tests hold it to that table.
+_FP8 = frozenset({
+    "attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight",
+    "attn.wo_b.weight", "attn.indexer.wq.weight", "engram.wkv.weight",
+    *(f"ffn.{part}w{i}.weight" for part in ("shared.", "") for i in (1, 2, 3)),
+})
+_F32 = frozenset({"attn.sink", "ffn.gate.bias",
+                  *(f"hc_{site}.{p}" for site in ("attn", "ffn") for p in ("fn", "base", "scale"))})
+_TABLES = frozenset({"engram.table_codes", "engram.table_scales"})
+_WEIGHT_BLOCK = 32  # kvstack.formats.weights.WEIGHT_BLOCK (that module imports torch)
+_EXPERT_SCALE_BLOCK = 32  # FP4 experts: a UE8M0 scale per 32 weights along each row
 
 
 def _number(x: Fraction) -> int | float:
     return int(x) if x.denominator == 1 else float(x)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _local(name: str) -> str:
+    """A tensor's name within its layer (a top-level name as it is)."""
+    return name.split(".", 2)[2] if name.startswith("layers.") else name
+
+
+def stored_bytes(name: str, shape: tuple[int, ...]) -> int:
+    """Bytes of kvstack's tensor `name` of `shape` (whole, or one rank's piece) packed as
+    DeepSeek publishes V4.1: dense projections FP8 E4M3 with a UE8M0 scale per 32x32
+    block, routed experts FP4 with a scale per 32 along each row, Engram tables as kvstack
+    holds them (a code byte per value, a scale byte per 32), hyper-connections, sinks and
+    the routing bias float32, the rest bf16. A piece off the 32-row grid keeps the scales
+    of the blocks it touches."""
+    local, n = _local(name), math.prod(shape)
+    if local in _FP8:
+        out_f, in_f = shape
+        return n + _ceil_div(out_f, _WEIGHT_BLOCK) * _ceil_div(in_f, _WEIGHT_BLOCK)
+    if local.startswith("ffn.experts."):
+        *rows, in_f = shape
+        return math.prod(rows) * (_ceil_div(in_f, 2) + _ceil_div(in_f, _EXPERT_SCALE_BLOCK))
+    if local in _TABLES:
+        return n
+    # hc_head_*: per-site hyper-connections (not in the published layout), kept like the
+    # layers' own.
+    if local in _F32 or local.startswith("hc_head_"):
+        return 4 * n
+    return 2 * n
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """The weight bytes one rank holds, packed as V4.1 is published."""
+
+    total: int
+    tables: int  # of which Engram tables: what can live on the host instead
+    replicated: int  # of which tensors every rank holds whole
+
+
+def rank_weights(config: ModelConfig, sharding: ShardingPlan) -> list[RankWeights]:
+    """What each rank of `sharding` holds (one rank: the whole published checkpoint)."""
+    shapes = parameter_shapes(config)
+    whole = {name for name, shape in shapes.items() if sharding.split(name, shape) is None}
+    out = []
+    for rank in range(sharding.world_size):
+        total = tables = replicated = 0
+        for name, shape in sharding.rank_shapes(shapes, rank).items():
+            size = stored_bytes(name, shape)
+            total += size
+            tables += size if _local(name) in _TABLES else 0
+            replicated += size if name in whole else 0
+        out.append(RankWeights(total, tables, replicated))
+    return out
+
+
+def _fit(usable: int, weights: int, hbm_bytes: int, per_sequence: int) -> dict[str, Any]:
+    room = max(usable - weights, 0)
+    return {"weight_bytes": weights, "cache_bytes": room,
+            "sequences_fit": room // per_sequence, "weights_exceed_hbm": weights > hbm_bytes}
+
+
+def _parallel(config: ModelConfig, layout: CacheLayout, context: int, hbm_gib: float | None,
+              world_size: int, expert_parallel: bool) -> dict[str, Any]:
+    sharding = ShardingPlan(config, world_size, expert_parallel)
+    ranks = rank_weights(config, sharding)
+    single = rank_weights(config, ShardingPlan(config, 1))[0]
+    # The device that fills first bounds what every device can give the cache: all ranks
+    # hold the same sequences.
+    on_device = max(r.total for r in ranks)
+    on_host = max(r.total - r.tables for r in ranks)
+    per_sequence = layout.sequence_bytes(context)
+    out: dict[str, Any] = {
+        **sharding.describe(),
+        "weight_bytes_one_process": single.total,
+        "weight_bytes_per_device": on_device,
+        "weight_bytes_all_devices": sum(r.total for r in ranks),
+        "replicated_bytes_per_device": ranks[0].replicated,
+        "engram_table_bytes_per_device": max(r.tables for r in ranks),
+        "engram_table_bytes_on_host": single.tables,
+        "weight_bytes_per_device_tables_on_host": on_host,
+        "cache_bytes_per_token_per_device": _number(layout.bytes_per_token),
+        "cache_bytes_per_sequence_per_device": per_sequence,
+    }
+    if hbm_gib is not None:
+        hbm = int(hbm_gib * GIB)
+        usable = int(hbm * (1 - RESERVE_FRACTION))
+        out.update(hbm_gib_per_device=hbm_gib, reserve_fraction=RESERVE_FRACTION,
+                   reserve_bytes=hbm - usable,
+                   fit={"tables_on_device": _fit(usable, on_device, hbm, per_sequence),
+                        "tables_on_host": _fit(usable, on_host, hbm, per_sequence)})
+    return out
 
 
 @dataclass(frozen=True)
@@ -86,15 +207,21 @@ def _capacity(layout: CacheLayout, context: int, hbm_gib: float | None) -> dict[
 
 
 def make_plan(
-    config: ModelConfig, name: str, context: int | None = None, hbm_gib: float | None = None
+    config: ModelConfig, name: str, context: int | None = None, hbm_gib: float | None = None,
+    tensor_parallel_size: int | None = None, expert_parallel: bool = False,
 ) -> dict[str, Any]:
-    """Everything `kvstack plan` shows, as one JSON-ready dict."""
+    """Everything `kvstack plan` shows, as one JSON-ready dict. With
+    `tensor_parallel_size`, a "parallel" entry: what each of that many devices holds,
+    and with `hbm_gib` (then one device's memory) how many sequences each fits."""
     if context is None:
         context = config.max_seq_len
     if context <= 0:
         raise ValueError(f"context must be a positive number of tokens, got {context}")
     if hbm_gib is not None and not hbm_gib > 0:
         raise ValueError(f"hbm-gib must be a positive number of GiB, got {hbm_gib}")
+    if expert_parallel and tensor_parallel_size is None:
+        raise ValueError("expert parallelism needs a tensor_parallel_size (the ranks the "
+                         "experts are spread over)")
     layout = CacheLayout.from_config(config)
     params = count_parameters(config)
     plan: dict[str, Any] = {
@@ -154,6 +281,9 @@ def make_plan(
             "rows_read_per_token_and_layer": engram_columns(config),
             "table_bytes": sum(engram_table_bytes(config)),
         }
+    if tensor_parallel_size is not None:
+        plan["parallel"] = _parallel(config, layout, context, hbm_gib, tensor_parallel_size,
+                                     expert_parallel)
 
     base_hbm = layout.sequence_bytes(context)
     base_persistent = layout.bytes_per_token

@@ -9,8 +9,9 @@ from kvstack.cache.layout import CacheLayout
 from kvstack.cli import main
 from kvstack.config import PRESETS, preset
 from kvstack.formats import bytes_per_entry
-from kvstack.model.params import count_parameters, parameter_shapes
-from kvstack.plan import make_plan
+from kvstack.model.params import count_parameters, engram_table_bytes, parameter_shapes
+from kvstack.parallel.plan import ShardingPlan
+from kvstack.plan import RESERVE_FRACTION, make_plan, rank_weights, stored_bytes
 
 
 def test_v41_flash_is_890_bytes_per_token():
@@ -183,3 +184,120 @@ def test_the_kvstack_command_is_installed():
         capture_output=True, text=True, check=True,
     )
     assert json.loads(result.stdout)["bytes_per_token"] == 890
+
+
+# ---- tensor / expert parallel ---------------------------------------------------------
+
+
+def _published_bytes_by_name(config):
+    """Bytes of each of kvstack's tensors in DeepSeek's published layout, from the name
+    table (a packed weight and its scales, every expert's projection, under one name)."""
+    from kvstack.model.checkpoint import _nbytes, v41_names
+
+    out: dict[str, int] = {}
+    for entry in v41_names(config).values():
+        if entry.kind in ("linear", "linear_scale", "head"):
+            name = entry.target + ".weight"
+        elif entry.kind in ("expert", "expert_scale"):
+            name = f"{entry.target}.{entry.proj}"
+        else:
+            name = entry.target
+        out[name] = out.get(name, 0) + _nbytes(entry)
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny-v41", "deepseek-v4.1-flash"])
+def test_weight_bytes_are_those_of_the_published_checkpoint(name):
+    c = preset(name)
+    published = _published_bytes_by_name(c)
+    assert {n: stored_bytes(n, s) for n, s in parameter_shapes(c).items()} == published
+    single = make_plan(c, name, tensor_parallel_size=1)["parallel"]
+    assert single["weight_bytes_one_process"] == single["weight_bytes_per_device"]
+    assert single["weight_bytes_one_process"] == sum(published.values())
+    assert single["engram_table_bytes_on_host"] == sum(engram_table_bytes(c))
+    if name == "deepseek-v4.1-flash":
+        # DeepSeek's shards hold ~510 GB, with the draft layers kvstack leaves out.
+        assert 495e9 < single["weight_bytes_one_process"] < 510e9
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_ranks_add_up_to_one_process_plus_what_each_replicates(expert_parallel):
+    # 511 vocabulary rows pad to 2 x 256; 241 table rows split 121 + 120.
+    c = preset("tiny-v41").replace(vocab_size=511, engram_compressed_vocab_size=511,
+                                   engram_num_embeddings=[241, 306], moe_inter_dim=64)
+    single = rank_weights(c, ShardingPlan(c, 1))[0]
+    ranks = rank_weights(c, ShardingPlan(c, 2, expert_parallel))
+    padding = 2 * 1 * c.dim * 2  # embed and head: one bf16 row
+    assert ranks[0].replicated == ranks[1].replicated > 0
+    assert sum(r.total for r in ranks) == single.total + ranks[0].replicated + padding
+    assert [r.tables for r in ranks] == [(121 + 153) * 33, (120 + 153) * 33]
+    p = make_plan(c, "t", tensor_parallel_size=2, expert_parallel=expert_parallel)["parallel"]
+    assert p["weight_bytes_per_device"] == ranks[0].total
+    assert p["weight_bytes_per_device_tables_on_host"] == ranks[0].total - ranks[0].tables
+    assert p["weight_bytes_all_devices"] == sum(r.total for r in ranks)
+
+
+def test_a_piece_off_the_block_grid_keeps_its_scales():
+    assert stored_bytes("layers.0.attn.wq_b.weight", (64, 64)) == 64 * 64 + 4
+    assert stored_bytes("layers.0.attn.wq_b.weight", (16, 64)) == 16 * 64 + 2
+    assert stored_bytes("layers.0.ffn.experts.w2", (4, 64, 16)) == 4 * 64 * (8 + 1)
+
+
+def test_each_device_keeps_the_whole_cache_and_the_fit_leaves_room_for_weights():
+    c = preset("deepseek-v4.1-flash")
+    plan = make_plan(c, "v41", context=131072, hbm_gib=141, tensor_parallel_size=8)
+    p = plan["parallel"]
+    assert p["cache_bytes_per_token_per_device"] == plan["bytes_per_token"] == 890
+    assert p["cache_bytes_per_sequence_per_device"] == plan["bytes_per_sequence"]
+    usable = int(141 * 2**30 * (1 - RESERVE_FRACTION))
+    for key, weights in (("tables_on_device", p["weight_bytes_per_device"]),
+                         ("tables_on_host", p["weight_bytes_per_device_tables_on_host"])):
+        fit = p["fit"][key]
+        assert fit["sequences_fit"] == (usable - weights) // plan["bytes_per_sequence"] > 0
+    assert p["fit"]["tables_on_host"]["sequences_fit"] > p["fit"]["tables_on_device"][
+        "sequences_fit"]
+    # Expert parallelism moves whole experts, not bytes: the same weights per device.
+    ep = make_plan(c, "v41", context=131072, tensor_parallel_size=8, expert_parallel=True)
+    assert ep["parallel"]["experts_per_rank"] == 48
+    assert ep["parallel"]["weight_bytes_per_device"] == p["weight_bytes_per_device"]
+
+
+def test_weights_that_do_not_fit_leave_no_sequences():
+    p = make_plan(preset("deepseek-v4.1-flash"), "v41", context=131072, hbm_gib=80,
+                  tensor_parallel_size=1)["parallel"]
+    for fit in p["fit"].values():
+        assert fit == {**fit, "cache_bytes": 0, "sequences_fit": 0, "weights_exceed_hbm": True}
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_is_refused_by_name(tmp_path, capsys):
+    assert main(["plan", "--preset", "tiny-v41", "--tensor-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "kvstack plan: error:" in err and "n_heads" in err and "Traceback" not in err
+    path = tmp_path / "config.json"
+    preset("tiny-v41").replace(n_routed_experts=5).to_json(path)
+    assert main(["plan", "--config", str(path), "--tensor-parallel-size", "2",
+                 "--expert-parallel"]) == 2
+    assert "n_routed_experts (5)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="moe_inter_dim"):
+        make_plan(preset("tiny-v41").replace(moe_inter_dim=33), "t", tensor_parallel_size=2)
+    assert main(["plan", "--preset", "tiny-v41", "--expert-parallel"]) == 2
+    assert "tensor_parallel_size" in capsys.readouterr().err
+
+
+def test_plan_prints_the_parallel_section(capsys):
+    args = ["plan", "--preset", "deepseek-v4.1-flash", "--tensor-parallel-size", "8",
+            "--hbm-gib", "141", "--context", "131072"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Tensor parallel over 8 devices" in out
+    assert "each device keeps every token's whole record" in out
+    assert "890 bytes/token per device" in out
+    assert "Engram tables on the host" in out and "608" in out and "821" in out
+    assert main([*args[:-4], "--hbm-gib", "40"]) == 0
+    assert "exceed the device's 40 GiB" in capsys.readouterr().out
+    assert main([*args, "--expert-parallel", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parallel"]["expert_parallel"] and out["parallel"]["fit"]
+    assert out["bytes_per_token"] == 890
+    assert main(["plan", "--preset", "tiny-v41", "--json"]) == 0
+    assert "parallel" not in json.loads(capsys.readouterr().out)

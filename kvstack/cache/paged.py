@@ -13,6 +13,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,6 +126,9 @@ class BlockPools:
         self.entries_per_block = {(s.layer, s.kind): block_tokens // s.ratio
                                   for s in layout.streams}
         self.ratios = {s.layer: s.ratio for s in layout.streams}  # stream layer -> ratio
+        # Set by an engine whose pools have mirrors on other ranks: the blocks written
+        # from outside a model call (tiers, restored sessions), for the mirrors to repeat.
+        self.journal: list[tuple[int, torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -161,6 +165,23 @@ class BlockPools:
         for target in targets:
             target.copy_(payload[offset : offset + target.numel()].view(target.shape))
             offset += target.numel()
+        if self.journal is not None:
+            self.journal.append((block, payload.cpu()))
+
+
+@dataclass
+class StoreState:
+    """What a `PagedSequenceStore` holds besides the rows, in a form another process can
+    take: its block table, token ids (those after the first `first_token` of them, which
+    the receiver already has), stream lengths and partial-group fills."""
+
+    slot: int
+    block_table: list[int]
+    first_token: int
+    tokens: list[int]
+    lengths: dict[int, int]
+    fills: dict[int, int]
+    needs_replay: bool
 
 
 class PagedSequenceStore(KVStore):
@@ -333,6 +354,26 @@ class PagedSequenceStore(KVStore):
         self.rings.drop(self._slot)
         self._fill = dict.fromkeys(self._fill, 0)
         self.needs_replay = self.pools.layout.window_bytes_per_sequence > 0
+
+    # ---- mirrors ---------------------------------------------------------------------
+    def state(self, first_token: int = 0) -> StoreState:
+        return StoreState(self.slot, list(self.block_table), first_token,
+                          self._tokens[first_token:], dict(self._len), dict(self._fill),
+                          self.needs_replay)
+
+    def follow(self, state: StoreState) -> None:
+        """Become the store `state` describes, over this process's own copy of the pools
+        (a mirror on another rank: its rows were written by the same model calls)."""
+        if state.slot != self.slot or state.first_token not in (0, len(self._tokens)):
+            raise ValueError(f"a mirror of slot {self.slot} holding {len(self._tokens)} "
+                             f"tokens cannot follow slot {state.slot} from token "
+                             f"{state.first_token}")
+        if state.block_table != self.block_table:
+            self.block_table = list(state.block_table)
+            self._table = torch.tensor(self.block_table, dtype=torch.long, device=self.device)
+        self._tokens = self._tokens[: state.first_token] + state.tokens
+        self._len, self._fill = dict(state.lengths), dict(state.fills)
+        self.needs_replay = state.needs_replay
 
 
 def parse_bytes(budget: int | str, what: str = "kv_budget") -> int:

@@ -50,6 +50,9 @@ class WindowRings:
                      for r in layout.window_rings}
         self.pos = {layer: torch.full((n_slots, window), -1, dtype=torch.long, device=device)
                     for layer in self.rows}
+        # Set where the rings have mirrors on other ranks: the slots emptied from outside a
+        # model call, for the mirrors to repeat.
+        self.journal: list[slice] | None = None
 
     # ---- slots at one shared position (a sequence alone, or a contiguous batch) --------
     def read(self, layer: int, slots: slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +78,8 @@ class WindowRings:
     def drop(self, slots: slice) -> None:
         for pos in self.pos.values():
             pos[slots] = -1
+        if self.journal is not None:
+            self.journal.append(slots)
 
     # ---- one token per slot at per-slot positions (a decode batch) ---------------------
     def read_at(self, layer: int, slots: torch.Tensor,

@@ -81,6 +81,7 @@ class AsyncLLM:
         self._thread.join()
         for request_id in list(self._deliver):
             self.core.abort(request_id)
+        self.llm.close()
 
     def __enter__(self) -> "AsyncLLM":
         return self
@@ -125,7 +126,7 @@ class AsyncLLM:
         try:
             self.core.add_request(ids, params or SamplingParams(), text, request_id,
                                   continue_from, keep_cache, on_output=route)
-        except ValueError as error:
+        except (ValueError, EngineError) as error:  # refused, or the engine has stopped
             deliver(error)
             return
         self._deliver[request_id] = deliver

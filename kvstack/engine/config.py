@@ -85,6 +85,14 @@ class EngineConfig:
     # ATTENTION_BACKENDS: auto is triton on CUDA when it is installed and the cache
     # formats are the kernel's (kvstack.cache.kernels), torch elsewhere.
     attention: str = "auto"
+    # Ranks the model is split over (`kvstack.parallel`: heads, index heads, Engram rows
+    # and vocabulary by rank), one process and one device each; with expert_parallel
+    # the routed experts go whole by rank, else each expert is split by its inter dim.
+    # kv_budget is each rank's, and every rank keeps every token's whole record.
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    # How long rank 0 waits on another rank in a collective before the engine fails.
+    parallel_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         def positive(key: str) -> None:
@@ -93,7 +101,8 @@ class EngineConfig:
                 raise ValueError(f"engine setting {key} must be a positive integer, got "
                                  f"{value!r}")
 
-        for key in ("block_tokens", "max_num_seqs", "max_num_batched_tokens", "chunk_size"):
+        for key in ("block_tokens", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
+                    "tensor_parallel_size"):
             positive(key)
         for key in ("max_model_len", "threads"):
             if getattr(self, key) is not None:
@@ -110,7 +119,15 @@ class EngineConfig:
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got "
                              f"{self.numerics!r}")
-        for key in ("enable_prefix_caching", "disk_prefix_cache", "compile_decode"):
+        if self.compile_decode and self.tensor_parallel_size > 1:
+            raise ValueError("compile_decode runs in one process: with tensor_parallel_size "
+                             "> 1 decode runs eager")
+        if (not isinstance(self.parallel_timeout_s, int | float)
+                or isinstance(self.parallel_timeout_s, bool) or self.parallel_timeout_s <= 0):
+            raise ValueError(f"parallel_timeout_s must be a positive number of seconds, got "
+                             f"{self.parallel_timeout_s!r}")
+        for key in ("enable_prefix_caching", "disk_prefix_cache", "compile_decode",
+                    "expert_parallel"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"engine setting {key} must be true or false, got "
                                  f"{getattr(self, key)!r}")

@@ -59,9 +59,12 @@ def locked(method: F) -> F:
 
 class EngineCore:
     def __init__(self, model: Model, tokenizer: Tokenizer, config: EngineConfig,
-                 fingerprint: str, disk_tier: DiskTier | None = None) -> None:
+                 fingerprint: str, disk_tier: DiskTier | None = None,
+                 workers: list[Any] | None = None) -> None:
         """disk_tier: the disk tier of the prefix cache (named blocks are written through
-        to it, and what the host tier gives up goes there); None: no disk tier."""
+        to it, and what the host tier gives up goes there); None: no disk tier. workers:
+        the processes of ranks 1.. of a sharded model (`kvstack.engine.workers`), which
+        every model call then runs on too."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = config.model_len(model.config)
         self.limit_name = "max_seq_len" if config.max_model_len is None else "max_model_len"
@@ -72,8 +75,14 @@ class EngineCore:
                                 config.host_budget_bytes, disk_tier)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, config.replay, config.chunk_size, config.compile_decode,
-                                  config.attention)
+        if workers is None:
+            self.runner = ModelRunner(model, config.replay, config.chunk_size,
+                                      config.compile_decode, config.attention)
+        else:
+            from kvstack.engine.workers import ParallelRunner
+
+            self.runner = ParallelRunner(model, config, self.cache, workers)
+        self.stopped: str | None = None  # why the engine cannot go on (a lost rank)
         self.router = OutputRouter()
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -95,6 +104,8 @@ class EngineCore:
 
         continue_from: a finished request that kept its cache (keep_cache=True); the new
         ids follow its tokens and only they are prefilled (multi-turn chat)."""
+        if self.stopped is not None:
+            raise EngineError(self.stopped)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         previous = None
@@ -182,6 +193,8 @@ class EngineCore:
             for seq in seqs:
                 try:
                     sampled = self.runner.prefill(seq)
+                except EngineError as e:
+                    self._stop(e)
                 except Exception as e:  # one request must not stop the others
                     self._fault([seq], e)
                     continue
@@ -189,6 +202,8 @@ class EngineCore:
         else:
             try:
                 samples = self.runner.decode(seqs)
+            except EngineError as e:
+                self._stop(e)
             except Exception as e:
                 self._fault(seqs, e)
             else:
@@ -207,6 +222,18 @@ class EngineCore:
                 if request_id not in self.requests:
                     raise ValueError(f"request {request_id!r} is not running")
                 self.step()
+
+    def _stop(self, error: EngineError) -> None:
+        """The engine cannot go on: every request not yet finished ends with the error
+        (its waiting front end too), and the error goes up."""
+        self.stopped = str(error)
+        log.error("kvstack engine stopped: %s", error)
+        for seq in list(self.requests.values()):
+            if seq.status is not Status.FINISHED:
+                seq.error = str(error)
+                self._finish(seq, "error")
+                self.router.put(RequestOutput.of(seq))
+        raise error
 
     def _fault(self, seqs: list[Sequence], error: Exception) -> None:
         """Roll the step back for seqs: their caches go (what the failed call wrote

@@ -10,12 +10,14 @@ runs the step; its settings are one `EngineConfig` (given whole, or as keyword a
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kvstack.cache.disk import DiskTier
 from kvstack.cache.paged import PagedCache
@@ -40,30 +42,89 @@ def bundled_model() -> Path:
     return Path(str(resources.files("kvstack") / "data" / "default"))
 
 
+def _tokenizer(model: str | Path | ModelConfig, random_init: bool) -> Tokenizer:
+    """The model's tokenizer, once the model directory is checked to hold what loads."""
+    if random_init:
+        return ByteTokenizer()
+    directory = bundled_model() if str(model) == "default" else Path(model)
+    if str(model) == "default" and not (directory / "model.safetensors").is_file():
+        raise ValueError("no bundled default model yet: pass a model directory, or a "
+                         "preset name with random_init=True")
+    if not directory.is_dir():
+        raise ValueError(f"model {directory}: not a directory (nor random_init=True with "
+                         "a preset name)")
+    for name in ("config.json", "tokenizer.json"):
+        if not (directory / name).is_file():
+            raise ValueError(f"model {directory}: {name} is missing")
+    return JsonTokenizer(directory / "tokenizer.json")
+
+
+def _check_vocab(model: Model, tokenizer: Tokenizer, name: object) -> None:
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"model {name}: the tokenizer has {tokenizer.vocab_size} tokens, the "
+                         f"model's vocabulary only {model.config.vocab_size}")
+
+
 def _load(model: str | Path | ModelConfig, random_init: bool, seed: int,
           device: torch.device, numerics: str) -> tuple[Model, Tokenizer]:
+    tokenizer = _tokenizer(model, random_init)
     if random_init:
         torch.manual_seed(seed)
-        config = model if isinstance(model, ModelConfig) else preset(str(model))
-        loaded, tokenizer = Model(config), ByteTokenizer()
+        loaded = Model(model if isinstance(model, ModelConfig) else preset(str(model)))
         loaded.set_numerics(numerics)
     else:
         directory = bundled_model() if str(model) == "default" else Path(model)
-        if str(model) == "default" and not (directory / "model.safetensors").is_file():
-            raise ValueError("no bundled default model yet: pass a model directory, or a "
-                             "preset name with random_init=True")
-        if not directory.is_dir():
-            raise ValueError(f"model {directory}: not a directory (nor random_init=True with "
-                             "a preset name)")
-        for name in ("config.json", "tokenizer.json"):
-            if not (directory / name).is_file():
-                raise ValueError(f"model {directory}: {name} is missing")
         loaded = Model.from_pretrained(directory, numerics=numerics)
-        tokenizer = JsonTokenizer(directory / "tokenizer.json")
-    if tokenizer.vocab_size > loaded.config.vocab_size:
-        raise ValueError(f"model {model}: the tokenizer has {tokenizer.vocab_size} tokens, the "
-                         f"model's vocabulary only {loaded.config.vocab_size}")
+    _check_vocab(loaded, tokenizer, model)
     return loaded.to(device).eval(), tokenizer
+
+
+def _start_ranks(model: str | Path | ModelConfig, random_init: bool, seed: int,
+                 config: EngineConfig) -> tuple[Model, Tokenizer, str, list[Any]]:
+    """Rank 0 of a sharded model: the other ranks spawned on this machine, the group
+    joined, this rank's shard loaded. Returns the shard, the tokenizer, the whole model's
+    fingerprint and the worker processes."""
+    from kvstack.engine.workers import (
+        ModelSource,
+        load_sharded,
+        plan_for,
+        rank_device,
+        spawn_workers,
+    )
+    from kvstack.parallel.shard import TorchShard, init_group
+
+    # A bad path or a split that does not divide fails before anything starts.
+    tokenizer = _tokenizer(model, random_init)
+    if isinstance(model, ModelConfig):
+        model_config = model
+    elif random_init:
+        model_config = preset(str(model))
+    else:
+        model_config = ModelConfig.from_json(
+            (bundled_model() if str(model) == "default" else Path(model)) / "config.json")
+    plan_for(config)(model_config)
+    source = ModelSource(model, random_init, seed)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started every rank (any machines)
+        workers, address, port = [], None, None
+    else:
+        workers, port = spawn_workers(config.tensor_parallel_size, source, config)
+        address = "127.0.0.1"
+    device = rank_device(config, 0)
+    init_group(0, config.tensor_parallel_size, address, port, device,
+               config.parallel_timeout_s)
+    try:
+        loaded, fingerprint = load_sharded(source, plan_for(config), TorchShard(), device,
+                                           config.numerics)
+        _check_vocab(loaded, tokenizer, model)
+    except BaseException:
+        for p in workers:
+            p.kill()
+        dist.destroy_process_group()
+        raise
+    log.info("kvstack: %d ranks, %s", config.tensor_parallel_size,
+             ", ".join(f"{k} {v}" for k, v in plan_for(config)(loaded.config).describe().items()
+                       if k.endswith("per_rank") and not isinstance(v, str)))
+    return loaded, tokenizer, fingerprint, workers
 
 
 class LLM:
@@ -85,7 +146,14 @@ class LLM:
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cpu":
             retain_freed_memory()
-        self.model, self.tokenizer = _load(model, random_init, seed, device, config.numerics)
+        workers = None
+        if config.tensor_parallel_size > 1:
+            self.model, self.tokenizer, model_fingerprint, workers = _start_ranks(
+                model, random_init, seed, config)
+        else:
+            self.model, self.tokenizer = _load(model, random_init, seed, device,
+                                               config.numerics)
+            model_fingerprint = self.model.fingerprint()
         # Where the weights came from (None for random weights): files stored with the
         # model, such as its chat template, are read from there.
         self.model_dir: Path | None = None if random_init else (
@@ -94,13 +162,19 @@ class LLM:
         # The weights and cache formats, and the tokenizer: another tokenizer.json reads the
         # same ids as other text, so its sessions and cached blocks are not this LLM's.
         self.fingerprint = hashlib.sha256(
-            f"{self.model.fingerprint()}/{self.tokenizer.digest}".encode()).hexdigest()
+            f"{model_fingerprint}/{self.tokenizer.digest}".encode()).hexdigest()
         self.replay = config.replay
         self.cache_dir = Path(config.cache_dir).expanduser()
         self._disk: DiskTier | None = None  # opened on first use
         lowest = (self.disk if config.disk_prefix_cache and config.enable_prefix_caching
                   else None)
-        self.core = EngineCore(self.model, self.tokenizer, config, self.fingerprint, lowest)
+        self.core = EngineCore(self.model, self.tokenizer, config, self.fingerprint, lowest,
+                               workers)
+        self.rank_bytes = None  # per rank, what each allocated (a sharded model)
+        if workers is not None:
+            from kvstack.engine.workers import gather_report
+
+            self.rank_bytes = gather_report(self.model, self.cache)
         report = self.memory_report()
         log.info(
             "kvstack cache: %.2f GiB holds %s tokens (%s blocks of %d) at %.1f B/token "
@@ -252,7 +326,31 @@ class LLM:
                              "device": str(block.engram.table_codes.device)}
                             for block in self.model.layers if block.engram is not None]
         report["backend"] = self.runner.backend()
+        if self.rank_bytes is not None:
+            from kvstack.parallel.plan import ShardingPlan
+
+            plan = ShardingPlan(self.config, len(self.rank_bytes),
+                                self.engine_config.expert_parallel)
+            report["parallel"] = {
+                **plan.describe(),
+                "ranks": [{"rank": r, **b} for r, b in enumerate(self.rank_bytes)],
+                "weight_bytes_total": sum(b["weight_bytes"] for b in self.rank_bytes),
+                "cache_bytes_total": sum(b["cache_bytes"] for b in self.rank_bytes)}
         return report
+
+    def close(self) -> None:
+        """Stop the worker ranks of a sharded model (nothing to do in one process). The
+        engine takes no requests after."""
+        stop = getattr(self.runner, "stop", None)
+        if stop is not None and self.core.stopped != "closed":
+            stop()
+            self.core.stopped = "closed"
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- sessions ----------------------------------------------------------------------
     @property

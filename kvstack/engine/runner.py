@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvstack.cache.batch import DecodeBatch
+from kvstack.cache.paged import PagedSequenceStore
 from kvstack.engine.sampling import Sample, sample_batch
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
@@ -40,37 +41,45 @@ class ModelRunner:
         next token."""
         return sample_batch(self.prefill_logits(seq), [seq])[0]
 
-    @torch.no_grad()
     def prefill_logits(self, seq: Sequence) -> torch.Tensor:
-        """The prefill's last logits [1, V]. A store started on cached blocks first
-        rebuilds its window rings and partial groups by replay (`bounded` or `exact`)."""
-        store = seq.store
+        """The prefill's last logits [1, V]."""
+        return self.prefill_store(seq.store, seq.all_ids[seq.store.num_tokens :])
+
+    @torch.no_grad()
+    def prefill_store(self, store: PagedSequenceStore, fresh: list[int]) -> torch.Tensor:
+        """Prefill `fresh` ids after what the store holds; the last logits [1, V]. A store
+        started on cached blocks first rebuilds its window rings and partial groups by
+        replay (`bounded` or `exact`)."""
         if store.needs_replay:
             self.replayed_tokens += self.model.rebuild_spans(store.num_tokens, self.replay)[0]
             self.model.rebuild_window(store, replay=self.replay, chunk_size=self.chunk_size)
             store.needs_replay = False
-        fresh = seq.all_ids[store.num_tokens :]
         ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
         return self.model.prefill(ids, store, replay=self.replay, chunk_size=self.chunk_size)
 
-    @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> list[Sample]:
         """Feed each sequence's last sampled token, all in one batch whatever their
-        positions (one `DecodeBatch`: the step's plan over the block pools); their next
-        tokens."""
-        batch = DecodeBatch([s.store for s in seqs], self.attention == "triton")
+        positions; their next tokens."""
+        return sample_batch(self.decode_logits([s.store for s in seqs],
+                                               [s.output_ids[-1] for s in seqs]), seqs)
+
+    @torch.no_grad()
+    def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:
+        """One decode step of `tokens` (one per store) as one `DecodeBatch`, the step's
+        plan over the block pools: logits [B, V]."""
+        batch = DecodeBatch(stores, self.attention == "triton")
         if not self.compiled:
-            return sample_batch(self.model.decode([s.output_ids[-1] for s in seqs], batch), seqs)
+            return self.model.decode(tokens, batch)
         batch.mark_dynamic()
         graphs, started = _graphs(), time.perf_counter()
-        samples = sample_batch(self.model.decode([s.output_ids[-1] for s in seqs], batch), seqs)
+        logits = self.model.decode(tokens, batch)
         if _graphs() > graphs:
             spent = time.perf_counter() - started
             self.compile_seconds += spent
             self.compiled_graphs += _graphs() - graphs
             log.info("kvstack decode: compiled %d graph(s) for a batch of %d in %.1f s",
-                     _graphs() - graphs, len(seqs), spent)
-        return samples
+                     _graphs() - graphs, len(stores), spent)
+        return logits
 
     def backend(self) -> dict[str, Any]:
         """What runs a decode step, and what compiling it has cost so far."""

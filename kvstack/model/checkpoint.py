@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -367,8 +367,12 @@ def _shards(directory: Path) -> dict[str, list[str]]:
 class _Assembler:
     """Puts tensors read from the shards into a model built on the meta device."""
 
-    def __init__(self, model: Model, names: dict[str, V41Tensor]) -> None:
+    def __init__(self, model: Model, names: dict[str, V41Tensor],
+                 experts: range | None = None) -> None:
+        """experts: the routed experts this model holds (a rank's, by expert
+        parallelism); None: all of them."""
         self.model, self.names = model, names
+        self.held_experts = experts or range(model.config.n_routed_experts)
         self.linears: dict[str, dict[str, Any]] = {}
         self.experts: dict[str, dict[tuple[str, int, str], torch.Tensor]] = {}
         self.seen: set[str] = set()
@@ -395,14 +399,14 @@ class _Assembler:
                                          parts["matmul"]))
                 del self.linears[entry.target]
         else:  # expert, expert_scale: one of a layer's experts' six tensors
-            n_experts = self.model.config.n_routed_experts
+            held = self.held_experts
             parts = self.experts.setdefault(entry.target, {})
             parts[kind, entry.expert, entry.proj] = t.view(torch.uint8)
-            if len(parts) == 2 * 3 * n_experts:
+            if len(parts) == 2 * 3 * len(held):
                 _set_module(self.model, entry.target, PackedExperts([PackedExpert(
                     {p: parts["expert", e, p] for p in PackedExpert.NAMES},
                     {p: parts["expert_scale", e, p] for p in PackedExpert.NAMES})
-                    for e in range(n_experts)]))
+                    for e in held]))
                 del self.experts[entry.target]
 
 
@@ -422,7 +426,21 @@ def _set_module(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
-def _load_v41(directory: Path) -> Model:
+class V41Cut(Protocol):
+    """Which part of each published tensor one rank reads (`kvstack.parallel`)."""
+
+    experts: range  # the routed experts the rank holds
+
+    def index(self, entry: V41Tensor) -> tuple[slice, ...] | None:
+        """The rank's slice of the tensor as stored; None: all of it."""
+
+    def finish(self, entry: V41Tensor, piece: torch.Tensor) -> torch.Tensor:
+        """The slice as the rank keeps it (vocabulary rows padded to one length)."""
+
+
+def _load_v41(directory: Path, cut: V41Cut | None = None) -> Model:
+    """DeepSeek's layout, onto the meta device from the mapped shards; with `cut`, only
+    one rank's slices of the tensors are read (and its experts' tensors only)."""
     raw = _read_config(directory)
     _check_v41_config(raw, directory / "config.json")
     config = ModelConfig.from_json(directory / "config.json")
@@ -431,7 +449,7 @@ def _load_v41(directory: Path) -> Model:
     token_map = _token_map(directory, config)
     with torch.device("meta"):
         model = Model(config, token_map)
-    assembler = _Assembler(model, names)
+    assembler = _Assembler(model, names, cut.experts if cut is not None else None)
     indexed = {name: file for file, held in shards.items() for name in held}
     skipped: dict[str, str] = {}
     where: dict[str, str] = {}
@@ -455,7 +473,12 @@ def _load_v41(directory: Path) -> Model:
                                  "V4.1's layout for this config (unknown to kvstack's name "
                                  "table: a foreign checkpoint, or a config that contradicts "
                                  "its tensors)")
-            assembler.put(name, entry, read(entry))
+            if cut is None:
+                assembler.put(name, entry, read(entry))
+            elif entry.expert < 0 or entry.expert in cut.experts:
+                assembler.put(name, entry, cut.finish(entry, read(entry, cut.index(entry))))
+            else:  # another rank's expert: not read
+                assembler.seen.add(name)
     missing = sorted(set(names) - assembler.seen)
     if missing:
         shown = ", ".join(f"{n} ({indexed.get(n, 'in no shard')})" for n in missing[:5])
@@ -472,15 +495,16 @@ def _load_v41(directory: Path) -> Model:
 
 
 def _tensors(path: Path) -> Iterator[tuple[str, Any]]:
-    """(name, read) for each tensor of a shard; read(entry) checks the stored dtype and
-    shape against the name table before the bytes are read."""
+    """(name, read) for each tensor of a shard; read(entry, index) checks the stored dtype
+    and shape against the name table before the bytes (of the slice `index`, or all of
+    them) are read."""
     try:
         f = safe_open(str(path), framework="pt", device="cpu")
     except (OSError, SafetensorError) as e:
         raise ValueError(f"checkpoint shard {path}: cannot read ({e})") from e
 
     def reader(name: str) -> Any:
-        def read(entry: V41Tensor) -> torch.Tensor:
+        def read(entry: V41Tensor, index: tuple[slice, ...] | None = None) -> torch.Tensor:
             piece = f.get_slice(name)
             dtype, shape = piece.get_dtype(), tuple(piece.get_shape())
             ok = (dtype in _FLOAT_DTYPES) if entry.kind == "float" else dtype == entry.dtype
@@ -491,7 +515,8 @@ def _tensors(path: Path) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"checkpoint shard {path}: tensor {name} has shape "
                                  f"{list(shape)}, the config needs {list(entry.shape)}")
             try:
-                return f.get_tensor(name)
+                # A slice reads only its own bytes of the mapped file.
+                return f.get_tensor(name) if index is None else piece[index]
             except SafetensorError as e:
                 raise ValueError(f"checkpoint shard {path}: tensor {name}: cannot read "
                                  f"({e})") from e

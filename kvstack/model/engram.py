@@ -411,6 +411,11 @@ class Engram(nn.Module):
         # the reference only ever uses q_weight * k_weight; both are kept for the checkpoint
         self.q_weight = nn.Parameter(torch.ones(hc_mult, dim))
         self.k_weight = nn.Parameter(torch.ones(hc_mult, dim))
+        # Sharded (`kvstack.parallel`): the table holds rows first_row.. of the n_rows, a
+        # lookup reads those and zeros elsewhere, and the ranks' rows add up (exactly: one
+        # rank holds each).
+        self.first_row = 0
+        self.shard = None
         if self.table_codes.device.type != "meta":  # on meta the table is loaded later
             self.reset_table()
 
@@ -465,9 +470,16 @@ class Engram(nn.Module):
                 f"engram: row indices span {int(flat.min())}..{int(flat.max())}, outside the "
                 f"table's 0..{self.n_rows - 1}"
             )
+        held = self.table_codes.shape[0]
+        if self.shard is not None:
+            local = flat - self.first_row
+            mine = (local >= 0) & (local < held)
+            flat = torch.where(mine, local, 0)
         codes = self.table_codes.index_select(0, flat)  # [R, D]
         scales = self.table_scales.index_select(0, flat)  # [R, D / 32]
         values = dequantize(Quantized(TABLE_FORMAT, codes, scales))  # [R, D]
+        if self.shard is not None:
+            values = self.shard.all_reduce(values * mine[:, None])
         return values.view(*rows.shape, self.head_dim)
 
     def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,27 @@ from kvstack.model.packed import Experts, PackedExperts, PackedLinear
 QUERY_BLOCK = 256  # queries scored at once: bounds the [block, keys] score matrices
 KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
 GATHER_FLOATS = 1 << 22  # per-query gathers of selected rows: floats held at once
+
+
+# ---- sharded over ranks ----------------------------------------------------------------
+
+
+class Shard(Protocol):
+    """A rank's place among the ranks that each hold a shard of one model
+    (`kvstack.parallel`): the collectives that rejoin what the shards computed."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of t over the ranks (every rank gets the same bytes)."""
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's t, joined along the last dim in rank order."""
+
+
+def all_reduce(t: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    return t if shard is None else shard.all_reduce(t)
 
 
 # ---- small pieces ---------------------------------------------------------------------
@@ -121,9 +143,10 @@ class DenseFFN(nn.Module):
         self.w1 = nn.Linear(dim, inter_dim, bias=False)
         self.w2 = nn.Linear(inter_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, inter_dim, bias=False)
+        self.shard: Shard | None = None  # a layer's FFN split by its inter dim: sums partials
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.w1, self.w2, self.w3, self.limit)
+        return all_reduce(swiglu(x, self.w1, self.w2, self.w3, self.limit), self.shard)
 
 
 class Gate(nn.Module):
@@ -167,15 +190,28 @@ class MoE(nn.Module):
         self.experts: Experts | PackedExperts = Experts(e, d, i)
         shared = config.n_shared_experts * config.moe_inter_dim
         self.shared = DenseFFN(d, shared, self.limit) if shared else None
+        # Sharded: this rank's experts are first_expert.. (expert parallelism; every
+        # expert otherwise, each by a slice of its inter dim), and the routed and shared
+        # partial sums are added over the ranks at once.
+        self.first_expert = 0
+        self.shard: Shard | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.gate(x)  # [T, k] each
+        held = len(self.experts) if isinstance(self.experts, PackedExperts) else \
+            self.experts.w1.shape[0]
+        if self.first_expert or held < self.gate.weight.shape[0]:
+            # Pairs routed to another rank's experts: weight 0 on this rank's last expert
+            # (a finite product, so they add exactly nothing, with no shape from routing).
+            chosen = chosen - self.first_expert
+            mine = (chosen >= 0) & (chosen < held)
+            chosen, weights = torch.where(mine, chosen, held - 1), weights * mine
         if isinstance(self.experts, Experts) and not torch.is_grad_enabled():
             # Up to half as many (token, expert) pairs as experts, gathering the weights of
             # each pair beats a grouped call that walks every expert (measured on a CPU).
-            few = 2 * chosen.numel() <= self.experts.w1.shape[0]
+            few = 2 * chosen.numel() <= held
             out = (self._gathered if few else self._grouped)(x, weights, chosen)
         else:  # each chosen expert on its tokens (packed experts; training's autograd)
             out = torch.zeros_like(x, dtype=torch.float32)
@@ -186,7 +222,7 @@ class MoE(nn.Module):
                 out.index_add_(0, token, y.float())
         if self.shared is not None:
             out = out + self.shared(x)
-        return out.type_as(x).view(shape)
+        return all_reduce(out, self.shard).type_as(x).view(shape)
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor,
                   chosen: torch.Tensor) -> torch.Tensor:
@@ -423,13 +459,16 @@ class Indexer(nn.Module):
         hi, di = config.index_n_heads, config.index_head_dim
         self.wq = nn.Linear(config.q_lora_rank, hi * di, bias=False)
         self.wweights = nn.Linear(config.dim, hi, bias=False)
+        self.n_local_heads = hi  # sharded: this rank's heads, whose partial scores add up
+        self.shard: Shard | None = None
 
     def _queries(self, x: torch.Tensor, qr: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries q [B, n, Hi, Di] and head weights w [B, n, Hi]."""
         c = self.config
         hi, di = c.index_n_heads, c.index_head_dim
-        q = rotate(self.wq(qr).unflatten(-1, (hi, di)), positions, self.freqs).float()
+        q = rotate(self.wq(qr).unflatten(-1, (self.n_local_heads, di)), positions,
+                   self.freqs).float()
         if c.index_query_format != "none":  # V4.1 scores FP4 queries against FP4 keys
             # Unchecked: a query only ranks entries, and anything non-finite reaches the
             # logits, which the engine checks once per step.
@@ -442,7 +481,9 @@ class Indexer(nn.Module):
         The keys are read from the store KEY_CHUNK entries at a time."""
         q, w = self._queries(x, qr, positions)
         if store.scores_index_keys:  # a decode batch, over its packed keys
-            return store.index_scores(self.spec.kv_source, q, w, n_entries)
+            # (invisible entries are -inf on every rank, and stay so summed)
+            return all_reduce(store.index_scores(self.spec.kv_source, q, w, n_entries),
+                              self.shard)
         chunks = []
         for start in range(0, n_entries, KEY_CHUNK):
             keys = store.read_stream(self.spec.kv_source, "index", start,
@@ -452,6 +493,7 @@ class Indexer(nn.Module):
             s = (keys.float() @ q.flatten(1, 2).transpose(1, 2)).relu()  # [B, K, n * Hi]
             chunks.append(torch.einsum("bknh,bnh->bnk", s.unflatten(-1, q.shape[1:3]), w))
         s = torch.cat(chunks, dim=-1) if chunks else w.new_zeros(*w.shape[:2], 0)
+        s = all_reduce(s, self.shard)
         visible = torch.arange(n_entries, device=x.device) < _visible(positions, self.spec)
         return s.masked_fill(~visible, float("-inf"))
 
@@ -470,6 +512,7 @@ class Indexer(nn.Module):
         keys = store.gather_stream(self.spec.kv_source, "index",
                                    entries.clamp(max=n_entries - 1)).float()  # [B, n, K, Di]
         s = torch.einsum("bnhk,bnh->bnk", torch.einsum("bnhd,bnkd->bnhk", q, keys).relu(), w)
+        s = all_reduce(s, self.shard)
         chosen = select_topk(s.masked_fill(~visible, float("-inf")), self.config.index_topk)
         return torch.where(chosen >= 0, entries.gather(-1, chosen.clamp(min=0)), -1)
 
@@ -616,6 +659,10 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(c.n_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank,
                               bias=False)  # block-diagonal: one [o_lora, H/G * D] per group
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.dim, bias=False)
+        # Sharded: this rank's heads and the output groups they form; wo_b's partial
+        # outputs add up over the ranks.
+        self.n_local_heads, self.local_groups = c.n_heads, c.o_groups
+        self.shard: Shard | None = None
         full = spec.mode is Mode.FULL
         self.compressor = Compressor(c, spec, self.freqs) if full else None
         own_index = spec.mode in (Mode.FULL, Mode.REINDEX)
@@ -634,7 +681,8 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         positions = token_positions(start, n, x.device)  # [1 or B, n]
         qr = self.q_norm(self.wq_a(x))
-        q = rotate(self.wq_b(qr).unflatten(-1, (c.n_heads, c.head_dim)), positions, self.freqs)
+        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)), positions,
+                   self.freqs)
         window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
         # A kernel backend reads the ring itself, once the new entry is in it.
         kernel = store.kernels and not (ctx.probe or ctx.collect or ctx.dense)
@@ -702,9 +750,10 @@ class Attention(nn.Module):
             ctx.pool[spec.kv_source] = torch.cat(pools, dim=1)
         out = torch.cat(outs, dim=1)  # [B, n, H, D]
         out = rotate(out, positions, self.freqs, inverse=True)
-        groups = out.reshape(b, n, c.o_groups, -1)
-        wo_a = self.wo_a.weight.unflatten(0, (c.o_groups, c.o_lora_rank))
-        return self.wo_b(torch.einsum("bngd,grd->bngr", groups, wo_a).flatten(2))
+        groups = out.reshape(b, n, self.local_groups, -1)
+        wo_a = self.wo_a.weight.unflatten(0, (self.local_groups, c.o_lora_rank))
+        return all_reduce(self.wo_b(torch.einsum("bngd,grd->bngr", groups, wo_a).flatten(2)),
+                          self.shard)
 
     def _attend(self, q: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
                 window_positions: torch.Tensor, store: KVStore, all_kv: torch.Tensor | None,
@@ -934,6 +983,10 @@ class Model(nn.Module):
             self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.head: nn.Linear | PackedLinear = nn.Linear(c.dim, c.vocab_size, bias=False)
+        # Sharded: embed and head hold vocabulary rows first_token.. (padded to one length
+        # on every rank); embeddings add up over the ranks and logits are gathered.
+        self.first_token = 0
+        self.shard: Shard | None = None
         self.numerics = "default"
         # SHA-256 of the checkpoint files the weights came from (from_pretrained): the
         # fingerprint then needs no pass over the tensors.
@@ -975,7 +1028,7 @@ class Model(nn.Module):
         copies with hyper-connections; single-pass collapses the first with a one-hot mix
         on copy 0) and its Engram rows."""
         c = self.config
-        x = self.embed(ids).float()
+        x = self._embed(ids)
         mix = None
         if c.hc_mult > 1:
             x = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
@@ -1004,7 +1057,18 @@ class Model(nn.Module):
             mix = hc_weights(x, self.hc_head_fn, c.norm_eps)
             pre = torch.sigmoid(mix * self.hc_head_scale + self.hc_head_base) + c.hc_eps
             x = HyperConnection.collapse(x, pre)
-        return self.head(self.norm(x)).float()
+        logits = self.head(self.norm(x)).float()
+        if self.shard is None:
+            return logits
+        return self.shard.all_gather(logits)[..., : c.vocab_size]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is None:
+            return self.embed(ids).float()
+        local = ids - self.first_token
+        mine = (local >= 0) & (local < self.embed.weight.shape[0])
+        x = self.embed(torch.where(mine, local, 0)).float() * mine[..., None]
+        return self.shard.all_reduce(x)
 
     def compile_decode(self, backend: str = "inductor") -> None:
         """Run decode steps through torch.compile, one graph per layer (fullgraph: a
@@ -1015,6 +1079,9 @@ class Model(nn.Module):
         how it runs (below: gathering the chosen experts or running them all). The traced
         MoE indexes the experts' float weights, so a checkpoint's packed experts are
         refused."""
+        if self.shard is not None:
+            raise ValueError("compiled decode runs in one process; a sharded model decodes "
+                             "eager (its collectives are outside the traced graphs)")
         if any(isinstance(m, PackedExperts) for m in self.modules()):
             raise ValueError("compiled decode indexes a stack of float expert weights, and "
                              "this model's experts are packed (a V4.1 checkpoint's FP4): "
@@ -1056,6 +1123,9 @@ class Model(nn.Module):
         also return where each layer's attention went; `window_only`: layers whose
         attention leaves their compressed entries out."""
         ids = self._check_ids(input_ids)
+        if self.shard is not None and (collect or probe):
+            raise ValueError("collect and probe read every head's attention, and this rank "
+                             "holds a shard of them")
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"{ids.shape[1]} tokens exceed max_seq_len "
                              f"{self.config.max_seq_len}")

@@ -1,0 +1,251 @@
+"""Tensor-parallel execution: rank 0's runner and the worker ranks it drives in lockstep.
+
+Rank 0, the process of the `LLM`, keeps everything that decides: the scheduler, the
+block tables, the prefix cache and its tiers, sessions. Every rank holds its shard of the
+weights (`kvstack.parallel`) and its own copy of the cache pools, of one geometry: V4.1's
+heads all read one KV vector per token, so each rank keeps every token's whole record.
+Before each model call rank 0 broadcasts a `Call` -- the stores it runs (their block
+tables, new token ids, stream lengths), their tokens, and the blocks and ring slots
+changed outside model calls since the last one -- and every rank runs the same call: its
+collectives keep the ranks in step, and its writes land in the same rows of every copy.
+
+Workers are spawned by the LLM (one machine), or started by torchrun on every machine
+(`kvstack serve` on ranks above 0 runs `serve_worker`). A worker that dies or stops
+answering fails rank 0's next collective within `parallel_timeout_s`: the engine then
+stops with a `WorkerLost`, naming the rank.
+"""
+
+import logging
+import multiprocessing
+import os
+import socket
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvstack.cache.paged import PagedCache, PagedSequenceStore, StoreState
+from kvstack.config import ModelConfig
+from kvstack.engine.config import EngineConfig
+from kvstack.engine.core import EngineError
+from kvstack.engine.runner import ModelRunner
+from kvstack.model import Model
+from kvstack.parallel.plan import ShardingPlan
+from kvstack.parallel.shard import (
+    TorchShard,
+    init_group,
+    load_shard,
+    load_v41_shard,
+    shard_model,
+)
+
+log = logging.getLogger("kvstack")
+
+
+class WorkerLost(EngineError):
+    """A rank died, or did not answer within the timeout: the group cannot go on."""
+
+
+@dataclass
+class Call:
+    """One model call, as rank 0 hands it to every rank."""
+
+    kind: str  # "prefill" | "decode" | "stop"
+    states: list[StoreState] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # prefill: the new ids; decode: one each
+    blocks: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # written outside
+    dropped: list[slice] = field(default_factory=list)  # ring slots emptied outside
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What every rank loads: a model directory, or a preset / config with seeded random
+    weights."""
+
+    model: str | Path | ModelConfig
+    random_init: bool
+    seed: int
+
+
+def load_sharded(source: ModelSource, plan_of: Any, shard: TorchShard, device: torch.device,
+                 numerics: str) -> tuple[Model, str]:
+    """This rank's shard of the model, and the whole model's fingerprint (what it would
+    be in one process, so that caches and sessions are shared with unsharded engines).
+    A checkpoint (kvstack's or DeepSeek's) is read slice by slice, only what the rank
+    holds; random weights are made whole (seeded alike on every rank) and then cut."""
+    from kvstack.engine.llm import _load, bundled_model
+    from kvstack.model.checkpoint import is_v41_checkpoint
+
+    if not source.random_init:
+        directory = bundled_model() if str(source.model) == "default" else Path(source.model)
+        plan = plan_of(ModelConfig.from_json(directory / "config.json"))
+        read = load_v41_shard if is_v41_checkpoint(directory) else load_shard
+        model = read(directory, plan, shard)
+        model.set_numerics(numerics)
+        return model.to(device).eval(), model.fingerprint()
+    model, _ = _load(source.model, source.random_init, source.seed, torch.device("cpu"),
+                     numerics)
+    fingerprint = model.fingerprint()
+    shard_model(model, plan_of(model.config), shard)
+    return model.to(device).eval(), fingerprint
+
+
+def weight_bytes(model: Model) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+class ParallelRunner(ModelRunner):
+    """Rank 0's runner: each call goes to every rank first, then runs here."""
+
+    def __init__(self, model: Model, config: EngineConfig, cache: PagedCache,
+                 workers: list[multiprocessing.Process]) -> None:
+        super().__init__(model, config.replay, config.chunk_size, False, config.attention)
+        self.cache, self.workers = cache, workers
+        self.timeout_s = config.parallel_timeout_s
+        self.lost: str | None = None
+        cache.pools.journal, cache.rings.journal = [], []
+        # Tokens each store's mirrors already hold (a store seen first sends them all).
+        self._sent: weakref.WeakKeyDictionary[PagedSequenceStore, int] = (
+            weakref.WeakKeyDictionary())
+
+    def prefill_store(self, store: PagedSequenceStore, fresh: list[int]) -> torch.Tensor:
+        return self._run("prefill", [store], list(fresh),
+                         lambda: super(ParallelRunner, self).prefill_store(store, fresh))
+
+    def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:
+        return self._run("decode", stores, list(tokens),
+                         lambda: super(ParallelRunner, self).decode_logits(stores, tokens))
+
+    def _run(self, kind: str, stores: list[PagedSequenceStore], tokens: list[int],
+             local: Any) -> torch.Tensor:
+        if self.lost is not None:
+            raise WorkerLost(self.lost)
+        pools, rings = self.cache.pools, self.cache.rings
+        call = Call(kind, [s.state(self._sent.get(s, 0)) for s in stores], tokens,
+                    pools.journal, rings.journal)
+        # The model's own writes happen on every rank alike: not journalled.
+        pools.journal = rings.journal = None
+        try:
+            broadcast_call(call)
+            out = local()
+            for s in stores:  # the call added the same tokens to every mirror
+                self._sent[s] = s.num_tokens
+            return out
+        except Exception as e:
+            self.lost = self._why(e)
+            raise WorkerLost(self.lost) from e
+        finally:
+            pools.journal, rings.journal = [], []
+
+    def _why(self, error: Exception) -> str:
+        gone = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                for rank, p in enumerate(self.workers, start=1)
+                if p.exitcode is not None]
+        what = "; ".join(gone) if gone else (
+            f"a rank did not answer within {self.timeout_s:g} s, or failed its part of the "
+            "step")
+        return (f"tensor-parallel step failed: {what} ({type(error).__name__}: {error}); "
+                "the engine cannot go on, start it again")
+
+    def stop(self) -> None:
+        """Tell the workers to exit, and wait for them."""
+        if self.lost is None:
+            try:
+                broadcast_call(Call("stop"))
+            except Exception as e:  # already gone: nothing to tell
+                log.warning("kvstack: stopping workers: %s", e)
+        for p in self.workers:
+            p.join(timeout=self.timeout_s)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
+
+
+def broadcast_call(call: Call | None) -> Call:
+    box = [call]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_workers(world_size: int, source: ModelSource,
+                  config: EngineConfig) -> tuple[list[multiprocessing.Process], int]:
+    """Ranks 1..world_size-1 as processes on this machine; they wait for rank 0 at the
+    returned port."""
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    workers = []
+    for rank in range(1, world_size):
+        p = context.Process(target=serve_worker, args=(rank, world_size, "127.0.0.1", port,
+                                                       source, config), daemon=True,
+                            name=f"kvstack-rank-{rank}")
+        p.start()
+        workers.append(p)
+    return workers, port
+
+
+def plan_for(config: EngineConfig) -> Any:
+    return lambda model_config: ShardingPlan(model_config, config.tensor_parallel_size,
+                                             config.expert_parallel)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """cuda:<local rank> on GPUs (one device per rank), else the CPU."""
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    return device
+
+
+def gather_report(model: Model, cache: PagedCache) -> list[dict[str, int]]:
+    """Every rank's weight and cache bytes as allocated, for rank 0's memory_report."""
+    mine = {"weight_bytes": weight_bytes(model),
+            "cache_bytes": cache.pools.nbytes + cache.rings.nbytes + cache.partials.nbytes}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def serve_worker(rank: int, world_size: int, address: str | None, port: int | None,
+                 source: ModelSource, config: EngineConfig) -> None:
+    """A worker rank: load this rank's shard, keep a copy of the pools, and run every
+    call rank 0 broadcasts until it says stop. address None: torchrun's rendezvous."""
+    config.apply_threads()
+    device = rank_device(config, rank)
+    init_group(rank, world_size, address, port, device, config.parallel_timeout_s)
+    try:
+        model, _ = load_sharded(source, plan_for(config), TorchShard(), device,
+                                config.numerics)
+        cache = PagedCache(model.config, config.kv_budget, config.block_tokens,
+                           config.max_num_seqs, device)
+        runner = ModelRunner(model, config.replay, config.chunk_size, False, config.attention)
+        gather_report(model, cache)
+        mirrors: dict[int, PagedSequenceStore] = {}
+        while (call := broadcast_call(None)).kind != "stop":
+            for slots in call.dropped:
+                cache.rings.drop(slots)
+            for block, payload in call.blocks:
+                cache.pools.write_block(block, payload)
+            stores = []
+            for state in call.states:
+                if state.slot not in mirrors:
+                    mirrors[state.slot] = PagedSequenceStore(
+                        model.config, cache.pools, cache.manager, cache.rings, cache.partials,
+                        state.slot, model.config.max_seq_len)
+                mirrors[state.slot].follow(state)
+                stores.append(mirrors[state.slot])
+            if call.kind == "prefill":
+                runner.prefill_store(stores[0], call.tokens)
+            else:
+                runner.decode_logits(stores, call.tokens)
+    finally:
+        dist.destroy_process_group()
+
