@@ -138,7 +138,7 @@ def expected_rank_bytes(model: Model, expert_parallel: bool) -> int:
     total = 0
     for name, t in model.state_dict().items():
         size = t.numel() * t.element_size()
-        path, _, leaf = name.rpartition(".")
+        path = name.rpartition(".")[0]
         if isinstance(packed.get(path), PackedLinear):  # stored codes and scales
             m = packed[path]
             name = "head.weight" if path == "head" else f"{path}.weight"

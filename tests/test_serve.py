@@ -95,6 +95,17 @@ def test_completions_equal_the_library_and_stream_the_same_text(server, local):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_server_over_two_ranks_serves_what_the_library_does(tmp_path, local):
+    expected = local.generate("def main(", SamplingParams(max_tokens=12, temperature=0,
+                                                          ignore_eos=True))[0]
+    two = Server(tmp_path, "--tensor-parallel-size", "2")
+    try:
+        out = two.client.completions.create(model=MODEL, prompt="def main(", **GREEDY)
+        assert out.choices[0].text == expected.text
+    finally:
+        assert two.stop() == 0  # the worker rank stops with the server
+
+
 def test_chat_completions_plain_and_streamed(server):
     messages = [{"role": "system", "content": "code only"},
                 {"role": "user", "content": "a parser"}]
