@@ -175,8 +175,14 @@ def test_an_engine_over_two_ranks_serves_what_one_serves(tmp_path: Path) -> None
     session = one.session("s")
     session.append(list(range(3, 50)))
     first_turn = session.generate(GREEDY).token_ids
+    session.save()
     with tp_llm(tmp_path, 2, expert_parallel=True) as two:
         assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == expected
+        # A session saved in one process, resumed over two ranks: its blocks go into every
+        # rank's pools, and its next turn is what one process makes of it.
+        resumed_here = two.resume("s")
+        resumed_here.append([5, 6, 7])
+        next_turn = resumed_here.generate(GREEDY).token_ids
         # A prefix hit: the second rank's pools hold the same rows as rank 0's.
         again = two.generate(PROMPTS[0], GREEDY)[0]
         assert again.num_cached_tokens > 0 and again.token_ids == expected[0]
@@ -191,10 +197,15 @@ def test_an_engine_over_two_ranks_serves_what_one_serves(tmp_path: Path) -> None
     assert ranks[0]["cache_bytes"] == ranks[1]["cache_bytes"]  # every token's whole record
     assert sum(r["weight_bytes"] for r in ranks) == report["weight_bytes_total"]
     assert report["weight_bytes_total"] == expected_rank_bytes(one.model, True)
+    session.append([5, 6, 7])
+    assert session.generate(GREEDY).token_ids == next_turn
     resumed = one.resume("tp")
     resumed.append([9, 9, 9])
-    session.append([9, 9, 9])
-    assert resumed.generate(GREEDY).token_ids == session.generate(GREEDY).token_ids
+    fresh = one.session("fresh")
+    fresh.append(list(range(3, 50)))
+    assert fresh.generate(GREEDY).token_ids == first_turn
+    fresh.append([9, 9, 9])
+    assert resumed.generate(GREEDY).token_ids == fresh.generate(GREEDY).token_ids
 
 
 def test_a_killed_rank_fails_the_engine_within_the_timeout(tmp_path: Path) -> None:
@@ -216,11 +227,26 @@ def test_a_killed_rank_fails_the_engine_within_the_timeout(tmp_path: Path) -> No
         llm.close()
 
 
+def test_a_hung_rank_fails_the_engine_after_the_timeout(tmp_path: Path) -> None:
+    llm = tp_llm(tmp_path, 2, parallel_timeout_s=5.0)
+    worker = llm.runner.workers[0]
+    try:
+        llm.generate(PROMPTS[1], GREEDY)
+        os.kill(worker.pid, signal.SIGSTOP)  # alive, answering nothing
+        with pytest.raises(EngineError, match="did not answer within 5 s"):
+            llm.generate(PROMPTS[0], GREEDY)
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        llm.close()
+
+
 def test_a_sharded_engine_refuses_what_it_cannot_run(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not divide n_heads"):
         tp_llm(tmp_path, 3)
     with pytest.raises(ValueError, match="compile_decode"):
         tp_llm(tmp_path, 2, compile_decode=True)
+    with tp_llm(tmp_path, 2), pytest.raises(ValueError, match="one sharded engine per process"):
+        tp_llm(tmp_path, 2)
 
 
 def _tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list[list[int]]:

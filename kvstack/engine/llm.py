@@ -10,14 +10,12 @@ runs the step; its settings are one `EngineConfig` (given whole, or as keyword a
 
 import hashlib
 import logging
-import os
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kvstack.cache.disk import DiskTier
 from kvstack.cache.paged import PagedCache
@@ -79,54 +77,6 @@ def _load(model: str | Path | ModelConfig, random_init: bool, seed: int,
     return loaded.to(device).eval(), tokenizer
 
 
-def _start_ranks(model: str | Path | ModelConfig, random_init: bool, seed: int,
-                 config: EngineConfig) -> tuple[Model, Tokenizer, str, list[Any]]:
-    """Rank 0 of a sharded model: the other ranks spawned on this machine, the group
-    joined, this rank's shard loaded. Returns the shard, the tokenizer, the whole model's
-    fingerprint and the worker processes."""
-    from kvstack.engine.workers import (
-        ModelSource,
-        load_sharded,
-        plan_for,
-        rank_device,
-        spawn_workers,
-    )
-    from kvstack.parallel.shard import TorchShard, init_group
-
-    # A bad path or a split that does not divide fails before anything starts.
-    tokenizer = _tokenizer(model, random_init)
-    if isinstance(model, ModelConfig):
-        model_config = model
-    elif random_init:
-        model_config = preset(str(model))
-    else:
-        model_config = ModelConfig.from_json(
-            (bundled_model() if str(model) == "default" else Path(model)) / "config.json")
-    plan_for(config)(model_config)
-    source = ModelSource(model, random_init, seed)
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started every rank (any machines)
-        workers, address, port = [], None, None
-    else:
-        workers, port = spawn_workers(config.tensor_parallel_size, source, config)
-        address = "127.0.0.1"
-    device = rank_device(config, 0)
-    init_group(0, config.tensor_parallel_size, address, port, device,
-               config.parallel_timeout_s)
-    try:
-        loaded, fingerprint = load_sharded(source, plan_for(config), TorchShard(), device,
-                                           config.numerics)
-        _check_vocab(loaded, tokenizer, model)
-    except BaseException:
-        for p in workers:
-            p.kill()
-        dist.destroy_process_group()
-        raise
-    log.info("kvstack: %d ranks, %s", config.tensor_parallel_size,
-             ", ".join(f"{k} {v}" for k, v in plan_for(config)(loaded.config).describe().items()
-                       if k.endswith("per_rank") and not isinstance(v, str)))
-    return loaded, tokenizer, fingerprint, workers
-
-
 class LLM:
     def __init__(self, model: str | Path | ModelConfig = "default",
                  engine_config: EngineConfig | None = None, *, random_init: bool = False,
@@ -148,7 +98,9 @@ class LLM:
             retain_freed_memory()
         workers = None
         if config.tensor_parallel_size > 1:
-            self.model, self.tokenizer, model_fingerprint, workers = _start_ranks(
+            from kvstack.engine.workers import start_rank_zero
+
+            self.model, self.tokenizer, model_fingerprint, workers = start_rank_zero(
                 model, random_init, seed, config)
         else:
             self.model, self.tokenizer = _load(model, random_init, seed, device,
@@ -170,11 +122,8 @@ class LLM:
                   else None)
         self.core = EngineCore(self.model, self.tokenizer, config, self.fingerprint, lowest,
                                workers)
-        self.rank_bytes = None  # per rank, what each allocated (a sharded model)
-        if workers is not None:
-            from kvstack.engine.workers import gather_report
-
-            self.rank_bytes = gather_report(self.model, self.cache)
+        # Per rank, what each allocated (a sharded model).
+        self.rank_bytes = self.runner.gather_report() if workers is not None else None
         report = self.memory_report()
         log.info(
             "kvstack cache: %.2f GiB holds %s tokens (%s blocks of %d) at %.1f B/token "

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 from kvstack.cache.paged import PagedCache, PagedSequenceStore, StoreState
-from kvstack.config import ModelConfig
+from kvstack.config import ModelConfig, preset
 from kvstack.engine.config import EngineConfig
 from kvstack.engine.core import EngineError
 from kvstack.engine.runner import ModelRunner
+from kvstack.engine.tokenizer import Tokenizer
 from kvstack.model import Model
 from kvstack.parallel.plan import ShardingPlan
 from kvstack.parallel.shard import (
@@ -103,8 +104,7 @@ class ParallelRunner(ModelRunner):
     def __init__(self, model: Model, config: EngineConfig, cache: PagedCache,
                  workers: list[multiprocessing.Process]) -> None:
         super().__init__(model, config.replay, config.chunk_size, False, config.attention)
-        self.cache, self.workers = cache, workers
-        self.timeout_s = config.parallel_timeout_s
+        self.cache, self.workers, self.config = cache, workers, config
         self.lost: str | None = None
         cache.pools.journal, cache.rings.journal = [], []
         # Tokens each store's mirrors already hold (a store seen first sends them all).
@@ -141,14 +141,18 @@ class ParallelRunner(ModelRunner):
             pools.journal, rings.journal = [], []
 
     def _why(self, error: Exception) -> str:
-        gone = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                for rank, p in enumerate(self.workers, start=1)
-                if p.exitcode is not None]
-        what = "; ".join(gone) if gone else (
-            f"a rank did not answer within {self.timeout_s:g} s, or failed its part of the "
-            "step")
-        return (f"tensor-parallel step failed: {what} ({type(error).__name__}: {error}); "
-                "the engine cannot go on, start it again")
+        return (f"tensor-parallel step failed: {lost_ranks(self.workers, self.config, error)}"
+                "; the engine cannot go on, start it again")
+
+    def gather_report(self) -> list[dict[str, int]]:
+        """Every rank's weight and cache bytes as allocated, for memory_report (once, at
+        start-up)."""
+        try:
+            return gather_report(self.model, self.cache)
+        except Exception as e:
+            self.lost = self._why(e)
+            self.stop()
+            raise WorkerLost(self.lost) from e
 
     def stop(self) -> None:
         """Tell the workers to exit, and wait for them."""
@@ -158,10 +162,67 @@ class ParallelRunner(ModelRunner):
             except Exception as e:  # already gone: nothing to tell
                 log.warning("kvstack: stopping workers: %s", e)
         for p in self.workers:
-            p.join(timeout=self.timeout_s)
+            p.join(timeout=self.config.parallel_timeout_s)
             if p.is_alive():
                 p.kill()
         dist.destroy_process_group()
+
+
+def start_rank_zero(model: str | Path | ModelConfig, random_init: bool, seed: int,
+                    config: EngineConfig) -> tuple[Model, Tokenizer, str, list[Any]]:
+    """Rank 0 of a sharded model (the LLM's process): the other ranks spawned on this
+    machine (or started by torchrun), the group joined, this rank's shard loaded. Returns
+    the shard, the tokenizer, the whole model's fingerprint and the worker processes."""
+    from kvstack.engine.llm import _check_vocab, _tokenizer, bundled_model
+
+    if dist.is_initialized():
+        raise ValueError("this process already belongs to a torch.distributed group (another "
+                         "sharded LLM, or training): one sharded engine per process")
+    # A bad path or a split that does not divide fails before anything starts.
+    tokenizer = _tokenizer(model, random_init)
+    if isinstance(model, ModelConfig):
+        model_config = model
+    elif random_init:
+        model_config = preset(str(model))
+    else:
+        model_config = ModelConfig.from_json(
+            (bundled_model() if str(model) == "default" else Path(model)) / "config.json")
+    plan_for(config)(model_config)
+    source = ModelSource(model, random_init, seed)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun started every rank (any machines)
+        workers, address, port = [], None, None
+    else:
+        workers, port = spawn_workers(config.tensor_parallel_size, source, config)
+        address = "127.0.0.1"
+    device = rank_device(config, 0)
+    try:
+        init_group(0, config.tensor_parallel_size, address, port, device,
+                   config.parallel_timeout_s)
+        loaded, fingerprint = load_sharded(source, plan_for(config), TorchShard(), device,
+                                           config.numerics)
+        _check_vocab(loaded, tokenizer, model)
+    except BaseException as e:
+        for p in workers:
+            p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if isinstance(e, ValueError):
+            raise
+        raise WorkerLost(f"the ranks did not start: {lost_ranks(workers, config, e)}") from e
+    log.info("kvstack: %d ranks, %s", config.tensor_parallel_size,
+             ", ".join(f"{k} {v}" for k, v in plan_for(config)(loaded.config).describe().items()
+                       if k.endswith("per_rank") and not isinstance(v, str)))
+    return loaded, tokenizer, fingerprint, workers
+
+
+def lost_ranks(workers: list[multiprocessing.Process], config: EngineConfig,
+               error: BaseException) -> str:
+    """Which ranks are gone (their exit codes), or that one did not answer in time."""
+    gone = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+            for rank, p in enumerate(workers, start=1) if p.exitcode is not None]
+    what = "; ".join(gone) if gone else (
+        f"a rank did not answer within {config.parallel_timeout_s:g} s, or failed its part")
+    return f"{what} ({type(error).__name__}: {error})"
 
 
 def broadcast_call(call: Call | None) -> Call:

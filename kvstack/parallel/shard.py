@@ -49,6 +49,8 @@ def init_group(rank: int, world_size: int, address: str | None, port: int | None
     if address is None and int(os.environ.get("WORLD_SIZE", "0")) != world_size:
         raise ValueError(f"tensor_parallel_size {world_size} under torchrun needs that many "
                          f"ranks; WORLD_SIZE is {os.environ.get('WORLD_SIZE', 'unset')}")
+    if device.type == "cuda":  # NCCL's collectives run on the rank's current device
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method="env://" if address is None
                             else f"tcp://{address}:{port}", rank=rank,
