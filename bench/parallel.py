@@ -37,15 +37,17 @@ class Row:
     prefill_ratio: float
     decode_ratio: float
     collective_share: float | None  # of rank 0's time in the timed calls
+    collectives_per_step: float | None  # rank 0's collectives in one decode step
 
 
 class CollectiveClock:
-    """Time rank 0 spends in torch.distributed's collectives, by wrapping them."""
+    """Time rank 0 spends in torch.distributed's collectives, and how many it calls, by
+    wrapping them."""
 
     NAMES = ("all_reduce", "all_gather", "broadcast_object_list")
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.seconds, self.calls = 0.0, 0
         self._real: dict[str, Callable[..., Any]] = {}
 
     def __enter__(self) -> "CollectiveClock":
@@ -58,6 +60,7 @@ class CollectiveClock:
                     return _real(*args, **kwargs)
                 finally:
                     self.seconds += time.perf_counter() - start
+                    self.calls += 1
             setattr(dist, name, timed)
         return self
 
@@ -76,13 +79,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def measure(llm: LLM, args: argparse.Namespace) -> tuple[float, float, float]:
-    """(prefill tok/s, decode tok/s, seconds in collectives / seconds timed), best of
-    --repeat, with prompts of --prompt-tokens (or as many as the model takes)."""
+def measure(llm: LLM, args: argparse.Namespace) -> tuple[float, float, float, float]:
+    """(prefill tok/s, decode tok/s, seconds in collectives / seconds timed, collectives
+    per decode step), best of --repeat, with prompts of --prompt-tokens (or as many as the
+    model takes)."""
     vocab = llm.config.vocab_size
     n = min(args.prompt_tokens, llm.core.max_model_len - 2)  # tiny-v41 takes 512 in all
     best_prefill = best_decode = 0.0
-    share = 0.0
+    share = per_step = 0.0
     for run in range(args.repeat + 1):  # run 0 warms up
         prompts = [[(7 * run + 13 * b + i) % (vocab - 3) + 3 for i in range(n)]
                    for b in range(args.batch)]
@@ -91,11 +95,15 @@ def measure(llm: LLM, args: argparse.Namespace) -> tuple[float, float, float]:
             llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
             prefill_s = time.perf_counter() - start
             short = [p[:16] for p in prompts]
+            before = clock.calls
             llm.generate(short, SamplingParams(max_tokens=1, temperature=0))
+            prefill_calls, before = clock.calls - before, clock.calls
             start = time.perf_counter()
             llm.generate(short, SamplingParams(max_tokens=args.decode_tokens + 1,
                                                temperature=0, ignore_eos=True))
             decode_s = time.perf_counter() - start
+            # The same prefill again, then the decode steps.
+            per_step = (clock.calls - before - prefill_calls) / args.decode_tokens
         timed_s = time.perf_counter() - timed_from
         if run == 0:
             continue
@@ -104,7 +112,7 @@ def measure(llm: LLM, args: argparse.Namespace) -> tuple[float, float, float]:
         if decode > best_decode:
             share = clock.seconds / timed_s
         best_prefill, best_decode = max(best_prefill, prefill), max(best_decode, decode)
-    return best_prefill, best_decode, share
+    return best_prefill, best_decode, share, per_step
 
 
 SETUPS = (("1 process, 1 thread", 1, 1, False), ("1 process, 2 threads", 1, 2, False),
@@ -123,24 +131,25 @@ def main() -> None:
                       max_num_seqs=max(8, args.batch), tensor_parallel_size=ranks,
                       expert_parallel=expert_parallel, enable_prefix_caching=False)
             try:
-                prefill, decode, share = measure(llm, args)
+                prefill, decode, share, per_step = measure(llm, args)
             finally:
                 llm.close()
             base = base or (prefill, decode)
             rows.append(Row(label, setup, prefill, decode, prefill / base[0], decode / base[1],
-                            share if ranks > 1 else None))
+                            share if ranks > 1 else None, per_step if ranks > 1 else None))
     if args.json:
         print(json.dumps({"args": vars(args), "rows": [asdict(r) for r in rows]}))
         return
     table = Table(title=f"{args.batch} prompts of {args.prompt_tokens} tokens (tiny-v41: "
                         f"510), then {args.decode_tokens} decode steps of {args.batch}")
     for column in ("model", "setup", "prefill tok/s", "decode tok/s", "prefill ×",
-                   "decode ×", "rank 0 in collectives"):
+                   "decode ×", "rank 0 in collectives", "collectives per step"):
         table.add_column(column)
     for r in rows:
         table.add_row(r.model, r.setup, f"{r.prefill_tok_s:,.0f}", f"{r.decode_tok_s:.1f}",
                       f"{r.prefill_ratio:.2f}", f"{r.decode_ratio:.2f}",
-                      "–" if r.collective_share is None else f"{r.collective_share:.0%}")
+                      "–" if r.collective_share is None else f"{r.collective_share:.0%}",
+                      "–" if r.collectives_per_step is None else f"{r.collectives_per_step:.0f}")
     Console(width=max(Console().width, 120)).print(table)
 
 

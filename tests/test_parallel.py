@@ -121,6 +121,30 @@ def test_a_model_split_over_two_ranks_computes_what_the_whole_model_does(
                              else shape[split.dim])
 
 
+def split_experts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Model(preset("tiny-v41")).eval()
+    moe = model.layers[0].ffn
+    inputs = [torch.randn(1, t, model.config.dim, generator=torch.Generator().manual_seed(t))
+              for t in (1, 6)]
+
+    def outputs() -> list[torch.Tensor]:
+        with torch.no_grad():  # the gathered and the grouped paths
+            out = [moe(x) for x in inputs]
+        return [*out, moe(inputs[1]).detach()]  # with autograd: each expert on its tokens
+
+    whole = outputs()
+    shard_model(model, ShardingPlan(model.config, WORLD, expert_parallel=True), TorchShard())
+    assert moe.experts.w1.shape[0] == 2 and moe.first_expert == 2 * rank
+    return list(zip(whole, outputs(), strict=True))
+
+
+def test_experts_split_by_rank_sum_to_the_whole_layer(tmp_path: Path) -> None:
+    for pairs in run_ranks("split_experts", tmp_path):
+        for whole, split in pairs:
+            assert (whole - split).abs().max() < 1e-5
+
+
 def test_a_plan_refuses_a_split_that_does_not_divide() -> None:
     with pytest.raises(ValueError, match="does not divide n_heads"):
         ShardingPlan(preset("tiny"), 3)
