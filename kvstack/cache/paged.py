@@ -371,7 +371,10 @@ class PagedSequenceStore(KVStore):
         if state.block_table != self.block_table:
             self.block_table = list(state.block_table)
             self._table = torch.tensor(self.block_table, dtype=torch.long, device=self.device)
-        self._tokens = self._tokens[: state.first_token] + state.tokens
+        if state.first_token == 0:
+            self._tokens = list(state.tokens)
+        else:  # the usual step: a few new ids after those this copy holds
+            self._tokens.extend(state.tokens)
         self._len, self._fill = dict(state.lengths), dict(state.fills)
         self.needs_replay = state.needs_replay
 

@@ -122,6 +122,7 @@ class LLM:
                   else None)
         self.core = EngineCore(self.model, self.tokenizer, config, self.fingerprint, lowest,
                                workers)
+        self._closed = False
         # Per rank, what each allocated (a sharded model).
         self.rank_bytes = self.runner.gather_report() if workers is not None else None
         report = self.memory_report()
@@ -288,12 +289,13 @@ class LLM:
         return report
 
     def close(self) -> None:
-        """Stop the worker ranks of a sharded model (nothing to do in one process). The
-        engine takes no requests after."""
+        """Stop the worker ranks of a sharded model, which then takes no more requests
+        (an engine in one process has nothing to stop)."""
         stop = getattr(self.runner, "stop", None)
-        if stop is not None and self.core.stopped != "closed":
+        if stop is not None and not self._closed:
             stop()
-            self.core.stopped = "closed"
+            self._closed = True
+            self.core.stopped = "the engine is closed (LLM.close)"
 
     def __enter__(self) -> "LLM":
         return self
