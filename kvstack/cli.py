@@ -614,6 +614,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      seed=args.seed, vocab_size=args.vocab_size, corpus=args.corpus or "",
                      heldout_percent=args.heldout_percent, retrieval_rate=args.retrieval_rate,
                      retrieval_keys=args.retrieval_keys,
+                     retrieval_families=args.retrieval_families,
+                     retrieval_define_loss=not args.no_define_loss,
                      model_overrides=dict(args.set or []), init_from=args.init_from or "")
     import torch
 
@@ -660,7 +662,7 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
 
     model, tokenizer, data = _eval_data(args)
     result = retrieval(model, tokenizer, data, args.lengths, args.depths, args.samples,
-                       replay=args.replay)
+                       replay=args.replay, forms=args.families)
     if args.plot:
         heat_map(result, args.plot)
         result["plot"] = args.plot
@@ -669,7 +671,8 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
         return 0
     console = Console()
     console.print(f"retrieval accuracy ({args.samples} samples per cell, {args.replay} "
-                  "replay; rows: context tokens, columns: depth of the key)")
+                  f"replay, keys written as {', '.join(result['families'])}; rows: context "
+                  "tokens, columns: depth of the key)")
     table = Table(box=box.SIMPLE_HEAD)
     table.add_column("tokens", justify="right")
     for d in args.depths:
@@ -677,6 +680,21 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
     for n, row in zip(args.lengths, result["accuracy"], strict=True):
         table.add_row(str(n), *(f"{a:.0%}" for a in row))
     console.print(table)
+    return 0
+
+
+def _cmd_eval_planted(args: argparse.Namespace) -> int:
+    from kvstack.eval.quality import planted_starts
+
+    model, tokenizer, data = _eval_data(args)
+    result = planted_starts(model, tokenizer, data, args.samples, args.context, args.new_tokens)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['planted_share']:.1%} of {args.samples} greedy continuations of held-out "
+          f"code ({args.context} tokens each) open with a key definition")
+    for text in result["examples"]:
+        print(f"  {text.splitlines()[0] if text.strip() else text!r}")
     return 0
 
 
@@ -978,6 +996,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of rows replaced by synthetic key-retrieval samples")
     train.add_argument("--retrieval-keys", type=_positive_int, default=1,
                        help="keys defined and asked in each retrieval sample")
+    train.add_argument("--retrieval-families", default="key",
+                       help="how retrieval samples write their keys: key (the bundled "
+                            "recipe's one form), trained (every family not held out), or "
+                            "family names (default: %(default)s)")
+    train.add_argument("--no-define-loss", action="store_true",
+                       help="no loss on the planted definitions: only the answers teach")
     train.add_argument("--set", action="append", type=_config_setting, metavar="KEY=VALUE",
                        help="change one key of the preset's model config (a JSON value: "
                             "--set window_size=128 --set 'compress_ratios=[0,2,2,2,1,1,1,1]'); "
@@ -1024,7 +1048,18 @@ def build_parser() -> argparse.ArgumentParser:
     ret.add_argument("--samples", type=_positive_int, default=8)
     ret.add_argument("--replay", choices=("bounded", "exact"), default="exact")
     ret.add_argument("--plot", help="write the heat map to this PNG")
+    ret.add_argument("--families", default="key",
+                     help="how the keys are written: key (KEY_0042 = \"...\", the bundled "
+                          "model's form), trained, held-out (forms no training run samples), "
+                          "or family names (default: %(default)s)")
     ret.set_defaults(run=_cmd_eval_retrieval)
+    planted = kinds.add_parser("planted", help="how often free generation opens with a key "
+                               "definition as retrieval samples write them")
+    planted.add_argument("--samples", type=_positive_int, default=50)
+    planted.add_argument("--context", type=_positive_int, default=256,
+                         help="tokens of held-out code before each continuation")
+    planted.add_argument("--new-tokens", type=_positive_int, default=24)
+    planted.set_defaults(run=_cmd_eval_planted)
     rep = kinds.add_parser("replay", help="resume cost and fidelity: the window rebuilt by "
                            "replay against a re-prefill and the uninterrupted session")
     rep.add_argument("--lengths", type=_positive_int, nargs="+",
@@ -1049,7 +1084,7 @@ def build_parser() -> argparse.ArgumentParser:
     knock.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     knock.add_argument("--samples", type=_positive_int, default=8)
     knock.set_defaults(run=_cmd_eval_knockout)
-    for p in (ppl, ret, rep, att, knock):
+    for p in (ppl, ret, planted, rep, att, knock):
         p.add_argument("--model", required=True, help="a model directory")
         p.add_argument("--heldout-percent", type=_positive_float, default=2.0)
         p.add_argument("--json", action="store_true")

@@ -259,11 +259,11 @@ def test_kvstack_train_refuses_a_bad_model_setting(tmp_path, capsys, setting, er
 
 def test_retrieval_samples_are_mixed_in_at_the_configured_rate(tmp_path):
     trainer = Trainer(small_run(retrieval_rate=1.0, seq_len=256), tmp_path)
-    rows = trainer.batch(0)
-    assert rows.shape == (4, 257)
+    rows, targets = trainer.batch(0)
+    assert rows.shape == (4, 257) and torch.equal(targets, rows[:, 1:])
     for row in rows:
         assert "assert KEY_" in trainer.tokenizer.decode(row.tolist())
-    assert torch.equal(rows, trainer.batch(0))  # a function of the index
+    assert torch.equal(rows, trainer.batch(0)[0])  # a function of the index
 
 
 def test_two_torchrun_processes_step_like_one_process_on_the_whole_batch(tmp_path):

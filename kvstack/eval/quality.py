@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from kvstack.cache.contiguous import ContiguousCache
 from kvstack.model import Model
 from kvstack.train.data import TokenCache, check_depth, retrieval_sample, split_corpus, stdlib_root
+from kvstack.train.families import families, starts_with_planted_key
 
 BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
 
@@ -124,8 +125,11 @@ def attention_mass(model: Model, data: TokenCache, seq_len: int, windows: int,
 @torch.no_grad()
 def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int],
               depths: list[float], samples: int, replay: str = "exact",
-              seed: int = 0) -> dict[str, Any]:
-    """Accuracy of greedy answers by length and depth: [len(lengths)][len(depths)]."""
+              seed: int = 0, forms: str = "key") -> dict[str, Any]:
+    """Accuracy of greedy answers by length and depth: [len(lengths)][len(depths)], the
+    keys written in the families `forms` names (kvstack.train.families: "key", the
+    bundled model's one form; "held-out", those no training run samples; ...)."""
+    chosen = families(forms)
     for depth in depths:  # before any sample is scored
         check_depth(depth)
     accuracy = []
@@ -135,12 +139,39 @@ def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
             g = _question_generator(length, depth, seed)
             hits = 0
             for _ in range(samples):
-                sample = retrieval_sample(data, tokenizer, length, depth, g)
+                sample = retrieval_sample(data, tokenizer, length, depth, g, families=chosen)
                 hits += _answers(model, sample.ids, sample.answer_start, replay)
             row.append(hits / samples)
         accuracy.append(row)
     return {"lengths": lengths, "depths": depths, "samples": samples, "replay": replay,
-            "accuracy": accuracy}
+            "families": [f.name for f in chosen], "accuracy": accuracy}
+
+
+@torch.no_grad()
+def planted_starts(model: Model, tokenizer: Any, data: TokenCache, samples: int,
+                   context: int = 256, new_tokens: int = 24, seed: int = 0) -> dict[str, Any]:
+    """How often free generation opens with a key definition as retrieval samples write
+    them: the share of greedy continuations of `samples` held-out code windows of
+    `context` tokens whose first line does (`starts_with_planted_key`), with a few of them
+    to read."""
+    g = torch.Generator().manual_seed(seed)
+    starts, shown = 0, []
+    for _ in range(samples):
+        at = int(torch.randint(0, data.tokens.size - context, (1,), generator=g))
+        ids = data.tokens[at : at + context].tolist()
+        cache = ContiguousCache(model.config, max_tokens=context + new_tokens + 1)
+        logits = model.prefill(torch.tensor([ids]), cache)
+        out = []
+        for _ in range(new_tokens):
+            out.append(int(logits.argmax(-1)))
+            logits = model.decode(torch.tensor([out[-1]]), cache)
+        text = tokenizer.decode(out)
+        planted = starts_with_planted_key(text)
+        starts += planted
+        if planted and len(shown) < 3:
+            shown.append(text)
+    return {"samples": samples, "context": context, "new_tokens": new_tokens,
+            "planted_share": starts / samples, "examples": shown}
 
 
 @torch.no_grad()

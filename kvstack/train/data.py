@@ -12,18 +12,22 @@
 - Batches: windows of seq_len + 1 tokens at positions drawn from a generator seeded by
   (seed, step), so a resumed run sees exactly the data it would have seen.
 - Retrieval samples, mixed in at `retrieval_rate`: a key assigned a random value early in
-  a window of real code and asked for at its end (`assert KEY_... == "`), with the depth
-  and length recorded so retrieval can be scored; training samples can hold several keys.
+  a window of real code and asked for at its end (`assert KEY_... == "`, or the forms of
+  other families: `kvstack.train.families`), with the depth, the length and where the
+  definitions lie recorded, so retrieval can be scored and the definitions left out of the
+  loss; training samples can hold several keys.
 """
 
 import hashlib
 import json
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from kvstack.train.families import KEY, Family, plant
 
 SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 MIN_VOCAB = 256 + len(SPECIALS)  # the byte-level alphabet and the special tokens
@@ -131,6 +135,7 @@ class RetrievalSample:
     answer_start: int  # index in ids where the value's tokens begin
     depth: float  # where the key was defined, as a fraction of the sample
     length: int
+    defines: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in ids
 
 
 def check_depth(depth: float) -> None:
@@ -140,38 +145,43 @@ def check_depth(depth: float) -> None:
 
 
 def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
-                     generator: torch.Generator, extra_keys: int = 0) -> RetrievalSample:
-    """Real code of `length` tokens with `KEY_<n> = "<value>"` placed at `depth` and
-    `assert KEY_<n> == "<value>"` at the end; the model is scored on the value.
+                     generator: torch.Generator, extra_keys: int = 0,
+                     families: tuple[Family, ...] = (KEY,)) -> RetrievalSample:
+    """Real code of `length` tokens with a key's value planted at `depth` and asked for at
+    the end (`KEY_<n> = "<value>"` ... `assert KEY_<n> == "<value>"` by default; each key
+    of another family's form, drawn from `families`); the model is scored on the value.
 
     Training samples may carry `extra_keys` more keys, defined at random depths and asked
     (answers included) just before the scored one: more answer tokens per sample, since one
     key's answer is a handful of tokens among hundreds."""
     check_depth(depth)
-    keys = [_key_value(generator) for _ in range(extra_keys + 1)]
+    keys = [plant(_pick(families, generator), generator) for _ in range(extra_keys + 1)]
     depths = [float(torch.rand((), generator=generator)) for _ in range(extra_keys)] + [depth]
-    defines = [tokenizer.encode(f'\n{k} = "{v}"\n').ids for k, v in keys]
-    questions = [tokenizer.encode(f'\nassert {k} == "').ids for k, _ in keys]
-    answers = [tokenizer.encode(f'{v}"').ids for _, v in keys]
+    defines = [tokenizer.encode(k.define).ids for k in keys]
+    questions = [tokenizer.encode(k.question).ids for k in keys]
+    answers = [tokenizer.encode(k.answer).ids for k in keys]
     filler = length - sum(len(t) for t in (*defines, *questions, *answers))
     if filler < 2:
         raise ValueError(f"a retrieval sample of {length} tokens has no room for its code")
     start = int(torch.randint(0, cache.tokens.size - filler, (1,), generator=generator))
     code = cache.tokens[start : start + filler].tolist()
     ids: list[int] = []
+    spans = []
     done = 0
     for at, define in sorted(zip((round(d * filler) for d in depths), defines, strict=True),
                              key=lambda pair: pair[0]):
-        ids += code[done:at] + define
+        ids += code[done:at]
+        spans.append((len(ids), len(ids) + len(define)))
+        ids += define
         done = at
     ids += code[done:]
     for question, answer in zip(questions, answers, strict=True):
         ids += question + answer
-    return RetrievalSample(ids, len(ids) - len(answers[-1]), depth, length)
+    return RetrievalSample(ids, len(ids) - len(answers[-1]), depth, length, spans)
 
 
-def _key_value(generator: torch.Generator) -> tuple[str, str]:
-    n = int(torch.randint(0, 10_000, (1,), generator=generator))
-    value = "".join(chr(ord("a") + int(i)) for i in torch.randint(0, 26, (6,),
-                                                                  generator=generator))
-    return f"KEY_{n:04d}", value
+def _pick(families: tuple[Family, ...], generator: torch.Generator) -> Family:
+    # One family draws nothing: the single-form recipe's samples stay what they were.
+    if len(families) == 1:
+        return families[0]
+    return families[int(torch.randint(0, len(families), (1,), generator=generator))]

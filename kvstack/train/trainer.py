@@ -46,6 +46,7 @@ from kvstack.train.data import (
     stdlib_root,
     train_tokenizer,
 )
+from kvstack.train.families import HELD_OUT, families
 
 BIAS_STEP = 1e-3  # how far the routing bias moves per step toward balance
 
@@ -70,6 +71,13 @@ class TrainConfig:
     seed: int = 0
     retrieval_rate: float = 0.0  # share of rows replaced by a synthetic retrieval sample
     retrieval_keys: int = 1  # keys defined and asked in each retrieval sample
+    # The written forms of retrieval samples (kvstack.train.families: "key", the single
+    # form of the bundled recipe; "trained", every family but the held-out ones; or
+    # names); held-out families are refused, so that they measure generalisation.
+    retrieval_families: str = "key"
+    # Train on the tokens of the planted definitions too: off, only the answers (and the
+    # code) teach, so free generation does not learn to open with a definition.
+    retrieval_define_loss: bool = True
     vocab_size: int = 0  # 0: the preset's
     heldout_percent: float = 2.0
     corpus: str = ""  # a directory of .py files; "" = the standard library
@@ -105,6 +113,11 @@ class TrainConfig:
         if not 0 <= self.retrieval_rate <= 1:
             raise ValueError(f"retrieval_rate {self.retrieval_rate} must lie in [0, 1] (a "
                              "share of the rows)")
+        held_out = [f.name for f in families(self.retrieval_families) if f in HELD_OUT]
+        if held_out:
+            raise ValueError(f"retrieval_families: {', '.join(held_out)} are held out from "
+                             "training (kvstack.train.families.HELD_OUT), so that retrieval "
+                             "on them measures generalisation")
         vocab = self.model_config().vocab_size
         if vocab < MIN_VOCAB:
             raise ValueError(f"vocab_size {vocab} cannot hold the byte-level BPE alphabet "
@@ -160,9 +173,13 @@ def lr_at(tc: TrainConfig, step: int) -> float:
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+IGNORE = -100  # a target the loss leaves out (cross_entropy's ignore_index)
+
+
 def losses(out: ModelOutput, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy, indexer KL) of one forward with collect=True."""
-    ce = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    """(cross-entropy over the targets not IGNORE, indexer KL) of one forward with
+    collect=True."""
+    ce = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
     kls = []
     for layer, scores in out.index_scores.items():
         # Over the entries attention weighed: every visible one in the dense warm-up, the
@@ -312,11 +329,12 @@ class Trainer:
         dense = self.step < tc.dense_warmup_steps
         ce_sum = kl_sum = 0.0
         for micro in range(tc.grad_accum):
-            batch = self.batch(self.step * tc.grad_accum + micro)[self.rank :: self.world]
-            batch = batch.to(self.device)
+            rows, targets = self.batch(self.step * tc.grad_accum + micro)
+            rows = rows[self.rank :: self.world].to(self.device)
+            targets = targets[self.rank :: self.world].to(self.device)
             with self._autocast():
-                out = self.model(batch[:, :-1], dense=dense, collect=True)
-                ce, kl = losses(out, batch[:, 1:])
+                out = self.model(rows[:, :-1], dense=dense, collect=True)
+                ce, kl = losses(out, targets)
             ((ce + tc.index_loss_weight * kl) / tc.grad_accum).backward()
             ce_sum += ce.item() / tc.grad_accum
             kl_sum += kl.item() / tc.grad_accum
@@ -339,22 +357,32 @@ class Trainer:
         enabled = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    def batch(self, index: int) -> torch.Tensor:
-        """Training rows [batch_size, seq_len + 1] for micro-batch `index`: windows of the
-        corpus, some replaced by retrieval samples (depth uniform), all a pure function of
-        (seed, index)."""
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training rows [batch_size, seq_len + 1] for micro-batch `index` -- windows of the
+        corpus, some replaced by retrieval samples (depth uniform) -- and their targets
+        [batch_size, seq_len], each position's next token, IGNORE where the loss leaves it
+        out (the planted definitions, with retrieval_define_loss off); all a pure function
+        of (seed, index)."""
         tc = self.tc
         rows = self.train_data.batch(tc.batch_size, tc.seq_len, tc.seed, index)
+        targets = rows[:, 1:].clone()
         if tc.retrieval_rate > 0:
             g = torch.Generator().manual_seed(tc.seed * 7_919 + index)
+            forms = families(tc.retrieval_families)
             for r in range(rows.shape[0]):
                 if torch.rand((), generator=g) < tc.retrieval_rate:
                     depth = float(torch.rand((), generator=g)) * 0.9
                     sample = retrieval_sample(self.train_data, self.tokenizer, tc.seq_len + 1,
-                                              depth, g, extra_keys=tc.retrieval_keys - 1)
+                                              depth, g, extra_keys=tc.retrieval_keys - 1,
+                                              families=forms)
                     ids = sample.ids[: tc.seq_len + 1]
                     rows[r, -len(ids):] = torch.tensor(ids)
-        return rows
+                    targets[r] = rows[r, 1:]
+                    if not tc.retrieval_define_loss:
+                        offset = rows.shape[1] - len(ids)
+                        for start, end in sample.defines:  # target t predicts token t + 1
+                            targets[r, max(offset + start - 1, 0) : offset + end - 1] = IGNORE
+        return rows, targets
 
     def _balance_experts(self) -> None:
         with torch.no_grad():

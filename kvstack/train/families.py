@@ -1,0 +1,125 @@
+"""Key/value retrieval in many written forms: the families a retrieval sample plants a
+value in and asks it back from.
+
+A family is one way code states a value (an assignment, a dict entry, a function that
+returns it, a class attribute, a comment line, a registry call, ...) and the ways it is
+asked again later. Identifiers and values are drawn at random, so no form can be learnt
+by heart. `TRAINED` is what the trainer samples; `HELD_OUT` are forms it never samples,
+listed here so that a retrieval score on them measures whether the model learnt to
+retrieve or only to complete the forms it saw. `KEY` is the single form the bundled model
+was trained on (`KEY_0042 = "value"`), kept so that its recipe reproduces.
+"""
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+SYLLABLES = ("ka", "lo", "mer", "tin", "vo", "pra", "sel", "du", "rix", "no", "ga", "fen",
+             "lu", "ob", "tra", "zen", "pi", "mok", "sa", "wel", "cor", "bi", "nu", "dex")
+VALUE_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass(frozen=True)
+class Family:
+    """`define` plants the value; each of `asks` asks it back, the value's text
+    following it, then `closing`. Templates take {name} (snake case), {upper} (upper
+    case), {camel} (CamelCase), {owner} (a second snake-case name) and {value}."""
+
+    name: str
+    define: str
+    asks: tuple[str, ...]
+    closing: str = '"'
+
+
+KEY = Family("key", '\n{key} = "{value}"\n', ('\nassert {key} == "',))
+
+TRAINED = (
+    Family("assignment", '\n{upper} = "{value}"\n',
+           ('\nassert {upper} == "', '\nprint({upper})  # "', '\nif {upper} != "')),
+    Family("dict_entry", '\n{owner} = {{"{name}": "{value}"}}\n',
+           ('\nassert {owner}["{name}"] == "', '\nvalue = {owner}.get("{name}")  # "')),
+    Family("function_return", '\ndef {name}():\n    return "{value}"\n',
+           ('\nassert {name}() == "', '\nresult = {name}()  # "')),
+    Family("class_attribute", '\nclass {camel}:\n    {name} = "{value}"\n',
+           ('\nassert {camel}.{name} == "', '\nlabel = {camel}().{name}  # "')),
+    Family("comment_line", "\n# {name}: {value}\n", ("\n# {name}: ", "\n# again, {name}: "),
+           closing="\n"),
+    Family("registry_call", '\nregister("{name}", "{value}")\n',
+           ('\nassert registry["{name}"] == "', '\nlookup("{name}")  # "')),
+)
+
+HELD_OUT = (
+    Family("keyword_argument", '\nsettings = dict({name}="{value}")\n',
+           ('\nassert settings["{name}"] == "',)),
+    Family("environment", '\nos.environ["{upper}"] = "{value}"\n',
+           ('\nassert os.environ["{upper}"] == "',)),
+    Family("annotated", '\n{name}: str = "{value}"\n', ('\nassert {name} == "',)),
+)
+
+FAMILY_SETS = {"key": (KEY,), "trained": TRAINED, "held-out": HELD_OUT}
+_BY_NAME = {f.name: f for f in (KEY, *TRAINED, *HELD_OUT)}
+
+
+def families(spec: str) -> tuple[Family, ...]:
+    """A set by name (key, trained, held-out) or comma-separated family names."""
+    if spec in FAMILY_SETS:
+        return FAMILY_SETS[spec]
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in _BY_NAME]
+    if unknown or not names:
+        raise ValueError(f"retrieval families {spec!r}: unknown {', '.join(unknown) or 'none'}; "
+                         f"sets are {', '.join(FAMILY_SETS)}, families "
+                         f"{', '.join(_BY_NAME)}")
+    return tuple(_BY_NAME[n] for n in names)
+
+
+@dataclass(frozen=True)
+class Planted:
+    define: str  # the text that states the value
+    question: str  # the text that asks it back
+    answer: str  # the value and what closes it
+
+
+def _word(generator: torch.Generator, parts: int) -> list[str]:
+    picks = torch.randint(0, len(SYLLABLES), (parts,), generator=generator).tolist()
+    return ["".join(SYLLABLES[i] for i in picks[j : j + 2]) for j in range(0, parts, 2)]
+
+
+def plant(family: Family, generator: torch.Generator) -> Planted:
+    """One key of `family` with a random identifier and value, and one of its asks."""
+    if family is KEY:  # the bundled model's form, drawn as its recipe drew it
+        n = int(torch.randint(0, 10_000, (1,), generator=generator))
+        value = "".join(VALUE_LETTERS[int(i)] for i in torch.randint(0, 26, (6,),
+                                                                     generator=generator))
+        key = f"KEY_{n:04d}"
+        return Planted(KEY.define.format(key=key, value=value),
+                       KEY.asks[0].format(key=key), value + KEY.closing)
+    words = _word(generator, 6)  # three two-syllable words
+    owner = "_".join(_word(generator, 4))
+    value = "".join(VALUE_LETTERS[int(i)] for i in torch.randint(0, 26, (6,),
+                                                                 generator=generator))
+    fields = {"name": "_".join(words), "upper": "_".join(words).upper(),
+              "camel": "".join(w.capitalize() for w in words), "owner": owner,
+              "value": value}
+    ask = family.asks[int(torch.randint(0, len(family.asks), (1,), generator=generator))]
+    return Planted(family.define.format(**fields), ask.format(**fields),
+                   value + family.closing)
+
+
+# A line that states a value the way a retrieval sample does (a drawn three-word name, or
+# a KEY_nnnn, given six drawn letters): what free generation must not open with once it
+# has learnt the samples' definitions. Function and class forms open with a line that
+# ordinary code writes too, so they are not told apart by it.
+_NAME, _UPPER, _VALUE = r"[a-z]+_[a-z]+_[a-z]+", r"[A-Z]+_[A-Z]+_[A-Z]+", r"[a-z]{6}"
+_PLANTED = re.compile(
+    rf'^\s*(KEY_\d{{4}} = "|{_UPPER} = "{_VALUE}"|# {_NAME}: {_VALUE}$'
+    rf'|register\("{_NAME}", "{_VALUE}"\)|[a-z]+_[a-z]+ = \{{"{_NAME}": "{_VALUE}"\}})')
+
+
+def starts_with_planted_key(text: str) -> bool:
+    """Whether the first non-empty line of `text` defines a key as the samples do."""
+    for line in text.splitlines():
+        if line.strip():
+            return bool(_PLANTED.match(line))
+    return False

@@ -1,0 +1,146 @@
+"""Retrieval in many written forms: the families, the held-out ones kept out of training,
+the definitions left out of the loss, and the measure of definitions leaking into free
+generation."""
+
+import re
+
+import pytest
+import torch
+
+from kvstack.config import preset
+from kvstack.eval.quality import planted_starts, retrieval
+from kvstack.model import Model
+from kvstack.train.data import (
+    TokenCache,
+    corpus_files,
+    retrieval_sample,
+    stdlib_root,
+    train_tokenizer,
+)
+from kvstack.train.families import HELD_OUT, KEY, TRAINED, families, plant, starts_with_planted_key
+from kvstack.train.trainer import IGNORE, TrainConfig, Trainer
+
+CORPUS = str(stdlib_root() / "json")
+# Words of the questions' own code, not names a definition made.
+COMMON = {"assert", "print", "if", "value", "result", "label", "get", "lookup", "registry",
+          "again", "settings", "os", "environ"}
+
+
+def run_config(**changes) -> TrainConfig:
+    settings = dict(preset="tiny", steps=1, seq_len=256, batch_size=4, vocab_size=512,
+                    heldout_percent=40.0, corpus=CORPUS, retrieval_rate=1.0)
+    return TrainConfig(**(settings | changes))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = stdlib_root() / "json"
+    files = corpus_files(root)
+    path = tmp_path_factory.mktemp("data")
+    tokenizer = train_tokenizer(root, files, 512, path / "tokenizer.json")
+    return tokenizer, TokenCache.build(root, files, tokenizer, path / "tokens.npy")
+
+
+@pytest.mark.parametrize("family", [KEY, *TRAINED, *HELD_OUT], ids=lambda f: f.name)
+def test_every_family_asks_back_the_value_it_plants(family):
+    g = torch.Generator().manual_seed(3)
+    seen = set()
+    for _ in range(20):
+        p = plant(family, g)
+        value = p.answer[: -len(family.closing)]
+        assert p.answer.endswith(family.closing) and len(value) == 6
+        assert value in p.define and value not in p.question
+        # The question names what the definition named.
+        names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", p.question)) - COMMON
+        assert names and all(n in p.define for n in names)
+        seen.add(p.question.split(value)[0])
+    assert len(seen) > 10  # identifiers are drawn, not fixed
+
+
+def test_held_out_families_never_reach_training(tmp_path):
+    trainer = Trainer(run_config(retrieval_families="trained"), tmp_path)
+    text = "".join(trainer.tokenizer.decode(row.tolist())
+                   for i in range(6) for row in trainer.batch(i)[0])
+    for marker in ('settings = dict(', 'os.environ["', ': str = "'):
+        assert marker not in text
+    assert "register(" in text or "def " in text  # the trained families are there
+    for bad in ("held-out", "environment", "assignment,annotated"):
+        with pytest.raises(ValueError, match="held out from training"):
+            run_config(retrieval_families=bad).check()
+    with pytest.raises(ValueError, match="unknown nope"):
+        run_config(retrieval_families="nope").check()
+
+
+def test_without_the_definitions_loss_only_the_answers_and_code_teach(tmp_path):
+    with_loss = Trainer(run_config(retrieval_families="trained"), tmp_path / "a")
+    without = Trainer(run_config(retrieval_families="trained", retrieval_define_loss=False),
+                      tmp_path / "b")
+    rows, full = with_loss.batch(0)
+    same_rows, targets = without.batch(0)
+    assert torch.equal(rows, same_rows) and torch.equal(full, rows[:, 1:])
+    decode = without.tokenizer.decode
+    for r in range(rows.shape[0]):  # every row is a retrieval sample here
+        left_out = targets[r] == IGNORE
+        assert 0 < left_out.sum() < 0.2 * left_out.numel()
+        # The scored key's value closes the row, and its definition is what is left out.
+        value = re.findall(r"([a-z]{6})[\"\n]*$", decode(rows[r].tolist()))[0]
+        assert value in decode(rows[r, 1:][left_out].tolist())
+        assert not left_out[-8:].any()  # the answer still teaches
+
+
+def test_the_key_form_draws_the_samples_the_bundled_recipe_drew(data):
+    tokenizer, cache = data
+
+    def original(length: int, depth: float, g: torch.Generator, extra: int) -> list[int]:
+        """The single-form sample as the bundled model's recipe wrote it."""
+        keys = []
+        for _ in range(extra + 1):
+            n = int(torch.randint(0, 10_000, (1,), generator=g))
+            value = "".join(chr(ord("a") + int(i)) for i in torch.randint(0, 26, (6,),
+                                                                          generator=g))
+            keys.append((f"KEY_{n:04d}", value))
+        depths = [float(torch.rand((), generator=g)) for _ in range(extra)] + [depth]
+        defines = [tokenizer.encode(f'\n{k} = "{v}"\n').ids for k, v in keys]
+        questions = [tokenizer.encode(f'\nassert {k} == "').ids for k, _ in keys]
+        answers = [tokenizer.encode(f'{v}"').ids for _, v in keys]
+        filler = length - sum(len(t) for t in (*defines, *questions, *answers))
+        start = int(torch.randint(0, cache.tokens.size - filler, (1,), generator=g))
+        code = cache.tokens[start : start + filler].tolist()
+        ids, done = [], 0
+        for at, define in sorted(zip((round(d * filler) for d in depths), defines, strict=True),
+                                 key=lambda pair: pair[0]):
+            ids += code[done:at] + define
+            done = at
+        ids += code[done:]
+        for q, a in zip(questions, answers, strict=True):
+            ids += q + a
+        return ids
+
+    for extra in (0, 2):
+        a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        assert retrieval_sample(cache, tokenizer, 200, 0.4, a, extra).ids == original(
+            200, 0.4, b, extra)
+
+
+def test_a_planted_definition_is_told_from_code():
+    g = torch.Generator().manual_seed(1)
+    for family in (KEY, *[f for f in TRAINED if f.name in
+                          ("assignment", "dict_entry", "comment_line", "registry_call")]):
+        for _ in range(5):
+            assert starts_with_planted_key(plant(family, g).define)
+    for code in ("\n\nx = compute(y)\n", "MAX_SIZE = 10\n", "# returns: string\n",
+                 'NAME = "json"\n', "def get_file_name():\n", 'key = {"a": 1}\n', ""):
+        assert not starts_with_planted_key(code)
+
+
+def test_retrieval_and_planted_starts_on_held_out_families(data):
+    tokenizer, cache = data
+    torch.manual_seed(0)
+    model = Model(preset("tiny").replace(vocab_size=512)).eval()
+    result = retrieval(model, tokenizer, cache, [128], [0.5], 2, forms="held-out")
+    assert result["families"] == [f.name for f in HELD_OUT]
+    assert 0 <= result["accuracy"][0][0] <= 1
+    planted = planted_starts(model, tokenizer, cache, samples=3, context=32, new_tokens=6)
+    assert planted["samples"] == 3 and 0 <= planted["planted_share"] <= 1
+    assert families("assignment,registry_call") == tuple(
+        f for f in TRAINED if f.name in ("assignment", "registry_call"))
