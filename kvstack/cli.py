@@ -507,10 +507,13 @@ def typing_hidden(stream: Any) -> Iterator[None]:
     terminal: nothing to do."""
     try:
         import termios
-
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    try:
         fd = stream.fileno()
         saved = termios.tcgetattr(fd)
-    except (ImportError, OSError, ValueError, AttributeError):
+    except (termios.error, OSError, ValueError, AttributeError):  # a pipe or a file
         yield
         return
     quiet = list(saved)

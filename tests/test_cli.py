@@ -185,3 +185,16 @@ def test_typing_during_a_reply_is_not_echoed_nor_kept():
     os.close(controller)
     with typing_hidden(io.StringIO()):  # not a terminal: nothing to do
         pass
+
+
+def test_chat_reads_a_piped_conversation():
+    """Lines from a pipe, not a terminal: no terminal settings to change, a reply each."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kvstack.cli", "chat", *ENGINE,
+                           "--max-tokens", "3", "--temperature", "0"],
+                          input="hello\nagain\n/exit\n", capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
