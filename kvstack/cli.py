@@ -694,10 +694,12 @@ def _cmd_eval_planted(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['planted_share']:.1%} of {args.samples} greedy continuations of held-out "
-          f"code ({args.context} tokens each) open with a key definition")
-    for text in result["examples"]:
-        print(f"  {text.splitlines()[0] if text.strip() else text!r}")
+    for name, what in (("code", f"greedy continuations of held-out code ({args.context} "
+                                 "tokens each)"), ("chat", "greedy chat replies")):
+        r = result[name]
+        print(f"{r['planted_share']:.1%} of {r['prompts']} {what} open with a key definition")
+        for line in r["examples"]:
+            print(f"  {line}")
     return 0
 
 

@@ -141,6 +141,7 @@ def test_retrieval_and_planted_starts_on_held_out_families(data):
     assert result["families"] == [f.name for f in HELD_OUT]
     assert 0 <= result["accuracy"][0][0] <= 1
     planted = planted_starts(model, tokenizer, cache, samples=3, context=32, new_tokens=6)
-    assert planted["samples"] == 3 and 0 <= planted["planted_share"] <= 1
+    assert planted["code"]["prompts"] == 3 and 0 <= planted["code"]["planted_share"] <= 1
+    assert planted["chat"]["prompts"] == 20
     assert families("assignment,registry_call") == tuple(
         f for f in TRAINED if f.name in ("assignment", "registry_call"))

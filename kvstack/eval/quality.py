@@ -147,31 +147,52 @@ def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
             "families": [f.name for f in chosen], "accuracy": accuracy}
 
 
+# Requests a user types into `kvstack chat`: a reply to prose, where a model that learnt
+# its retrieval samples' definitions too well opens with one.
+CHAT_REQUESTS = (
+    "write a function that parses a csv file", "now a class for config",
+    "how do I read a json file?", "a helper that retries a request three times",
+    "sort a list of dicts by a key", "write a unit test for it", "explain this code",
+    "a command line tool that counts words", "open a sqlite database", "hello",
+    "make it faster", "add type hints", "a dataclass for a user", "parse a date string",
+    "log to a file", "a context manager that times a block", "read a file line by line",
+    "merge two dictionaries", "download a page", "what does this error mean?",
+)
+
+
 @torch.no_grad()
 def planted_starts(model: Model, tokenizer: Any, data: TokenCache, samples: int,
                    context: int = 256, new_tokens: int = 24, seed: int = 0) -> dict[str, Any]:
     """How often free generation opens with a key definition as retrieval samples write
-    them: the share of greedy continuations of `samples` held-out code windows of
-    `context` tokens whose first line does (`starts_with_planted_key`), with a few of them
-    to read."""
+    them (`starts_with_planted_key`): greedy continuations of `samples` held-out code
+    windows of `context` tokens, and greedy replies to the `CHAT_REQUESTS` in the chat
+    template's form; each share with a few of the lines to read."""
+    from kvstack.serve.chat import DEFAULT_TEMPLATE
+
     g = torch.Generator().manual_seed(seed)
-    starts, shown = 0, []
+    code = []
     for _ in range(samples):
         at = int(torch.randint(0, data.tokens.size - context, (1,), generator=g))
-        ids = data.tokens[at : at + context].tolist()
-        cache = ContiguousCache(model.config, max_tokens=context + new_tokens + 1)
-        logits = model.prefill(torch.tensor([ids]), cache)
-        out = []
-        for _ in range(new_tokens):
-            out.append(int(logits.argmax(-1)))
-            logits = model.decode(torch.tensor([out[-1]]), cache)
-        text = tokenizer.decode(out)
-        planted = starts_with_planted_key(text)
-        starts += planted
-        if planted and len(shown) < 3:
-            shown.append(text)
-    return {"samples": samples, "context": context, "new_tokens": new_tokens,
-            "planted_share": starts / samples, "examples": shown}
+        code.append(data.tokens[at : at + context].tolist())
+    chat = [tokenizer.encode(DEFAULT_TEMPLATE.render([{"role": "user", "content": r}])).ids
+            for r in CHAT_REQUESTS]
+    result = {"samples": samples, "context": context, "new_tokens": new_tokens}
+    for name, prompts in (("code", code), ("chat", chat)):
+        texts = [_greedy_text(model, tokenizer, ids, new_tokens) for ids in prompts]
+        planted = [t for t in texts if starts_with_planted_key(t)]
+        result[name] = {"prompts": len(prompts), "planted_share": len(planted) / len(prompts),
+                        "examples": [t.strip().splitlines()[0] for t in planted[:3]]}
+    return result
+
+
+def _greedy_text(model: Model, tokenizer: Any, ids: list[int], new_tokens: int) -> str:
+    cache = ContiguousCache(model.config, max_tokens=len(ids) + new_tokens + 1)
+    logits = model.prefill(torch.tensor([ids]), cache)
+    out = []
+    for _ in range(new_tokens):
+        out.append(int(logits.argmax(-1)))
+        logits = model.decode(torch.tensor([out[-1]]), cache)
+    return tokenizer.decode(out)
 
 
 @torch.no_grad()
