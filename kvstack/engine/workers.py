@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import socket
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,11 @@ class ModelSource:
     seed: int
 
 
-def load_sharded(source: ModelSource, plan_of: Any, shard: TorchShard, device: torch.device,
-                 numerics: str) -> tuple[Model, str]:
+PlanOf = Callable[[ModelConfig], ShardingPlan]
+
+
+def load_sharded(source: ModelSource, plan_of: PlanOf, shard: TorchShard,
+                 device: torch.device, numerics: str) -> tuple[Model, str]:
     """This rank's shard of the model, and the whole model's fingerprint (what it would
     be in one process, so that caches and sessions are shared with unsharded engines).
     A checkpoint (kvstack's or DeepSeek's) is read slice by slice, only what the rank
@@ -120,7 +124,7 @@ class ParallelRunner(ModelRunner):
                          lambda: super(ParallelRunner, self).decode_logits(stores, tokens))
 
     def _run(self, kind: str, stores: list[PagedSequenceStore], tokens: list[int],
-             local: Any) -> torch.Tensor:
+             local: Callable[[], torch.Tensor]) -> torch.Tensor:
         if self.lost is not None:
             raise WorkerLost(self.lost)
         pools, rings = self.cache.pools, self.cache.rings
@@ -169,7 +173,8 @@ class ParallelRunner(ModelRunner):
 
 
 def start_rank_zero(model: str | Path | ModelConfig, random_init: bool, seed: int,
-                    config: EngineConfig) -> tuple[Model, Tokenizer, str, list[Any]]:
+                    config: EngineConfig,
+                    ) -> tuple[Model, Tokenizer, str, list[multiprocessing.Process]]:
     """Rank 0 of a sharded model (the LLM's process): the other ranks spawned on this
     machine (or started by torchrun), the group joined, this rank's shard loaded. Returns
     the shard, the tokenizer, the whole model's fingerprint and the worker processes."""
@@ -253,7 +258,7 @@ def spawn_workers(world_size: int, source: ModelSource,
     return workers, port
 
 
-def plan_for(config: EngineConfig) -> Any:
+def plan_for(config: EngineConfig) -> PlanOf:
     return lambda model_config: ShardingPlan(model_config, config.tensor_parallel_size,
                                              config.expert_parallel)
 
