@@ -15,7 +15,7 @@ from kvstack.eval.quality import (
     position_buckets,
     retrieval,
 )
-from kvstack.train.data import TokenCache, corpus_files, stdlib_root, train_tokenizer
+from kvstack.train.data import stdlib_root
 from kvstack.train.trainer import TrainConfig, Trainer
 
 
@@ -29,14 +29,6 @@ def trained(tmp_path_factory):
     Trainer(tc, out).run(progress=False)
     return out / "checkpoint" / "model"
 
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = stdlib_root() / "json"
-    files = corpus_files(root)
-    path = tmp_path_factory.mktemp("data")
-    tokenizer = train_tokenizer(root, files, 512, path / "tokenizer.json")
-    return tokenizer, TokenCache.build(root, files, tokenizer, path / "tokens.npy")
 
 
 def test_perplexity_compares_fp4_with_bf16_caches(trained, data):

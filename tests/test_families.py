@@ -11,11 +11,8 @@ from kvstack.config import preset
 from kvstack.eval.quality import planted_starts, retrieval
 from kvstack.model import Model
 from kvstack.train.data import (
-    TokenCache,
-    corpus_files,
     retrieval_sample,
     stdlib_root,
-    train_tokenizer,
 )
 from kvstack.train.families import HELD_OUT, KEY, TRAINED, families, plant, starts_with_planted_key
 from kvstack.train.trainer import IGNORE, TrainConfig, Trainer
@@ -31,14 +28,6 @@ def run_config(**changes) -> TrainConfig:
                     heldout_percent=40.0, corpus=CORPUS, retrieval_rate=1.0)
     return TrainConfig(**(settings | changes))
 
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = stdlib_root() / "json"
-    files = corpus_files(root)
-    path = tmp_path_factory.mktemp("data")
-    tokenizer = train_tokenizer(root, files, 512, path / "tokenizer.json")
-    return tokenizer, TokenCache.build(root, files, tokenizer, path / "tokens.npy")
 
 
 @pytest.mark.parametrize("family", [KEY, *TRAINED, *HELD_OUT], ids=lambda f: f.name)
