@@ -91,11 +91,25 @@ def split_forward(rank: int, name: str, expert_parallel: bool) -> dict:
                 logits=logits, whole_forward=whole_forward, forward=forward, held=held)
 
 
-@pytest.mark.parametrize("name,expert_parallel", [("tiny-v41", False), ("tiny-v41", True),
-                                                  ("tiny", True)])
+SPLITS = [("tiny-v41", False), ("tiny-v41", True), ("tiny", True)]
+
+
+def split_all(rank: int) -> dict:
+    """Every split case in one pair of processes (each start imports torch anew)."""
+    return {"models": [split_forward(rank, *case) for case in SPLITS],
+            "experts": split_experts(rank)}
+
+
+@pytest.fixture(scope="module")
+def splits(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_ranks("split_all", tmp_path_factory.mktemp("splits"))
+
+
+@pytest.mark.parametrize("case", range(len(SPLITS)), ids=[f"{n}-ep{e}" for n, e in SPLITS])
 def test_a_model_split_over_two_ranks_computes_what_the_whole_model_does(
-        tmp_path: Path, name: str, expert_parallel: bool) -> None:
-    results = run_ranks("split_forward", tmp_path, name, expert_parallel)
+        splits: list[dict], case: int) -> None:
+    name, expert_parallel = SPLITS[case]
+    results = [r["models"][case] for r in splits]
     for r in results:
         assert (r["forward"] - r["whole_forward"]).abs().max() < 1e-4
         assert (r["logits"] - r["whole_logits"]).abs().max() < 1e-3
@@ -139,9 +153,9 @@ def split_experts(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(whole, outputs(), strict=True))
 
 
-def test_experts_split_by_rank_sum_to_the_whole_layer(tmp_path: Path) -> None:
-    for pairs in run_ranks("split_experts", tmp_path):
-        for whole, split in pairs:
+def test_experts_split_by_rank_sum_to_the_whole_layer(splits: list[dict]) -> None:
+    for r in splits:
+        for whole, split in r["experts"]:
             assert (whole - split).abs().max() < 1e-5
 
 
@@ -150,7 +164,6 @@ def test_a_plan_refuses_a_split_that_does_not_divide() -> None:
         ShardingPlan(preset("tiny"), 3)
     with pytest.raises(ValueError, match="dense control"):
         ShardingPlan(preset("dense-tiny"), 2)
-
 
 
 def expected_rank_bytes(model: Model, expert_parallel: bool) -> int:
@@ -235,6 +248,8 @@ def test_an_engine_over_two_ranks_serves_what_one_serves(tmp_path: Path) -> None
 def test_a_killed_rank_fails_the_engine_within_the_timeout(tmp_path: Path) -> None:
     llm = tp_llm(tmp_path, 2, parallel_timeout_s=20.0)
     try:
+        with pytest.raises(ValueError, match="one sharded engine per process"):
+            tp_llm(tmp_path, 2)
         llm.generate(PROMPTS[1], GREEDY)
         worker = llm.runner.workers[0]
         request = llm.add_request(PROMPTS[0], GREEDY, watch=True)
@@ -269,8 +284,6 @@ def test_a_sharded_engine_refuses_what_it_cannot_run(tmp_path: Path) -> None:
         tp_llm(tmp_path, 3)
     with pytest.raises(ValueError, match="compile_decode"):
         tp_llm(tmp_path, 2, compile_decode=True)
-    with tp_llm(tmp_path, 2), pytest.raises(ValueError, match="one sharded engine per process"):
-        tp_llm(tmp_path, 2)
 
 
 def _tokens(llm: LLM, prompts: list, params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -286,22 +299,22 @@ def test_the_bundled_checkpoint_read_slice_by_slice_serves_what_it_serves_whole(
         assert _tokens(two, [prompt]) == expected
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
 def test_a_deepseek_checkpoint_split_over_two_ranks_serves_what_one_serves(
-        tmp_path: Path, expert_parallel: bool) -> None:
+        tmp_path: Path) -> None:
     # Experts 64 wide: a rank's half of each falls on the 32-wide blocks of its scales.
     directory = tmp_path / "v41"
     write_v41_checkpoint(directory, preset("tiny-v41").replace(moe_inter_dim=64), seed=1)
     settings = {"kv_budget": "4MiB", "block_tokens": 8, "threads": 1, "cache_dir": tmp_path}
     one = LLM(directory, **settings)
     expected = _tokens(one, PROMPTS[:2])
-    with LLM(directory, tensor_parallel_size=2, expert_parallel=expert_parallel,
-             **settings) as two:
-        assert _tokens(two, PROMPTS[:2]) == expected
-        # Each rank read only its slices of the packed tensors (and its own experts).
-        parallel = two.memory_report()["parallel"]
-        assert parallel["weight_bytes_total"] == expected_rank_bytes(one.model,
-                                                                     expert_parallel)
+    for expert_parallel in (False, True):
+        with LLM(directory, tensor_parallel_size=2, expert_parallel=expert_parallel,
+                 **settings) as two:
+            assert _tokens(two, PROMPTS[:2]) == expected
+            # Each rank read only its slices of the packed tensors (and its own experts).
+            parallel = two.memory_report()["parallel"]
+            assert parallel["weight_bytes_total"] == expected_rank_bytes(one.model,
+                                                                         expert_parallel)
 
 
 def test_torchrun_ranks_serve_what_one_process_serves(tmp_path: Path) -> None:
