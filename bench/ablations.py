@@ -1,0 +1,360 @@
+"""What each mechanism of the stack buys: small models of the bundled recipe, one mechanism
+changed at a time, trained on the same data and token budget, then measured side by side.
+
+    python bench/ablations.py train --runs runs/ablations [--only NAME ...] [--jobs 2]
+    python bench/ablations.py eval  --runs runs/ablations [--only NAME ...]
+    python bench/ablations.py speed
+    python bench/ablations.py table [--results bench/results/ablations]
+
+`train` runs `kvstack train` once per recipe (each a run directory under --runs that
+resumes if killed; each process one thread). `eval` measures every finished run into the
+results directory (one JSON file per run, with its training command): cache bytes per
+token (HBM and disk, from kvstack.formats through the cache layout), held-out perplexity
+(overall and beyond the largest window), retrieval on the held-out families at 1x / 4x /
+16x the training length (the held-out retrieval families). `speed` times batch-1 decode at a 4K context of every recipe's
+model side by side in one process (one thread, rounds interleaved, the best of each), into
+the same directory. `table` reads only those files, prints the table with the gap between
+the two seeds of the bundled recipe, and draws quality against bytes per token.
+
+The token budget is 200 steps of 16 rows of 512 tokens (1.6M tokens), 3.6 % of the bundled
+model's 46M: what a 2-core CPU trains ten times over in a few hours. The figures compare
+the recipes with each other at that budget; they are not the bundled model's.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstack.config import ModelConfig, preset
+from kvstack.plan import mechanism_variants
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "ablations"  # one JSON file per run
+
+SEQ_LEN = 512
+STEPS = 200
+# The bundled recipe scaled to the budget: its learning rate, warm-up and dense warm-up
+# in the same proportion of the run, half of the rows retrieval samples (the trained
+# families, no loss on their definitions).
+ROWS = 16  # per step: micro-batches of 8, two of them
+RECIPE = [
+    "--device", "cpu", "--steps", str(STEPS), "--seq-len", str(SEQ_LEN),
+    "--batch-size", "8", "--grad-accum", str(ROWS // 8), "--lr", "3e-3", "--warmup-steps", "15",
+    "--dense-warmup-steps", "20", "--eval-every", "100", "--checkpoint-every", "20",
+    "--retrieval-rate", "0.5", "--retrieval-keys", "4", "--retrieval-families", "trained",
+    "--no-define-loss",
+]
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    what: str  # the one change from the bundled recipe
+    change: Callable[[ModelConfig], ModelConfig] | None = None
+    preset: str = "default"
+    seed: int = 0
+
+    def config(self) -> ModelConfig:
+        base = preset(self.preset)
+        return self.change(base) if self.change else base
+
+    def sets(self) -> list[str]:
+        """The change as `kvstack train --set` arguments: every key it alters."""
+        base, changed = preset(self.preset).to_dict(), self.config().to_dict()
+        return [f"{k}={json.dumps(v)}" for k, v in changed.items() if v != base[k]]
+
+    def command(self, runs: Path) -> list[str]:
+        cmd = [sys.executable, "-m", "kvstack.cli", "train", "--preset", self.preset,
+               "--out", str(runs / self.name), "--seed", str(self.seed), *RECIPE]
+        for s in self.sets():
+            cmd += ["--set", s]
+        return cmd
+
+
+def _mechanism(label: str) -> Callable[[ModelConfig], ModelConfig]:
+    """One of `kvstack plan`'s mechanism rows, so that the trained model is the one whose
+    bytes that table counts."""
+    return lambda c: next(v.config for v in mechanism_variants(c) if v.label == label)
+
+
+# The bundled layout (kvstack/config.py, preset "default"): layer 0 window-only; 1-3 the
+# encoder's ratio-2 Full / Reuse / Reindex; 4-7 the CED decoder stream (ratio 1) that 4
+# writes, with 6 a Reindex layer and 4 the candidate pool's source.
+RECIPES = (
+    Recipe("bundled", "as bundled"),
+    Recipe("bundled-seed1", "as bundled, second seed", seed=1),
+    Recipe("bf16-caches", "bf16 caches (no QAT)", _mechanism("bf16 cache")),
+    # The encoder's compressed layers each write their own stream; the decoder keeps the
+    # one CED stream (that is the next row).
+    Recipe("no-sharing", "no sharing: every encoder compressed layer Full",
+           _mechanism("no sharing")),
+    # Every decoder compressed layer writes its own ratio-1 stream; the candidate pool is
+    # over one stream that later layers read, so it goes too.
+    Recipe("no-ced", "no CED: every decoder layer its own stream", _mechanism("no CED")),
+    # A top-k as large as the longest context: every visible compressed entry is attended.
+    Recipe("dense-compressed", "dense compressed attention (no top-k)",
+           lambda c: c.replace(index_topk=c.max_seq_len, candidate_source_layer=None)),
+    Recipe("no-candidates", "no candidate pool",
+           lambda c: c.replace(candidate_source_layer=None)),
+    Recipe("window-64", "window 64", lambda c: c.replace(window_size=64)),
+    Recipe("window-256", "window 256", lambda c: c.replace(window_size=256)),
+    Recipe("dense-control", "dense control (MQA, bf16, every token)", preset="dense-default"),
+)
+BY_NAME = {r.name: r for r in RECIPES}
+
+
+def selected(names: list[str] | None) -> list[Recipe]:
+    unknown = sorted(set(names or ()) - set(BY_NAME))
+    if unknown:
+        raise SystemExit(f"unknown recipe {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+    return [BY_NAME[n] for n in names] if names else list(RECIPES)  # in the order asked
+
+
+def finished(run: Path) -> bool:
+    log = run / "log.jsonl"
+    if not log.exists():
+        return False
+    lines = log.read_text().splitlines()
+    return bool(lines) and json.loads(lines[-1])["step"] >= STEPS
+
+
+def train(args: argparse.Namespace) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def one(recipe: Recipe) -> int:
+        run = args.runs / recipe.name
+        if finished(run):
+            return 0
+        run.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.runs / f"{recipe.name}.out", "a") as out:
+            return subprocess.run(recipe.command(args.runs), env=env, cwd=ROOT,
+                                  stdout=out, stderr=subprocess.STDOUT).returncode
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        codes = list(pool.map(one, selected(args.only)))
+    failed = [r.name for r, c in zip(selected(args.only), codes, strict=True) if c]
+    if failed:
+        raise SystemExit(f"training failed for {', '.join(failed)} (see {args.runs}/NAME.out)")
+
+
+# ---- eval: every finished run's figures, one file each ----------------------------------
+PPL_WINDOWS = 64
+RETRIEVAL_LENGTHS = (SEQ_LEN, 4 * SEQ_LEN, 16 * SEQ_LEN)  # 1x, 4x, 16x the training length
+RETRIEVAL_DEPTHS = (0.1, 0.5, 0.9)
+RETRIEVAL_SAMPLES = 8  # per length and depth: 24 questions per length
+DECODE_CONTEXT = 4096
+# Beyond every recipe's window (the largest is 256) and inside the training length.
+FAR = f"{SEQ_LEN // 2}-{SEQ_LEN}"
+
+
+def measure(recipe: Recipe, run: Path) -> dict:
+    import torch
+
+    from kvstack.cache.layout import CacheLayout
+    from kvstack.eval.quality import heldout_tokens, load_eval_model, perplexity, retrieval
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_eval_model(run / "checkpoint" / "model")
+    data = heldout_tokens(tokenizer, run / "heldout.npy")
+    layout = CacheLayout.from_config(model.config)
+    ppl = perplexity(model, data, SEQ_LEN, PPL_WINDOWS)
+    found = retrieval(model, tokenizer, data, list(RETRIEVAL_LENGTHS), list(RETRIEVAL_DEPTHS),
+                      RETRIEVAL_SAMPLES, forms="held-out")
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return {
+        "what": recipe.what, "preset": recipe.preset, "seed": recipe.seed,
+        "command": " ".join(["OMP_NUM_THREADS=1", "kvstack",
+                             *recipe.command(Path("runs/ablations"))[3:]]),
+        "tokens": log[-1]["step"] * ROWS * SEQ_LEN,
+        "final_heldout_loss": next(
+            (r["heldout_loss"] for r in reversed(log) if "heldout_loss" in r), None),
+        "params": sum(p.numel() for p in model.parameters()),
+        "hbm_bytes_per_token": float(layout.bytes_per_token),
+        "disk_bytes_per_token": float(layout.bytes_per_token),
+        "window_bytes_per_sequence": layout.window_bytes_per_sequence,
+        "ppl": ppl["ppl"], "ppl_far": ppl["ppl_by_position"][FAR], "ppl_windows": PPL_WINDOWS,
+        "retrieval": {str(n): sum(row) / len(row)
+                      for n, row in zip(RETRIEVAL_LENGTHS, found["accuracy"], strict=True)},
+        "retrieval_families": found["families"],
+        "retrieval_questions_per_length": RETRIEVAL_SAMPLES * len(RETRIEVAL_DEPTHS),
+    }
+
+
+def evaluate(args: argparse.Namespace) -> None:
+    args.results.mkdir(parents=True, exist_ok=True)
+    for recipe in selected(args.only):
+        run = args.runs / recipe.name
+        if not finished(run):
+            print(f"{recipe.name}: not trained to step {STEPS} yet, skipped")
+            continue
+        row = measure(recipe, run)
+        path = args.results / f"{recipe.name}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(row, indent=1) + "\n")
+        tmp.replace(path)  # whole or not at all: evaluations may run side by side
+        print(f"{recipe.name}: {json.dumps(row)}")
+
+
+DECODE_ROUNDS = 5
+
+
+def speed(args: argparse.Namespace) -> None:
+    """Decode tokens/s of every recipe's model at DECODE_CONTEXT, measured side by side:
+    random weights (a step's cost does not depend on them) and a cache filled through its
+    real write path (bench/decode.py), each round timing every model once, so that the
+    machine's drift falls on all of them alike."""
+    import torch
+    from decode import engine, measure_engine  # bench/ is on the path
+
+    torch.set_num_threads(1)
+    best: dict[str, float] = {}
+    for _ in range(DECODE_ROUNDS):
+        for recipe in RECIPES:
+            llm = engine(recipe.config(), DECODE_CONTEXT + 64)
+            tok_s = measure_engine(llm, DECODE_CONTEXT, steps=16, repeat=1).tok_s
+            best[recipe.name] = max(best.get(recipe.name, 0.0), tok_s)
+    args.results.mkdir(parents=True, exist_ok=True)
+    out = {"context": DECODE_CONTEXT, "batch": 1, "threads": 1, "rounds": DECODE_ROUNDS,
+           "tok_s": best}
+    (args.results / "decode.json").write_text(json.dumps(out, indent=1) + "\n")
+    for name, tok_s in best.items():
+        print(f"{name}: {tok_s:.1f} tok/s ({tok_s / best['bundled']:.2f}x as bundled)")
+
+
+def load(results: Path) -> dict:
+    """Every measured run in the results directory, by recipe name, with its decode speed
+    from the side-by-side timing where that has run."""
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))
+            if p.stem in BY_NAME}
+    timing = results / "decode.json"
+    tok_s = json.loads(timing.read_text())["tok_s"] if timing.exists() else {}
+    for name, row in runs.items():
+        if name in tok_s:
+            row["decode_tok_s_4k"] = tok_s[name]
+    return runs
+
+
+# ---- table: the results as a table and a plot -------------------------------------------
+SEEDS = ("bundled", "bundled-seed1")  # the recipe trained twice, for run-to-run noise
+METRICS = (  # key, heading
+    ("ppl", "ppl"), ("ppl_far", f"ppl {FAR}"),
+    *((f"retrieval.{n}", f"found {n // SEQ_LEN}x") for n in RETRIEVAL_LENGTHS),
+    ("decode_tok_s_4k", "tok/s 4K"),
+)
+
+
+def value(row: dict, key: str) -> float:
+    head, _, rest = key.partition(".")
+    return row[head][rest] if rest else row[head]
+
+
+def noise(results: dict) -> dict[str, float]:
+    """Per metric, the gap between the two seeds of the bundled recipe."""
+    a, b = (results[name] for name in SEEDS)
+    return {key: abs(value(a, key) - value(b, key)) for key, _ in METRICS}
+
+
+def render(results: dict) -> str:
+    """The table as Markdown: each metric, and its change from the bundled recipe's mean
+    over the two seeds, starred where it is more than twice the seeds' gap."""
+    gap = noise(results)
+    base = {key: sum(value(results[n], key) for n in SEEDS) / 2 for key, _ in METRICS}
+    heads = ["recipe", "HBM B/tok", "disk B/tok", *(h for _, h in METRICS)]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for name in [r.name for r in RECIPES if r.name in results]:
+        row = results[name]
+        cells = [row["what"], f"{row['hbm_bytes_per_token']:,.1f}",
+                 f"{row['disk_bytes_per_token']:,.1f}"]
+        for key, _ in METRICS:
+            v = value(row, key)
+            text = f"{v:.0%}" if key.startswith("retrieval") else f"{v:.2f}" if key.startswith(
+                "ppl") else f"{v:.1f}"
+            if name not in SEEDS:
+                delta = v - base[key]
+                star = "*" if abs(delta) > 2 * gap[key] else ""
+                if key.startswith("retrieval"):
+                    text += f" ({delta * 100:+.0f}{star})"
+                else:
+                    text += f" ({delta / base[key]:+.1%}{star})"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Seed gap (bundled recipe, seeds 0 and 1): " + ", ".join(
+        f"{h} {gap[k] * 100:.0f} points" if k.startswith("retrieval") else
+        f"{h} {gap[k] / base[k]:.1%}" for k, h in METRICS))
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.name for r in RECIPES if r.name in results]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, label in ((axes[0], "ppl", "held-out perplexity (512 tokens)"),
+                           (axes[1], "ppl_far", f"held-out perplexity, positions {FAR}")):
+        for name in names:
+            row = results[name]
+            x, y = row["hbm_bytes_per_token"], value(row, key)
+            ax.scatter(x, y, color="tab:red" if name in SEEDS else "tab:blue")
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("cache bytes per token (log)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Quality against cache bytes: {STEPS} steps x {ROWS} x {SEQ_LEN} tokens "
+                 "per recipe")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(args: argparse.Namespace) -> None:
+    results = load(args.results)
+    missing = [r.name for r in RECIPES if r.name not in results]
+    if any(name in missing for name in SEEDS):
+        raise SystemExit(f"{args.results}: the bundled recipe's two seeds are needed for the "
+                         f"noise; missing {', '.join(n for n in SEEDS if n in missing)}")
+    untimed = [n for n, row in results.items() if "decode_tok_s_4k" not in row]
+    if untimed:
+        raise SystemExit(f"{args.results}: no decode timing for {', '.join(untimed)}; run "
+                         "`python bench/ablations.py speed` first")
+    print(render(results))
+    if missing:
+        print(f"\nnot measured yet: {', '.join(missing)}")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"\nplot: {args.plot}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train every recipe (resumes)")
+    t.add_argument("--runs", type=Path, default=ROOT / "runs" / "ablations")
+    t.add_argument("--only", nargs="+")
+    t.add_argument("--jobs", type=int, default=2, help="runs side by side (one thread each)")
+    t.set_defaults(run=train)
+    e = sub.add_parser("eval", help="measure every finished run into the results directory")
+    e.add_argument("--runs", type=Path, default=ROOT / "runs" / "ablations")
+    e.add_argument("--only", nargs="+")
+    e.add_argument("--results", type=Path, default=RESULTS)
+    e.set_defaults(run=evaluate)
+    d = sub.add_parser("speed", help="decode tokens/s of every recipe, side by side")
+    d.add_argument("--results", type=Path, default=RESULTS)
+    d.set_defaults(run=speed)
+    b = sub.add_parser("table", help="the results as a Markdown table and a plot")
+    b.add_argument("--results", type=Path, default=RESULTS)
+    b.add_argument("--plot", type=Path, default=ROOT / "bench" / "ablations.png",
+                   help="where to draw quality against bytes per token (PNG)")
+    b.set_defaults(run=table)
+    args = parser.parse_args()
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
