@@ -11,7 +11,7 @@ resumes if killed; each process one thread). `eval` measures every finished run 
 results directory (one JSON file per run, with its training command): cache bytes per
 token (HBM and disk, from kvstack.formats through the cache layout), held-out perplexity
 (overall and beyond the largest window), retrieval on the held-out families at 1x / 4x /
-16x the training length (the held-out retrieval families). `speed` times batch-1 decode at a 4K context of every recipe's
+16x the training length. `speed` times batch-1 decode at a 4K context of every recipe's
 model side by side in one process (one thread, rounds interleaved, the best of each), into
 the same directory. `table` reads only those files, prints the table with the gap between
 the two seeds of the bundled recipe, and draws quality against bytes per token.
