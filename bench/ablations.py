@@ -295,15 +295,26 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [r.name for r in RECIPES if r.name in results]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, label in ((axes[0], "ppl", "held-out perplexity (512 tokens)"),
                            (axes[1], "ppl_far", f"held-out perplexity, positions {FAR}")):
+        at: dict[float, list[tuple[float, str]]] = {}  # recipes at one byte count
         for name in names:
             row = results[name]
             x, y = row["hbm_bytes_per_token"], value(row, key)
-            ax.scatter(x, y, color="tab:red" if name in SEEDS else "tab:blue")
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=8)
+            ax.scatter(x, y, color="tab:red" if name in SEEDS else "tab:blue", zorder=2)
+            at.setdefault(x, []).append((y, name))
+        for x, points in at.items():  # labels of one column stacked in the order of y
+            for i, (y, name) in enumerate(sorted(points)):
+                offset = 10 * (i - (len(points) - 1) / 2)
+                ax.annotate(name, (x, y), textcoords="offset points", fontsize=8,
+                            xytext=(8, offset), va="center",
+                            arrowprops=dict(arrowstyle="-", lw=0.4, color="grey"))
         ax.set_xscale("log")
+        ticks = sorted(at)
+        ax.set_xticks(ticks, [f"{t:,.0f}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlim(ticks[0] / 1.3, ticks[-1] * 2.5)
         ax.set_xlabel("cache bytes per token (log)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
