@@ -304,17 +304,22 @@ def plot(results: dict, path: Path) -> None:
             x, y = row["hbm_bytes_per_token"], value(row, key)
             ax.scatter(x, y, color="tab:red" if name in SEEDS else "tab:blue", zorder=2)
             at.setdefault(x, []).append((y, name))
-        for x, points in at.items():  # labels of one column stacked in the order of y
+        for x, points in at.items():  # a crowded column's labels stacked to its left
+            crowded = len(points) > 1
             for i, (y, name) in enumerate(sorted(points)):
-                offset = 10 * (i - (len(points) - 1) / 2)
+                offset = 12 * (i - (len(points) - 1) / 2) if crowded else 0
                 ax.annotate(name, (x, y), textcoords="offset points", fontsize=8,
-                            xytext=(8, offset), va="center",
+                            xytext=(-40 if crowded else 8, offset), va="center",
+                            ha="right" if crowded else "left",
                             arrowprops=dict(arrowstyle="-", lw=0.4, color="grey"))
         ax.set_xscale("log")
-        ticks = sorted(at)
+        ticks: list[float] = []
+        for t in sorted(at):  # a tick per byte count, but none crowding the last one
+            if not ticks or t / ticks[-1] > 1.4:
+                ticks.append(t)
         ax.set_xticks(ticks, [f"{t:,.0f}" for t in ticks])
         ax.minorticks_off()
-        ax.set_xlim(ticks[0] / 1.3, ticks[-1] * 2.5)
+        ax.set_xlim(ticks[0] / 6, ticks[-1] * 2.5)
         ax.set_xlabel("cache bytes per token (log)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
