@@ -156,11 +156,12 @@ def measure(recipe: Recipe, run: Path) -> dict:
 
     from kvstack.cache.layout import CacheLayout
     from kvstack.eval.quality import heldout_tokens, load_eval_model, perplexity, retrieval
+    from kvstack.plan import make_plan
 
     torch.set_num_threads(1)
     model, tokenizer = load_eval_model(run / "checkpoint" / "model")
     data = heldout_tokens(tokenizer, run / "heldout.npy")
-    layout = CacheLayout.from_config(model.config)
+    stored = make_plan(model.config, recipe.name)["mechanisms"][0]  # as configured
     ppl = perplexity(model, data, SEQ_LEN, PPL_WINDOWS)
     found = retrieval(model, tokenizer, data, list(RETRIEVAL_LENGTHS), list(RETRIEVAL_DEPTHS),
                       RETRIEVAL_SAMPLES, forms="held-out")
@@ -173,9 +174,10 @@ def measure(recipe: Recipe, run: Path) -> dict:
         "final_heldout_loss": next(
             (r["heldout_loss"] for r in reversed(log) if "heldout_loss" in r), None),
         "params": sum(p.numel() for p in model.parameters()),
-        "hbm_bytes_per_token": float(layout.bytes_per_token),
-        "disk_bytes_per_token": float(layout.bytes_per_token),
-        "window_bytes_per_sequence": layout.window_bytes_per_sequence,
+        "hbm_bytes_per_token": stored["hbm_bytes_per_token"],
+        "disk_bytes_per_token": stored["persistent_bytes_per_token"],
+        "window_ring_bytes_per_sequence":
+            CacheLayout.from_config(model.config).window_bytes_per_sequence,
         "ppl": ppl["ppl"], "ppl_far": ppl["ppl_by_position"][FAR], "ppl_windows": PPL_WINDOWS,
         "retrieval": {str(n): sum(row) / len(row)
                       for n, row in zip(RETRIEVAL_LENGTHS, found["accuracy"], strict=True)},
