@@ -450,15 +450,17 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                     for out in turn:
                         print(out.text[len(shown):], end="", flush=True)
                         shown = out.text
-            except KeyboardInterrupt:  # stop this reply, keep the chat
-                turn.close()
+            except KeyboardInterrupt:  # stop this reply (the conversation keeps what
+                turn.close()           # was shown), keep the chat
                 console.print("\n(reply stopped)", style="dim")
-                continue
+                out = None
             if args.session:
                 try:
                     session.save()
                 except OSError as e:  # the turn stays in the conversation; a later save
                     console.print(f"[red]not saved: {escape(str(e))}[/red]")  # may succeed
+            if out is None:
+                continue
         except (ValueError, EngineError) as e:  # a turn refused or failed: say so, go on
             console.print(f"[red]{escape(str(e))}[/red]")
             if "leaves no room" in str(e):
@@ -544,6 +546,9 @@ def _cmd_session(args: argparse.Namespace) -> int:
         print("[]" if args.json else f"no saved sessions in {root}")
         return 0
     disk = DiskTier(args.cache_dir, parse_bytes(args.disk_budget, "disk_budget"))
+    if args.action == "list" and not disk.names() and not args.json:
+        print(f"no saved sessions in {disk.root}")
+        return 0
     if args.action == "list":
         # A damaged record is listed as such; every intact session still is.
         rows, damaged = [], {}
@@ -846,7 +851,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host memory that keeps prefix blocks the device pool hands out "
                         "again, e.g. 2GiB (default: none)")
     p.add_argument("--disk-prefix-cache", action="store_true",
-                   help="keep prefix blocks pushed out of the host tier on disk (--cache-dir)")
+                   help="write the blocks the prefix cache names through to disk "
+                        "(--cache-dir), where a later run finds them")
     p.add_argument("--replay", choices=("bounded", "exact"), default="bounded",
                    help="decoder replay span of CED prefill")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")

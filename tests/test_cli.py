@@ -146,6 +146,10 @@ def test_chat_ctrl_c_stops_a_reply_and_leaves_at_the_prompt(capsys, monkeypatch,
     assert "conversation" in err and "bytes per token" in err  # the short table
     assert '"bytes_per_token"' in err  # and the whole report as JSON
     assert sum("tokens/s" in line for line in err.splitlines()) == 1  # the second turn
+    # The stopped first turn was saved with the rest: resumed, it is all there.
+    assert main(["session", "show", "s", "--json", *cache]) == 0
+    saved = json.loads(capsys.readouterr().out)["tokens"]
+    assert saved > len(b"first\nsecond\n") + 4
     # Resumed, the chat shows where the conversation stopped; /reset removes the saved one.
     answers = iter(["/reset", "/exit"])
     assert main(["chat", *ENGINE, *cache, "--session", "s"]) == 0
@@ -153,7 +157,7 @@ def test_chat_ctrl_c_stops_a_reply_and_leaves_at_the_prompt(capsys, monkeypatch,
     assert "resumed session 's'" in err and "ending …" in err
     assert "saved session 's' removed" in err
     assert main(["session", "list", *cache]) == 0
-    assert "'s'" not in capsys.readouterr().out
+    assert f"no saved sessions in {tmp_path}" in capsys.readouterr().out
 
 
 def test_the_bundled_model_takes_a_20k_token_prompt(tmp_path, capsys):
@@ -198,3 +202,45 @@ def test_chat_reads_a_piped_conversation():
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+def test_chat_in_a_terminal_ctrl_c_stops_the_reply_and_ctrl_d_leaves():
+    """A real pseudo-terminal: Ctrl-C is the terminal's SIGINT to the chat, sent while a
+    reply streams; the prompt comes back, and Ctrl-D there leaves with status 0."""
+    import os
+    import pty
+    import select
+    import sys
+    import time
+
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: the chat, with the pseudo-terminal as its terminal
+        os.execv(sys.executable, [sys.executable, "-m", "kvstack.cli", "chat", *ENGINE,
+                                  "--max-tokens", "400", "--ignore-eos"])
+    seen = b""
+
+    def read_until(marker: bytes, after: int = 0) -> int:
+        """Read until marker appears past offset `after`; where it ends."""
+        nonlocal seen
+        end = time.monotonic() + 120
+        while (at := seen.find(marker, after)) < 0:
+            assert time.monotonic() < end, f"no {marker!r} in {seen[-2000:]!r}"
+            if select.select([terminal], [], [], 0.5)[0]:
+                seen += os.read(terminal, 65536)
+        return at + len(marker)
+
+    try:
+        read_until(b"> ")
+        os.write(terminal, b"def f():\r")
+        streaming = read_until(b"def f():\r\n")
+        while len(seen) < streaming + 8:  # the reply is under way
+            if select.select([terminal], [], [], 0.5)[0]:
+                seen += os.read(terminal, 65536)
+        os.write(terminal, b"\x03")  # Ctrl-C
+        read_until(b"> ", read_until(b"reply stopped"))
+        os.write(terminal, b"\x04")  # Ctrl-D at the prompt
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(terminal)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert b"Traceback" not in seen

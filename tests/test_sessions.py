@@ -53,6 +53,27 @@ def test_exact_resume_in_another_process_continues_token_for_token(tmp_path):
     assert json.loads(done.stdout.strip().splitlines()[-1]) == uninterrupted
 
 
+def test_a_turn_stopped_early_keeps_what_was_shown_and_saves_with_it(tmp_path):
+    llm = tiny_llm(tmp_path)
+    session = llm.session("s")
+    session.append(list(range(3, 40)))
+    turn = session.stream(GREEDY)
+    shown = [next(turn), next(turn), next(turn)][-1]
+    turn.close()  # Ctrl-C in `kvstack chat`
+    assert shown.token_ids and not shown.finished
+    assert session.token_ids == list(range(3, 40)) + shown.token_ids
+    assert llm.memory_report()["blocks_in_use"] == 0  # the stopped request is freed
+    session.append([5, 6])
+    session.save()
+    stopped_then_on = session.generate(GREEDY).token_ids
+    fresh = llm.session("fresh")
+    fresh.append(list(range(3, 40)) + shown.token_ids + [5, 6])
+    assert stopped_then_on == fresh.generate(GREEDY).token_ids
+    llm.close()
+    resumed = tiny_llm(tmp_path).resume("s")
+    assert resumed.token_ids == list(range(3, 40)) + shown.token_ids + [5, 6]
+
+
 def test_a_saved_session_holds_blocks_and_token_ids_not_window_rings(tmp_path):
     llm = tiny_llm(tmp_path)
     session = llm.session("s")

@@ -40,7 +40,10 @@ class Session:
 
     def stream(self, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """generate(), yielding the output each time it grows. A turn the engine failed
-        on raises EngineError (the conversation keeps the appended text, to retry)."""
+        on raises EngineError (the conversation keeps the appended text, to retry). A turn
+        the caller stops early (closing the iterator, Ctrl-C in `kvstack chat`) keeps the
+        reply as far as it was yielded: the conversation holds what its reader saw, and
+        the next turn prefills it again (the prefix cache finds its full blocks)."""
         if not self.token_ids:
             raise ValueError(f"session {self.name!r} is empty: append() text first")
         llm = self.llm
@@ -56,7 +59,7 @@ class Session:
             self._pending = []
             raise
         self._request_id, self._pending = request_id, []
-        finished = False
+        finished, shown = False, []  # shown: the reply's tokens yielded so far
         try:
             while not finished:
                 out = llm.wait(request_id)
@@ -65,10 +68,13 @@ class Session:
                     raise EngineError(f"session {self.name!r}: {out.error}")
                 if finished:
                     self.token_ids += out.token_ids
+                shown = out.token_ids
                 yield out
         finally:
-            if not finished:  # the caller stopped early: the turn is dropped
+            if not finished:  # the caller stopped early: keep what it saw, drop the rest
                 llm.abort(request_id)
+                self.token_ids += shown
+                self._request_id = None
 
     @property
     def kept_request(self) -> str | None:
