@@ -648,7 +648,8 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     from kvstack.eval.quality import perplexity
 
     model, _, data = _eval_data(args)
-    result = perplexity(model, data, args.seq_len, args.windows)
+    result = perplexity(model, data, args.seq_len, args.windows,
+                        short_context=args.short_context)
     if args.json:
         print(json.dumps(result))
     else:
@@ -661,6 +662,12 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
         for bucket in result["ppl_by_position"]:
             table.add_column(bucket, justify="right")
         table.add_row(*(f"{v:.2f}" for v in result["ppl_by_position"].values()))
+        if args.short_context:
+            table.add_row(*(f"{v:.2f}" for v in
+                            result["ppl_by_position_short_context"].values()))
+            table.caption = (f"first row: the whole window before each token; second: the "
+                             f"same tokens through windows of {args.short_context} "
+                             f"(perplexity {result['ppl_short_context']:.3f})")
         Console().print(table)
     return 0
 
@@ -1052,6 +1059,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = kinds.add_parser("ppl", help="held-out perplexity, FP4 caches against bf16")
     ppl.add_argument("--seq-len", type=_positive_int, default=512)
     ppl.add_argument("--windows", type=_positive_int, default=16)
+    ppl.add_argument("--short-context", type=_positive_int, metavar="N",
+                     help="also score the same tokens through windows of N tokens sliding "
+                          "by N/2: what the long context does, apart from the text")
     ppl.set_defaults(run=_cmd_eval_ppl)
     ret = kinds.add_parser("retrieval", help="key retrieval by context length and depth")
     ret.add_argument("--lengths", type=_positive_int, nargs="+", default=[512, 1024, 2048])

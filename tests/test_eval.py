@@ -63,6 +63,30 @@ def test_position_buckets_double_up_to_the_window_length(trained, data):
     assert len(set(result["ppl_by_position"].values())) == 3
 
 
+def test_short_context_scores_the_same_tokens_seeing_only_their_recent_past(trained, data):
+    from kvstack.eval.quality import _sliding_nll, load_eval_model
+
+    model, _ = load_eval_model(trained)
+    result = perplexity(model, data[1], seq_len=160, windows=2, short_context=64)
+    whole, short = result["ppl_by_position"], result["ppl_by_position_short_context"]
+    assert list(short) == list(whole) == ["0-64", "64-128", "128-160"]
+    # The first window is the whole window's start: the same tokens, the same context.
+    assert short["0-64"] == pytest.approx(whole["0-64"], rel=1e-5)
+    assert short["128-160"] != pytest.approx(whole["128-160"], rel=1e-5)
+    # A token past the first half-window is scored after 32..63 tokens: what lies
+    # further back cannot reach it, while the whole window's scores do change.
+    ids = data[1].batch(1, 161, 0, 0)[0]
+    changed = ids.clone()
+    changed[:8] = (changed[:8] + 1) % model.config.vocab_size
+    targets = ids[1:]
+    before = _sliding_nll(model, ids[:-1], targets, 64)
+    after = _sliding_nll(model, changed[:-1], targets, 64)
+    assert torch.equal(before[8 + 64:], after[8 + 64:])
+    assert not torch.equal(before[8:64], after[8:64])
+    with pytest.raises(ValueError, match=r"short_context must lie in 2\.\.159"):
+        perplexity(model, data[1], seq_len=160, windows=1, short_context=160)
+
+
 def test_retrieval_scores_the_greedy_answer(monkeypatch, data):
     from kvstack.config import preset
     from kvstack.model import Model

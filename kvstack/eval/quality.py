@@ -48,13 +48,23 @@ def heldout_tokens(tokenizer: Any, out: Path, heldout_percent: float = 2.0) -> T
 
 @torch.no_grad()
 def perplexity(model: Model, data: TokenCache, seq_len: int, windows: int,
-               seed: int = 0) -> dict[str, float]:
+               seed: int = 0, short_context: int | None = None) -> dict[str, Any]:
     """Held-out perplexity with the configured caches and with bf16 caches, and the KL
-    divergence and top-1 agreement between their next-token distributions."""
+    divergence and top-1 agreement between their next-token distributions.
+
+    With `short_context` (< seq_len), the same tokens are also scored through windows of
+    `short_context` tokens sliding by half of it, each token but the first half-window's
+    seeing between half and all of `short_context` tokens before it
+    (`ppl_by_position_short_context`): by position, what the long context itself does to
+    the perplexity, apart from which text lies at which position."""
+    if short_context is not None and not 2 <= short_context < seq_len:
+        raise ValueError(f"short_context must lie in 2..{seq_len - 1} (below --seq-len), "
+                         f"got {short_context}")
     bf16 = Model(model.config.replace(**BF16)).eval()
     bf16.load_state_dict(model.state_dict())
     nll = {"configured": 0.0, "bf16": 0.0}
     position_nll = torch.zeros(seq_len)  # configured caches, summed over windows
+    short_nll = torch.zeros(seq_len)  # the same tokens seen through short windows
     kl = agree = 0.0
     for i in range(windows):
         batch = data.batch(1, seq_len, seed, i)
@@ -63,6 +73,8 @@ def perplexity(model: Model, data: TokenCache, seq_len: int, windows: int,
         reference = bf16(ids).logits.flatten(0, 1)
         token_nll = F.cross_entropy(logits, targets, reduction="none")
         position_nll += token_nll.cpu()
+        if short_context is not None:
+            short_nll += _sliding_nll(model, ids[0], targets, short_context)
         nll["configured"] += token_nll.mean().item()
         nll["bf16"] += F.cross_entropy(reference, targets).item()
         p = reference.log_softmax(-1)
@@ -75,11 +87,37 @@ def perplexity(model: Model, data: TokenCache, seq_len: int, windows: int,
         "ppl": ppl["configured"], "ppl_bf16": ppl["bf16"],
         "ppl_increase": ppl["configured"] / ppl["bf16"] - 1,
         "kl_vs_bf16": kl / windows, "top1_agreement": agree / windows,
-        "ppl_by_position": {
-            f"{lo}-{hi}": math.exp(position_nll[lo:hi].mean().item() / windows)
-            for lo, hi in position_buckets(seq_len)
-        },
-    }
+        "ppl_by_position": _by_position(position_nll / windows),
+    } | ({} if short_context is None else {
+        "short_context": short_context,
+        "ppl_short_context": math.exp(short_nll.mean().item() / windows),
+        "ppl_by_position_short_context": _by_position(short_nll / windows),
+    })
+
+
+def _by_position(mean_nll: torch.Tensor) -> dict[str, float]:
+    return {f"{lo}-{hi}": math.exp(mean_nll[lo:hi].mean().item())
+            for lo, hi in position_buckets(mean_nll.shape[0])}
+
+
+def _sliding_nll(model: Model, ids: torch.Tensor, targets: torch.Tensor,
+                 length: int) -> torch.Tensor:
+    """Per-token NLL [T] of ids [T] through windows of `length` tokens starting every
+    length // 2: a window scores the tokens past its first half (the first window all of
+    its own), so each token is scored once, after at least length // 2 tokens of context
+    where the text has that many. The last window ends at the text's end."""
+    n, stride = ids.shape[0], length // 2
+    out = torch.empty(n)
+    starts = list(range(0, n - length + 1, stride))
+    if starts[-1] + length < n:
+        starts.append(n - length)
+    scored = 0  # tokens [0, scored) are done
+    for start in starts:
+        logits = model(ids[None, start:start + length]).logits[0]
+        token_nll = F.cross_entropy(logits, targets[start:start + length], reduction="none")
+        out[scored:start + length] = token_nll[scored - start:].cpu()
+        scored = start + length
+    return out
 
 
 def position_buckets(seq_len: int) -> list[tuple[int, int]]:
