@@ -603,13 +603,19 @@ _DEFAULT = dict(
     kv_source_layers=[1, 4], index_source_layers=[1, 3, 4, 6],
     index_n_heads=2, index_head_dim=32, index_topk=32,
     candidate_source_layer=4, candidate_topk_blocks=16, candidate_block_size=8,
-    # Trained on 512-token windows; its window + top-k attention holds far past that
-    # (README: perplexity at 32K), so it serves 32K.
+    # The bundled model is this preset trained on 512-token windows, then on 2,048-token
+    # ones with YaRN over the compressed layers' rotations (its config.json adds
+    # rope_factor 16 and original_seq_len 2048: LONG_CONTEXT below); it serves 32K.
     inter_dim=384, max_seq_len=32768, n_encoder_layers=4,
     # The bundled model was trained before V4.1's FP4 indexer queries were modelled; the
     # preset stays what its model card's command trains.
     index_query_format="none",
 )
+
+# What the bundled model's long-context stage sets on top of the `default` preset (its
+# model card has the commands): YaRN stretches the slow rotations 16-fold, so 32K tokens
+# turn them no further than the 2,048 of that stage's windows did.
+LONG_CONTEXT = {"rope_factor": 16.0, "original_seq_len": 2048}
 
 _PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "deepseek-v4.1-flash": lambda: ModelConfig.from_dict(_V41_FLASH),
