@@ -463,6 +463,21 @@ def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
     assert backend["decode"] == "torch.compile"
     assert backend["graphs"] == FIVE_LAYERS.n_layers
     assert backend["compile_seconds"] > 0
+    # A second compiled model in the process makes its own graphs, and each layer of
+    # either looks only at its own (torch.compile tries a code object's graphs in turn).
+    again = LLM(FIVE_LAYERS, random_init=True, compile_decode=True, **settings)
+    assert [o.token_ids for o in again.generate(two, params)] == [o.token_ids for o in outputs]
+    assert again.memory_report()["backend"]["graphs"] == FIVE_LAYERS.n_layers
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    for model in (llm.model, again.model):
+        assert [len(_debug_get_cache_entry_list(code)) for code in _layer_codes(model)] == (
+            [1] * FIVE_LAYERS.n_layers)
+
+
+def _layer_codes(model: Model) -> list:
+    """The code objects torch.compile keeps each compiled decode layer's graphs on."""
+    return [f._torchdynamo_orig_callable.__func__.__code__ for f in model._compiled_layers]
 
 
 @pytest.mark.parametrize("tokens", [1, 6])

@@ -13,6 +13,7 @@ reference cannot drift apart.
 import hashlib
 import itertools
 import math
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -992,7 +993,7 @@ class Model(nn.Module):
         # fingerprint then needs no pass over the tensors.
         self.checkpoint_digest: str | None = None
         self.checkpoint_report = None  # kvstack.model.checkpoint.CheckpointReport, if loaded
-        self._compiled_layers: list[nn.Module] | None = None  # compile_decode's graphs
+        self._compiled_layers: list[Callable[..., TokenStates]] | None = None  # compile_decode
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -1086,11 +1087,20 @@ class Model(nn.Module):
             raise ValueError("compiled decode indexes a stack of float expert weights, and "
                              "this model's experts are packed (a V4.1 checkpoint's FP4): "
                              "decode it eager")
-        # The layers share Block.forward's code, whose graphs torch caches together: room
-        # for every layer's graphs (each layer's spec is its own, so its own graphs).
+        # torch.compile keeps a function's graphs on its code object and tries each one's
+        # guards in turn on every call. Every layer of every model shares Block.forward's
+        # code, so a decode step walked all the graphs of its earlier layers (and of every
+        # other model this process compiled) before finding its own: measured at batch 32,
+        # a third model's step took 1.4x the first's. Each layer runs its own copy of the
+        # code instead, with only its own graphs (one per batch-size bucket) to look at.
+        # A layer's graphs are a handful (batch 1, larger batches, the MoE's two ways, a
+        # table of one block or more, a pool below or above its stream): room for more, and
+        # running out of it fails rather than falling back to eager in silence.
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, 4 * self.config.n_layers)
-        self._compiled_layers = [torch.compile(block, fullgraph=True, backend=backend)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 32)
+        dynamo.fail_on_recompile_limit_hit = True
+        self._compiled_layers = [torch.compile(_own_forward(block), fullgraph=True,
+                                               backend=backend)
                                  for block in self.layers]
 
     def _run(self, s: TokenStates, start: int | torch.Tensor, store: KVStore, layers: range,
@@ -1290,6 +1300,15 @@ class Model(nn.Module):
         from kvstack.model.checkpoint import load_pretrained
 
         return load_pretrained(Path(directory), torch.device(device), numerics)
+
+
+def _own_forward(block: Block) -> Callable[..., TokenStates]:
+    """block.forward bound to a fresh copy of its code object: torch.compile then keeps
+    this block's graphs apart from every other block's."""
+    fn = Block.forward
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                             fn.__defaults__, fn.__closure__)
+    return types.MethodType(own, block)
 
 
 def _engram_hash(config: ModelConfig, token_map: torch.Tensor | None) -> EngramHash:
