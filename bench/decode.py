@@ -223,10 +223,11 @@ def count_ops(step: Callable[[], None]) -> OpCount:
 def engine(config: ModelConfig, max_tokens: int, batch: int = 1,
            compile_decode: bool = False) -> LLM:
     """An LLM whose budget holds `batch` sequences of max_tokens and nothing more (a
-    window-ring slot and the blocks of each), so the benchmark allocates what it uses."""
+    window-ring slot and the blocks of each, and a compiled step's pad slot), so the
+    benchmark allocates what it uses."""
     layout = CacheLayout.from_config(config)
-    budget = batch * (layout.window_bytes_per_sequence
-                      + block_bytes(layout, BLOCK_TOKENS) * -(-max_tokens // BLOCK_TOKENS))
+    budget = ((batch + compile_decode) * layout.window_bytes_per_sequence
+              + batch * block_bytes(layout, BLOCK_TOKENS) * -(-max_tokens // BLOCK_TOKENS))
     return LLM(config, random_init=True, kv_budget=budget, max_num_seqs=batch,
                block_tokens=BLOCK_TOKENS, compile_decode=compile_decode)
 

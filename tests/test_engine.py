@@ -279,7 +279,8 @@ def test_kept_caches_yield_their_room_to_new_requests():
 def test_one_batched_decode_equals_decoding_each_sequence_alone(name):
     """Sequences at different positions (different stream lengths, ring fill, partial
     groups, block tables; a prefix block shared) decode together in one model call over the
-    pools, as each would alone through its own store."""
+    pools, as each would alone through its own store; and so again in a batch padded with
+    rows of its own (a compiled step's bucket), which change none of theirs."""
     from kvstack.cache.batch import DecodeBatch
     from kvstack.cache.paged import PagedCache
     from kvstack.model import Model
@@ -289,10 +290,11 @@ def test_one_batched_decode_equals_decoding_each_sequence_alone(name):
     lengths = [3, 17, 40, 40]  # 17: a ratio-2 group left open; 3: shorter than the window
     texts = prompts(lengths, seed=5)
     texts[3] = texts[2][:32] + texts[3][32:]  # shares two full blocks with the third
-    caches = [PagedCache(model.config, "4MiB", 16, 4, prefix_seed=b"seed") for _ in range(2)]
-    alone, together = [], []
+    caches = [PagedCache(model.config, "4MiB", 16, 4, prefix_seed=b"seed", pad_slot=padded)
+              for padded in (False, False, True)]
+    alone, together, padded = [], [], []
     for ids in texts:
-        for cache, stores in zip(caches, (alone, together), strict=True):
+        for cache, stores in zip(caches, (alone, together, padded), strict=True):
             store = cache.open_sequence()
             cached = cache.attach_prefix(store, ids)
             assert store.reserve(len(ids) + 3)
@@ -309,9 +311,12 @@ def test_one_batched_decode_equals_decoding_each_sequence_alone(name):
                               for t, s in zip(nxt, alone, strict=True)])
         got = model.decode(nxt, DecodeBatch(together))
         assert (got - expected).abs().max() < 2e-5
+        got = model.decode([*nxt, 0, 0, 0], DecodeBatch(padded, rows=7))
+        assert got.shape[0] == 7 and (got[:4] - expected).abs().max() < 2e-5
         nxt = expected.argmax(-1).tolist()
-    assert [s.held_ids for s in together] == [s.held_ids for s in alone]
-    assert all(s.caught_up for s in together)
+    for stores in (together, padded):
+        assert [s.held_ids for s in stores] == [s.held_ids for s in alone]
+        assert all(s.caught_up for s in stores)
 
 
 def test_a_decode_batch_reads_nothing_past_a_sequence_s_entries():
@@ -357,6 +362,10 @@ def test_a_decode_batch_refuses_stores_it_cannot_step():
         model.decode([1, 2], batch)
     with pytest.raises(ValueError, match="one token for each"):
         batch.append_tokens([[1, 2]])
+    with pytest.raises(ValueError, match="needs a cache with a pad slot"):
+        DecodeBatch([store], rows=2)
+    with pytest.raises(ValueError, match="cannot be padded to 0 rows"):
+        DecodeBatch([store], rows=0)
     store.drop_window_state()
     with pytest.raises(ValueError, match="replay first"):
         DecodeBatch([store])

@@ -442,37 +442,40 @@ FIVE_LAYERS = preset("tiny").replace(
 
 
 def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
-    """Traced one graph per layer with fullgraph (a graph break is an error): a batch of
-    two at different positions decodes the same greedy tokens as eager, and its table
-    growing by blocks makes no new graph. Traced with aot_eager, which runs the captured
-    graphs without Inductor's code generation (minutes on a 2-core machine; bench/decode.py
-    --compile measures Inductor's)."""
+    """Traced one graph per layer and batch-size bucket with fullgraph (a graph break is
+    an error): three sequences at different positions, ending one after another, decode
+    the same greedy tokens as eager -- padded to a batch of 4, then run as 2 and as 1 --
+    and their tables growing by blocks make no new graph. Traced with aot_eager, which
+    runs the captured graphs without Inductor's code generation (minutes on a 2-core
+    machine; bench/decode.py --compile measures Inductor's)."""
     original = Model.compile_decode
     monkeypatch.setattr(Model, "compile_decode", lambda self: original(self, "aot_eager"))
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    # 5 and 59 tokens: tables of 1 and 4 blocks, then 3 and 7
-    two = [prompts(3)[1], prompts(3)[2]]
-    settings = {"kv_budget": "2MiB", "block_tokens": 16}
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (40, 6, 3)]
+    # 59, 5 and 9 tokens: tables of 4, 1 and 1 blocks; the first grows to 7
+    three = [prompts(3)[2], prompts(3)[1], prompts(3)[0]]
+    settings = {"kv_budget": "2MiB", "block_tokens": 16, "max_num_seqs": 4}
     eager = LLM(FIVE_LAYERS, random_init=True, **settings)
     assert eager.memory_report()["backend"] == {"decode": "eager", "attention": "torch"}
     llm = LLM(FIVE_LAYERS, random_init=True, compile_decode=True, **settings)
     assert llm.memory_report()["backend"]["graphs"] == 0
-    outputs = llm.generate(two, params)
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager.generate(two, params)]
+    outputs = llm.generate(three, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in eager.generate(three, params)]
     backend = llm.memory_report()["backend"]
     assert backend["decode"] == "torch.compile"
-    assert backend["graphs"] == FIVE_LAYERS.n_layers
+    assert backend["batch_buckets"] == [1, 2, 4]
+    assert backend["graphs"] == 3 * FIVE_LAYERS.n_layers  # buckets 4, 2 and 1
     assert backend["compile_seconds"] > 0
     # A second compiled model in the process makes its own graphs, and each layer of
     # either looks only at its own (torch.compile tries a code object's graphs in turn).
     again = LLM(FIVE_LAYERS, random_init=True, compile_decode=True, **settings)
-    assert [o.token_ids for o in again.generate(two, params)] == [o.token_ids for o in outputs]
-    assert again.memory_report()["backend"]["graphs"] == FIVE_LAYERS.n_layers
+    assert [o.token_ids for o in again.generate(three, params)] == (
+        [o.token_ids for o in outputs])
+    assert again.memory_report()["backend"]["graphs"] == 3 * FIVE_LAYERS.n_layers
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     for model in (llm.model, again.model):
         assert [len(_debug_get_cache_entry_list(code)) for code in _layer_codes(model)] == (
-            [1] * FIVE_LAYERS.n_layers)
+            [3] * FIVE_LAYERS.n_layers)
 
 
 def _layer_codes(model: Model) -> list:

@@ -25,9 +25,13 @@ KEY_FLOATS = 1 << 18
 
 
 class DecodeBatch(KVStore):
-    def __init__(self, stores: list[PagedSequenceStore], kernels: bool = False) -> None:
+    def __init__(self, stores: list[PagedSequenceStore], kernels: bool = False,
+                 rows: int | None = None) -> None:
         """kernels: attention and index scores by the Triton kernels (`attend`,
-        `index_scores`)."""
+        `index_scores`). rows: the batch padded to this many rows (a compiled step's
+        batch-size bucket, so that one graph serves every batch up to it). A pad row is
+        a sequence at position 0 with no blocks: it reads and writes the rings' pad slot,
+        its stream entries go to the null block, and its logits are the caller's to drop."""
         if not stores:
             raise ValueError("a decode batch needs at least one sequence")
         pools = stores[0].pools
@@ -40,26 +44,36 @@ class DecodeBatch(KVStore):
                 raise ValueError("a decode batch starts from stores whose streams, partial "
                                  "groups and window rings hold every token (replay first)")
             s.check_room(1)
-        super().__init__(stores[0].config, len(stores), pools.device)
+        rows = len(stores) if rows is None else rows
+        pad = rows - len(stores)
+        if pad < 0:
+            raise ValueError(f"a decode batch of {len(stores)} sequences cannot be padded to "
+                             f"{rows} rows")
+        if pad and stores[0].rings.pad_slot is None:
+            raise ValueError("a padded decode batch needs a cache with a pad slot "
+                             "(PagedCache(pad_slot=True))")
+        super().__init__(stores[0].config, rows, pools.device)
         self.stores, self.pools = stores, pools
         self.kernels = kernels
         self.rings, self.partials = stores[0].rings, stores[0].partials
         dev, null = self.device, pools.null_block
-        lengths = [s.num_tokens for s in stores]  # the new tokens' positions
+        lengths = [s.num_tokens for s in stores] + [0] * pad  # the new tokens' positions
         width = max(len(s.block_table) for s in stores)
+        tables = [s.block_table for s in stores] + [[]] * pad
         self.positions = torch.tensor(lengths, device=dev)  # [B]
-        self.slots = torch.tensor([s.slot for s in stores], device=dev)  # [B]
+        self.slots = torch.tensor([s.slot for s in stores] + [self.rings.pad_slot] * pad,
+                                  device=dev)  # [B]
         self.block_table = torch.tensor(  # [B, max_blocks]
-            [s.block_table + [null] * (width - len(s.block_table)) for s in stores],
-            device=dev)
+            [t + [null] * (width - len(t)) for t in tables], device=dev)
         self.stream_lens = {layer: (self.positions + 1) // r  # [B], this step's entry included
                             for layer, r in pools.ratios.items()}
         # The ids before each new token that Engram hashes (host copies, so the step
         # itself builds nothing from host lists).
         count = self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
+        held = [s.held_ids for s in stores] + [[]] * pad
         self._history = torch.tensor(
-            [[0] * max(0, count - len(s.held_ids)) + s.held_ids[max(0, len(s.held_ids) - count):]
-             if count else [] for s in stores], dtype=torch.long, device=dev)  # [B, count]
+            [[0] * max(0, count - len(ids)) + ids[max(0, len(ids) - count):] if count else []
+             for ids in held], dtype=torch.long, device=dev)  # [B, count]
         # Where each stream layer's new entry goes: its row for the sequences whose token
         # completes a group, row 0 of the null block for the rest.
         self._new_rows = {}
@@ -72,11 +86,10 @@ class DecodeBatch(KVStore):
                                      torch.where(complete, entry % per, 0))
 
     def mark_dynamic(self) -> None:
-        """For a traced step (Model.compile_decode): the batch size and the table's width
-        are symbolic, so that one graph per layer serves every batch. (Not done for an
-        eager step: it would load torch's compiler.)"""
-        for t in (self.positions, self.slots, self.block_table, self._history):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+        """For a traced step (Model.compile_decode): the table's width is symbolic, so
+        that a growing context runs the same graph; the batch size is not (a padded
+        batch's bucket names its graph). (Not done for an eager step: it would load
+        torch's compiler.)"""
         torch._dynamo.maybe_mark_dynamic(self.block_table, 1)
 
     # ---- tokens ----------------------------------------------------------------------
@@ -93,10 +106,11 @@ class DecodeBatch(KVStore):
 
     def append_tokens(self, ids: torch.Tensor | list[list[int]]) -> None:
         rows = ids.tolist() if isinstance(ids, torch.Tensor) else ids
-        if len(rows) != len(self.stores) or any(len(r) != 1 for r in rows):
+        if len(rows) != self.batch_size or any(len(r) != 1 for r in rows):
             raise ValueError(f"a decode batch takes one token for each of its "
-                             f"{len(self.stores)} sequences")
-        for store, (token,) in zip(self.stores, rows, strict=True):
+                             f"{self.batch_size} rows")
+        # A padded batch's pad rows advance nothing.
+        for store, (token,) in zip(self.stores, rows[: len(self.stores)], strict=True):
             store.advance(token)
 
     def recent_ids(self, start: torch.Tensor, count: int) -> torch.Tensor:

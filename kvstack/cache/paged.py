@@ -408,11 +408,13 @@ class PagedCache:
     def __init__(self, config: ModelConfig, kv_budget: int | str, block_tokens: int,
                  max_num_seqs: int, device: torch.device | str = "cpu",
                  prefix_seed: bytes | None = None, host_budget: int = 0,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, pad_slot: bool = False) -> None:
         """prefix_seed: the hash chain's seed (`chain_seed`); None turns prefix caching
         off. host_budget: bytes of host memory that keep cached blocks the device pool
         needs back; disk: the tier below it. Without either, such blocks are dropped and
-        recomputed when asked for again."""
+        recomputed when asked for again. pad_slot: one more window-ring slot, held by no
+        sequence, where the pad rows of a decode batch padded to a batch-size bucket
+        write (a compiled decode step's); it comes out of kv_budget like the others."""
         check_block_tokens(config, block_tokens)
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
@@ -422,11 +424,12 @@ class PagedCache:
         budget = parse_bytes(kv_budget)
         ring_bytes = self.layout.window_bytes_per_sequence
         per_block = block_bytes(self.layout, block_tokens)
-        n_blocks = (budget - max_num_seqs * ring_bytes) // per_block if per_block else 0
+        n_slots = max_num_seqs + pad_slot
+        n_blocks = (budget - n_slots * ring_bytes) // per_block if per_block else 0
         if n_blocks < 1:
             raise ValueError(
-                f"kv_budget of {budget:,} bytes is too small: {max_num_seqs} window-ring "
-                f"slots take {max_num_seqs * ring_bytes:,} bytes and one block of "
+                f"kv_budget of {budget:,} bytes is too small: {n_slots} window-ring "
+                f"slots take {n_slots * ring_bytes:,} bytes and one block of "
                 f"{block_tokens} tokens {per_block:,}"
             )
         self.budget = budget
@@ -439,9 +442,10 @@ class PagedCache:
         # Window state of every sequence that may run at once, one slot each. Partial
         # groups are float32 (design.md section 4) and, like the rings, per sequence; they
         # sit outside kv_budget, which is the packed rows' (report(): partial_group_bytes).
-        self.rings = WindowRings(self.layout, config.window_size, max_num_seqs, device)
-        self.partials = PartialGroups(self.layout, max_num_seqs, device)
-        self.max_num_seqs = max_num_seqs
+        self.rings = WindowRings(self.layout, config.window_size, n_slots, device)
+        self.partials = PartialGroups(self.layout, n_slots, device)
+        self.rings.pad_slot = max_num_seqs if pad_slot else None
+        self.max_num_seqs, self.n_slots = max_num_seqs, n_slots
         self._free_slots = list(range(max_num_seqs))
         self.open: dict[int, tuple[PagedSequenceStore, int]] = {}  # id(store) -> (store, slot)
         self.prefix_seed = prefix_seed
@@ -495,7 +499,7 @@ class PagedCache:
                 warnings.append(f"layer {s.layer} {s.kind} stream stores {entry} B per entry, "
                                 f"the plan for {s.fmt}[{s.width}] is {s.entry_bytes}: it is "
                                 "not in its configured format")
-        ring = self.rings.nbytes // self.max_num_seqs
+        ring = self.rings.nbytes // self.n_slots
         if ring != layout.window_bytes_per_sequence:
             warnings.append(f"window rings take {ring} B per sequence, the plan "
                             f"{layout.window_bytes_per_sequence}")

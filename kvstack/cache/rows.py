@@ -50,6 +50,9 @@ class WindowRings:
                      for r in layout.window_rings}
         self.pos = {layer: torch.full((n_slots, window), -1, dtype=torch.long, device=device)
                     for layer in self.rows}
+        # A slot no sequence holds, where a padded decode batch's pad rows write (None:
+        # none; set by the cache that hands the slots out).
+        self.pad_slot: int | None = None
         # Set where the rings have mirrors on other ranks: the slots emptied from outside a
         # model call, for the mirrors to repeat.
         self.journal: list[slice] | None = None

@@ -72,12 +72,14 @@ class EngineCore:
                 else None)
         self.cache = PagedCache(model.config, config.kv_budget, config.block_tokens,
                                 config.max_num_seqs, model.embed.weight.device, seed,
-                                config.host_budget_bytes, disk_tier)
+                                config.host_budget_bytes, disk_tier,
+                                pad_slot=config.compile_decode)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         if workers is None:
             self.runner = ModelRunner(model, config.replay, config.chunk_size,
-                                      config.compile_decode, config.attention)
+                                      config.compile_decode, config.attention,
+                                      config.max_num_seqs)
         else:
             from kvstack.engine.workers import ParallelRunner
 

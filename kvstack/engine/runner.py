@@ -19,8 +19,11 @@ log = logging.getLogger("kvstack")
 
 class ModelRunner:
     def __init__(self, model: Model, replay: str, chunk_size: int,
-                 compile_decode: bool = False, attention: str = "torch") -> None:
+                 compile_decode: bool = False, attention: str = "torch",
+                 max_num_seqs: int = 1) -> None:
         self.model, self.replay, self.chunk_size = model, replay, chunk_size
+        # A compiled step pads its batch to the next bucket: one static graph per bucket.
+        self.buckets = decode_buckets(max_num_seqs) if compile_decode else []
         self.device = model.embed.weight.device
         self.replayed_tokens = 0  # tokens re-run to rebuild window state, since start
         self.compiled = compile_decode
@@ -30,7 +33,8 @@ class ModelRunner:
         if compile_decode:
             model.compile_decode()
         log.info("kvstack decode: %s, attention by %s", "torch.compile (inductor, one graph "
-                 "per layer, compiled on the first decode step)" if compile_decode
+                 f"per layer and batch-size bucket {self.buckets}, each compiled on its "
+                 "first decode step)" if compile_decode
                  else "eager torch", "the Triton kernel" if self.attention == "triton"
                  else "torch")
 
@@ -67,26 +71,37 @@ class ModelRunner:
     def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:
         """One decode step of `tokens` (one per store) as one `DecodeBatch`, the step's
         plan over the block pools: logits [B, V]."""
-        batch = DecodeBatch(stores, self.attention == "triton")
+        kernels = self.attention == "triton"
         if not self.compiled:
-            return self.model.decode(tokens, batch)
+            return self.model.decode(tokens, DecodeBatch(stores, kernels))
+        rows = next(b for b in self.buckets if b >= len(stores))
+        batch = DecodeBatch(stores, kernels, rows)
         batch.mark_dynamic()
         graphs, started = _graphs(), time.perf_counter()
-        logits = self.model.decode(tokens, batch)
+        logits = self.model.decode(tokens + [0] * (rows - len(stores)), batch)
         if _graphs() > graphs:
             spent = time.perf_counter() - started
             self.compile_seconds += spent
             self.compiled_graphs += _graphs() - graphs
-            log.info("kvstack decode: compiled %d graph(s) for a batch of %d in %.1f s",
-                     _graphs() - graphs, len(stores), spent)
-        return logits
+            log.info("kvstack decode: compiled %d graph(s) for a batch of %d (bucket %d) in "
+                     "%.1f s", _graphs() - graphs, len(stores), rows, spent)
+        return logits[: len(stores)]
 
     def backend(self) -> dict[str, Any]:
         """What runs a decode step, and what compiling it has cost so far."""
         if not self.compiled:
             return {"decode": "eager", "attention": self.attention}
         return {"decode": "torch.compile", "attention": self.attention,
-                "graphs": self.compiled_graphs, "compile_seconds": round(self.compile_seconds, 3)}
+                "graphs": self.compiled_graphs, "compile_seconds": round(self.compile_seconds, 3),
+                "batch_buckets": self.buckets}
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes a compiled step is padded to: powers of two below max_num_seqs,
+    then max_num_seqs (a batch pads to at most twice its size, and a server that runs
+    up to max_num_seqs compiles at most log2 of it + 1 graphs per layer)."""
+    return [1 << i for i in range(max(0, max_num_seqs - 1).bit_length())
+            if 1 << i < max_num_seqs] + [max_num_seqs]
 
 
 def _attention_backend(choice: str, model: Model, device: torch.device,

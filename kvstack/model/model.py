@@ -1074,12 +1074,12 @@ class Model(nn.Module):
     def compile_decode(self, backend: str = "inductor") -> None:
         """Run decode steps through torch.compile, one graph per layer (fullgraph: a
         graph break is an error, never a silent fall back to eager). Prefill and replay
-        stay eager. A layer compiles on its first decode step; the table's width is
-        symbolic, so a growing context compiles again only when its streams need another
-        KEY_CHUNK of index keys, and a batch size compiles again where the MoE changes
-        how it runs (below: gathering the chosen experts or running them all). The traced
-        MoE indexes the experts' float weights, so a checkpoint's packed experts are
-        refused."""
+        stay eager. A layer compiles on its first decode step of each batch size; the
+        engine pads a batch to a few bucket sizes, so those are all it sees. Shapes are
+        static but for the table's width (DecodeBatch.mark_dynamic), so a growing context
+        compiles again only when its streams need another KEY_CHUNK of index keys. The
+        traced MoE indexes the experts' float weights, so a checkpoint's packed experts
+        are refused."""
         if self.shard is not None:
             raise ValueError("compiled decode runs in one process; a sharded model decodes "
                              "eager (its collectives are outside the traced graphs)")
@@ -1094,14 +1094,19 @@ class Model(nn.Module):
         # a second model's step took 1.7x what it takes on its own code (18.9 against
         # 11.4 ms, one thread, the decode benchmark's model). Each layer runs its own copy of the
         # code instead, with only its own graphs (one per batch-size bucket) to look at.
-        # A layer's graphs are a handful (batch 1, larger batches, the MoE's two ways, a
-        # table of one block or more, a pool below or above its stream): room for more, and
-        # running out of it fails rather than falling back to eager in silence.
+        # A layer's graphs are a handful per batch-size bucket (a table of one block or
+        # more, a pool below or above its stream): room for more, and running out of it
+        # fails rather than falling back to eager in silence.
+        # dynamic=False: no automatic dynamic shapes. Once a layer has seen two batch
+        # sizes, torch would otherwise trace the batch dimension as a symbol everywhere,
+        # and that graph ran batch 32 at 1.37x the time of one traced for its size (115.5
+        # against 84.4 ms a step at 2K, after batch 1, one thread, the decode benchmark's
+        # model).
         dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, 32)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         dynamo.fail_on_recompile_limit_hit = True
         self._compiled_layers = [torch.compile(_own_forward(block), fullgraph=True,
-                                               backend=backend)
+                                               dynamic=False, backend=backend)
                                  for block in self.layers]
 
     def _run(self, s: TokenStates, start: int | torch.Tensor, store: KVStore, layers: range,
