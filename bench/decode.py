@@ -819,8 +819,9 @@ def main() -> None:
     render_floor(console, rows, bandwidth)
     if compiled_llm is not None:
         console.print(f"(a') = (a) with compile_decode=True: torch.compile (Inductor), one "
-                      f"graph per layer, compiled in {compiled_llm.runner.compile_seconds:.0f} "
-                      "s over the warm-up steps (not timed)")
+                      "graph per batch-size bucket, compiled in "
+                      f"{compiled_llm.runner.compile_seconds:.0f} s over the warm-up steps "
+                      "(not timed)")
     for line in skipped:
         console.print(line, markup=False)  # "[bench]" is not rich markup
     if args.batches is not None:

@@ -867,8 +867,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch threads (default: half the cores, at most 8: all of them "
                         "collapse on a busy machine)")
     p.add_argument("--compile", action="store_true",
-                   help="run decode steps through torch.compile, one graph per layer: "
-                        "minutes to compile on the first step on a small CPU, faster after")
+                   help="run decode steps through torch.compile, one graph per batch-size "
+                        "bucket: minutes to compile on a bucket's first step on a small CPU, "
+                        "faster after")
     p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
                    help="a decode step's attention: the Triton kernel over the packed rows "
                         "(CUDA), torch, or auto (Triton on CUDA when installed)")

@@ -79,8 +79,8 @@ class EngineConfig:
     max_model_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
     threads: int | None = None  # torch intra-op threads; None: default_threads()
     numerics: str = "default"  # one of kvstack.config.NUMERICS
-    # Decode steps through torch.compile, one graph per layer: minutes to compile on the
-    # first step on a small CPU, faster steps after (Model.compile_decode).
+    # Decode steps through torch.compile, one graph per batch-size bucket: minutes to
+    # compile on a bucket's first step on a small CPU, faster steps after (Model.compile_decode).
     compile_decode: bool = False
     # ATTENTION_BACKENDS: auto is triton on CUDA when it is installed and the cache
     # formats are the kernel's (kvstack.cache.kernels), torch elsewhere.

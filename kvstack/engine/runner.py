@@ -33,7 +33,7 @@ class ModelRunner:
         if compile_decode:
             model.compile_decode()
         log.info("kvstack decode: %s, attention by %s", "torch.compile (inductor, one graph "
-                 f"per layer and batch-size bucket {self.buckets}, each compiled on its "
+                 f"per batch-size bucket {self.buckets}, each compiled on its "
                  "first decode step)" if compile_decode
                  else "eager torch", "the Triton kernel" if self.attention == "triton"
                  else "torch")
@@ -99,7 +99,7 @@ class ModelRunner:
 def decode_buckets(max_num_seqs: int) -> list[int]:
     """The batch sizes a compiled step is padded to: powers of two below max_num_seqs,
     then max_num_seqs (a batch pads to at most twice its size, and a server that runs
-    up to max_num_seqs compiles at most log2 of it + 1 graphs per layer)."""
+    up to max_num_seqs compiles at most log2 of it + 1 step graphs)."""
     return [1 << i for i in range(max(0, max_num_seqs - 1).bit_length())
             if 1 << i < max_num_seqs] + [max_num_seqs]
 

@@ -993,7 +993,7 @@ class Model(nn.Module):
         # fingerprint then needs no pass over the tensors.
         self.checkpoint_digest: str | None = None
         self.checkpoint_report = None  # kvstack.model.checkpoint.CheckpointReport, if loaded
-        self._compiled_layers: list[Callable[..., TokenStates]] | None = None  # compile_decode
+        self._compiled_step: Callable[..., TokenStates] | None = None  # compile_decode
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -1072,14 +1072,14 @@ class Model(nn.Module):
         return self.shard.all_reduce(x)
 
     def compile_decode(self, backend: str = "inductor") -> None:
-        """Run decode steps through torch.compile, one graph per layer (fullgraph: a
+        """Run decode steps through torch.compile, every layer in one graph (fullgraph: a
         graph break is an error, never a silent fall back to eager). Prefill and replay
-        stay eager. A layer compiles on its first decode step of each batch size; the
-        engine pads a batch to a few bucket sizes, so those are all it sees. Shapes are
-        static but for the table's width (DecodeBatch.mark_dynamic), so a growing context
-        compiles again only when its streams need another KEY_CHUNK of index keys. The
-        traced MoE indexes the experts' float weights, so a checkpoint's packed experts
-        are refused."""
+        stay eager. The step compiles on its first decode of each batch size; the engine
+        pads a batch to a few bucket sizes, so those are all it sees. Shapes are static
+        but for the table's width (DecodeBatch.mark_dynamic), so a growing context
+        compiles again only where a layer changes how it runs (a table of one block or
+        more, a Reindex layer's stream outgrowing its pool). The traced MoE indexes the
+        experts' float weights, so a checkpoint's packed experts are refused."""
         if self.shard is not None:
             raise ValueError("compiled decode runs in one process; a sharded model decodes "
                              "eager (its collectives are outside the traced graphs)")
@@ -1088,35 +1088,42 @@ class Model(nn.Module):
                              "this model's experts are packed (a V4.1 checkpoint's FP4): "
                              "decode it eager")
         # torch.compile keeps a function's graphs on its code object and tries each one's
-        # guards in turn on every call. Every layer of every model shares Block.forward's
-        # code, so a decode step walked all the graphs of its earlier layers (and of every
-        # other model this process compiled) before finding its own: measured at batch 1,
-        # a second model's step took 1.7x what it takes on its own code (18.9 against
-        # 11.4 ms, one thread, the decode benchmark's model). Each layer runs its own copy of the
-        # code instead, with only its own graphs (one per batch-size bucket) to look at.
-        # A layer's graphs are a handful per batch-size bucket (a table of one block or
-        # more, a pool below or above its stream): room for more, and running out of it
-        # fails rather than falling back to eager in silence.
-        # dynamic=False: no automatic dynamic shapes. Once a layer has seen two batch
+        # guards in turn on every call; each call's guards re-check the store, the config
+        # and the parameters. So the whole step is one graph per batch-size bucket, traced
+        # from this model's own copy of `_decode_layers`' code: one guard check a step
+        # (once per layer they cost 13 % of a batch-1 step), and no walk past another
+        # model's graphs (when every layer of every model shared Block.forward's code, a
+        # second model's batch-1 step took 1.7x what it takes on its own code: 18.9
+        # against 11.4 ms, one thread, the decode benchmark's model). A step's graphs are
+        # a handful per bucket: room for more, and running out of it fails rather than
+        # falling back to eager in silence.
+        # dynamic=False: no automatic dynamic shapes. Once a step has seen two batch
         # sizes, torch would otherwise trace the batch dimension as a symbol everywhere,
         # and that graph ran batch 32 at 1.37x the time of one traced for its size (115.5
-        # against 84.4 ms a step at 2K, after batch 1, one thread, the decode benchmark's
-        # model).
+        # against 84.4 ms a step at 2K, after batch 1, one thread, the same model).
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         dynamo.fail_on_recompile_limit_hit = True
-        self._compiled_layers = [torch.compile(_own_forward(block), fullgraph=True,
-                                               dynamic=False, backend=backend)
-                                 for block in self.layers]
+        fn = Model._decode_layers
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                 fn.__defaults__, fn.__closure__)
+        self._compiled_step = torch.compile(types.MethodType(own, self), fullgraph=True,
+                                            dynamic=False, backend=backend)
+
+    def _decode_layers(self, s: TokenStates, start: torch.Tensor,
+                       store: KVStore) -> TokenStates:
+        """Every layer over a decode step's one token per sequence (what compile_decode
+        traces as one graph)."""
+        ctx = StepContext()
+        for block in self.layers:
+            s = block(s, start, store, ctx)
+        return s
 
     def _run(self, s: TokenStates, start: int | torch.Tensor, store: KVStore, layers: range,
              ctx: StepContext | None = None) -> TokenStates:
         ctx = ctx or StepContext()
-        # A decode step (per-sequence starts) runs the compiled layers, if any.
-        compiled = self._compiled_layers is not None and isinstance(start, torch.Tensor)
-        run = self._compiled_layers if compiled else self.layers
         for i in layers:
-            s = run[i](s, start, store, ctx)
+            s = self.layers[i](s, start, store, ctx)
         return s
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -1232,7 +1239,12 @@ class Model(nn.Module):
         self._check_room(cache, ids)
         start = cache.start_positions()
         cache.append_tokens(appended)
-        s = self._run(self._states(ids, start, cache), start, cache, range(self.config.n_layers))
+        s = self._states(ids, start, cache)
+        # A decode batch (per-sequence starts) runs the compiled step, if any.
+        if self._compiled_step is not None and isinstance(start, torch.Tensor):
+            s = self._compiled_step(s, start, cache)
+        else:
+            s = self._run(s, start, cache, range(self.config.n_layers))
         return self._logits(s)[:, 0]
 
     @torch.no_grad()
@@ -1306,15 +1318,6 @@ class Model(nn.Module):
         from kvstack.model.checkpoint import load_pretrained
 
         return load_pretrained(Path(directory), torch.device(device), numerics)
-
-
-def _own_forward(block: Block) -> Callable[..., TokenStates]:
-    """block.forward bound to a fresh copy of its code object: torch.compile then keeps
-    this block's graphs apart from every other block's."""
-    fn = Block.forward
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                             fn.__defaults__, fn.__closure__)
-    return types.MethodType(own, block)
 
 
 def _engram_hash(config: ModelConfig, token_map: torch.Tensor | None) -> EngramHash:
