@@ -224,16 +224,22 @@ class DecodeBatch(KVStore):
 def stream_rows(pool: torch.Tensor, block_table: torch.Tensor, held: torch.Tensor,
                 start: int, stop: int) -> torch.Tensor:
     """Packed rows start..stop-1 of each sequence's stream, [B, stop - start, bytes], from
-    pool [blocks, entries per block, bytes] through block_table [B, max_blocks]: whole
-    blocks, one copy each rather than an index per entry. Rows at or past a sequence's
-    own count (held [B]) read as the null block's zeros."""
+    pool [blocks, entries per block, bytes] through block_table [B, max_blocks]. Rows at
+    or past a sequence's own count (held [B]) read as the null block's zeros."""
+    rows = _table_rows(pool, block_table, start, stop)
+    inside = torch.arange(start, stop, device=pool.device) < held[:, None]
+    return rows * inside[..., None]  # (a product: where() is 7x slower on a CPU)
+
+
+def _table_rows(pool: torch.Tensor, block_table: torch.Tensor, start: int,
+                stop: int) -> torch.Tensor:
+    """Packed rows start..stop-1 through the table as they are, [B, stop - start, bytes]:
+    whole blocks, one copy each rather than an index per entry."""
     per = pool.shape[1]
     first = start // per
     blocks = block_table[:, first : -(-stop // per)]  # [B, blocks]
-    rows = pool.index_select(0, blocks.flatten()).view(
+    return pool.index_select(0, blocks.flatten()).view(
         block_table.shape[0], -1, pool.shape[-1])[:, start - first * per : stop - first * per]
-    inside = torch.arange(start, stop, device=pool.device) < held[:, None]
-    return rows * inside[..., None]  # (a product: where() is 7x slower on a CPU)
 
 
 def score_index_keys(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
@@ -259,8 +265,10 @@ def _scores(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: t
     held = (positions + 1) // ratio  # [B], this step's entry included
     chunk = max(per, KEY_FLOATS // (b * width) // per * per)  # whole blocks
     parts = []
+    # Rows past a sequence's entries are scored as they are (whatever they hold, even
+    # NaN scales) and masked after: an entry's score depends on its own key alone.
     for start in range(0, n_entries, chunk):
-        rows = stream_rows(pool, block_table, held, start, min(start + chunk, n_entries))
+        rows = _table_rows(pool, block_table, start, min(start + chunk, n_entries))
         keys = dequantize(unpack_rows(rows, fmt, width))  # [B, K, Di]
         parts.append(torch.bmm(torch.bmm(keys, q.float().transpose(1, 2)).relu_(),
                                w.float()[:, :, None])[..., 0])  # [B, K]

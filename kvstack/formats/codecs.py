@@ -67,7 +67,7 @@ def _lookup(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     row_shape = table.shape[1:]
     if rows.dim() > 1:  # the pairs table: each row is 8 bytes, one int64
         rows = rows.contiguous().view(torch.int64).flatten()
-    picked = rows.index_select(0, codes.flatten().to(torch.int32))
+    picked = rows.index_select(0, codes.to(torch.int32).flatten())  # one pass, if strided
     return picked.view(table.dtype).view(*codes.shape, *row_shape)
 
 
