@@ -18,10 +18,13 @@ from kvstack.cache.paged import PagedSequenceStore
 from kvstack.cache.store import KVStore
 from kvstack.formats import dequantize, unpack_rows
 
-# Index keys dequantised at once by `score_index_keys`, over the whole batch (1 MiB of
+# Index keys dequantised at once by `score_index_keys`, over the whole batch (2 MiB of
 # float32): they are then still in a CPU's cache when the matmul reads them, where 4,096
-# keys of 32 sequences (32 MiB) would go out to memory and back.
-KEY_FLOATS = 1 << 18
+# keys of 32 sequences (32 MiB) would go out to memory and back. On the bench model's
+# shapes (32 sequences of 512 or 1,024 entries, 1 or 8 of 1,024 to 16,384) 1 MiB chunks
+# scored 10-20 % slower, in twice the ops, and 4 MiB ones up to 3.7x slower at the
+# largest (one chunk of 16 MiB and more in flight).
+KEY_FLOATS = 1 << 19
 
 
 class DecodeBatch(KVStore):
@@ -127,6 +130,16 @@ class DecodeBatch(KVStore):
     def write_window(self, layer: int, entries: torch.Tensor,
                      start: int | torch.Tensor) -> torch.Tensor:
         return self.rings.write_at(layer, self.slots, entries, self.positions)
+
+    def attend_window(self, layer: int, entries: torch.Tensor,
+                      start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new entries written, then the ring read from the row after each: the last
+        window_size positions, the new one last ([B, window, D], [B, window]). Read
+        before the write instead, a traced step copies each ring whole twice (Inductor
+        cannot write into a tensor a pending read still needs): 4.5 MB and 3.7 ms of a
+        batch-32 step on the decode benchmark's model."""
+        self.rings.write_at(layer, self.slots, entries, self.positions)
+        return self.rings.read_at(layer, self.slots, self.positions + 1)
 
     # ---- streams -----------------------------------------------------------------------
     def stream_len(self, layer: int) -> int:
@@ -236,10 +249,12 @@ def _table_rows(pool: torch.Tensor, block_table: torch.Tensor, start: int,
     """Packed rows start..stop-1 through the table as they are, [B, stop - start, bytes]:
     whole blocks, one copy each rather than an index per entry."""
     per = pool.shape[1]
-    first = start // per
-    blocks = block_table[:, first : -(-stop // per)]  # [B, blocks]
-    return pool.index_select(0, blocks.flatten()).view(
-        block_table.shape[0], -1, pool.shape[-1])[:, start - first * per : stop - first * per]
+    first, end = start // per, -(-stop // per)
+    rows = pool.index_select(0, block_table[:, first:end].flatten()).view(
+        block_table.shape[0], -1, pool.shape[-1])  # [B, whole blocks' entries, bytes]
+    if start == first * per and stop == end * per:
+        return rows
+    return rows[:, start - first * per : stop - first * per]
 
 
 def score_index_keys(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
@@ -264,17 +279,20 @@ def _scores(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: t
     b, per = q.shape[0], pool.shape[1]
     held = (positions + 1) // ratio  # [B], this step's entry included
     chunk = max(per, KEY_FLOATS // (b * width) // per * per)  # whole blocks
+    q_t, w_col = q.float().transpose(1, 2), w.float()[:, :, None]  # [B, Di, Hi], [B, Hi, 1]
     parts = []
     # Rows past a sequence's entries are scored as they are (whatever they hold, even
     # NaN scales) and masked after: an entry's score depends on its own key alone.
     for start in range(0, n_entries, chunk):
         rows = _table_rows(pool, block_table, start, min(start + chunk, n_entries))
         keys = dequantize(unpack_rows(rows, fmt, width))  # [B, K, Di]
-        parts.append(torch.bmm(torch.bmm(keys, q.float().transpose(1, 2)).relu_(),
-                               w.float()[:, :, None])[..., 0])  # [B, K]
-    scores = torch.cat(parts, dim=1) if parts else q.new_zeros(b, 0)
+        parts.append(torch.bmm(torch.bmm(keys, q_t).relu_(), w_col).view(b, -1))  # [B, K]
+    if len(parts) == 1:
+        scores = parts[0]
+    else:
+        scores = torch.cat(parts, dim=1) if parts else q.new_zeros(b, 0, dtype=torch.float32)
     visible = torch.arange(n_entries, device=q.device) < held[:, None]
-    return scores.masked_fill(~visible, float("-inf"))
+    return scores.masked_fill_(~visible, float("-inf"))
 
 
 @torch.library.custom_op("kvstack::score_index_keys", mutates_args=())

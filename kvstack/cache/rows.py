@@ -86,10 +86,12 @@ class WindowRings:
 
     # ---- one token per slot at per-slot positions (a decode batch) ---------------------
     def read_at(self, layer: int, slots: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rings of slots [B] before writing positions [B]: entries [B, window, D] and
-        their positions [B, window], oldest first, rows never written at ABSENT."""
-        order = (positions[:, None] + torch.arange(self.window, device=slots.device)) % self.window
+                oldest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rings of slots [B], each read from the row that position oldest [B] maps
+        to: entries [B, window, D] and their positions [B, window], rows never written at
+        ABSENT. Before positions p are written, oldest = p reads the rings oldest first;
+        after, oldest = p + 1 does, ending with p."""
+        order = (oldest[:, None] + torch.arange(self.window, device=slots.device)) % self.window
         ring = self.rows[layer]
         rows = ring.data[slots[:, None], order]  # [B, window, bytes]
         pos = self.pos[layer][slots[:, None], order]

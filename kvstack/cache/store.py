@@ -79,6 +79,20 @@ class KVStore(ABC):
         """Write entries [B, n, head_dim] at positions start..start+n-1 (start per sequence
         when it is a tensor [B]), keeping the last window_size; return the stored values."""
 
+    def attend_window(self, layer: int, entries: torch.Tensor,
+                      start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write entries [B, n, head_dim] (write_window) and return what their queries
+        attend over in the ring: the rows before them and the entries as stored [B, m + n,
+        head_dim], and their positions [B, m + n]. Rows too old for a query are the
+        attention's to mask by position."""
+        b, n = entries.shape[:2]
+        past, past_positions = self.window(layer)
+        stored = self.write_window(layer, entries, start)
+        steps = torch.arange(n, device=entries.device)
+        positions = start[:, None] + steps if isinstance(start, torch.Tensor) else start + steps
+        return (torch.cat((past.type_as(entries), stored), 1),
+                torch.cat((past_positions.expand(b, -1), positions.expand(b, -1)), 1))
+
     # ---- streams (persistent, one entry per `ratio` tokens) ---------------------------
     # A layer's streams are the kinds of CacheLayout.streams for that layer: "kv" and
     # "index" for a kv source, "k" and "v" for each layer of the dense control. They grow

@@ -88,11 +88,11 @@ def dequantize(q: Quantized) -> torch.Tensor:
     f = get_format(q.fmt)
     if f.element == "bf16":
         return q.codes.contiguous().view(torch.bfloat16).to(torch.float32)
+    # The lookups hand back contiguous values, so these reshapes are views.
     values = e2m1_decode_packed(q.codes) if f.element == "e2m1" else e4m3_decode(q.codes)
-    n_blocks = q.scales.shape[-1]
-    values = values.reshape(*q.scales.shape, f.block)
+    values = values.view(*q.scales.shape, f.block)
     scale = e4m3_decode(q.scales) if f.scale == "e4m3" else ue8m0_decode(q.scales)
-    return (values * scale.unsqueeze(-1)).reshape(*q.scales.shape[:-1], n_blocks * f.block)
+    return (values * scale[..., None]).flatten(-2)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, check: bool = True) -> torch.Tensor:

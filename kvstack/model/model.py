@@ -690,11 +690,7 @@ class Attention(nn.Module):
         if kernel:
             store.write_window(spec.index, window, start)
         else:
-            past, past_positions = store.window(spec.index)
-            window = torch.cat((past.type_as(window),
-                                store.write_window(spec.index, window, start)), 1)
-            window_positions = torch.cat((past_positions.expand(b, -1),
-                                          positions.expand(b, -1)), dim=1)  # [B, m + n]
+            window, window_positions = store.attend_window(spec.index, window, start)
 
         if self.compressor is not None:
             self.compressor(x, start, store)
