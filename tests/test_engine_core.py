@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvstack import LLM, EngineConfig, EngineError, SamplingParams
+from kvstack.cache import rows as rows_module
 from kvstack.config import preset
 from kvstack.engine.output import Detokenizer
 from kvstack.engine.tokenizer import ByteTokenizer, JsonTokenizer
@@ -467,7 +468,9 @@ def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
     assert backend["graphs"] == 3  # buckets 4, 2 and 1
     assert backend["compile_seconds"] > 0
     # A second compiled model in the process makes its own graphs, and each model's step
-    # looks only at its own (torch.compile tries a code object's graphs in turn).
+    # looks only at its own (torch.compile tries a code object's graphs in turn). It
+    # reads every ring and gathered row through the opaque op a large batch uses.
+    monkeypatch.setattr(rows_module, "OPAQUE_READ_ROWS", 1)
     again = LLM(FIVE_LAYERS, random_init=True, compile_decode=True, **settings)
     assert [o.token_ids for o in again.generate(three, params)] == (
         [o.token_ids for o in outputs])
@@ -477,6 +480,29 @@ def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
     codes = [_step_code(m) for m in (llm.model, again.model)]
     assert codes[0] is not codes[1]
     assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [3, 3]
+
+
+def test_a_traced_read_of_packed_rows_equals_the_eager_one(monkeypatch):
+    """A large read is one opaque op to a traced step, a small one the graph's own code;
+    both give what the eager read gives."""
+    g = torch.Generator().manual_seed(0)
+    packed = rows_module.PackedRows("fp4_e4m3_16", 32, (6, 4), torch.device("cpu"))
+    packed.data.copy_(packed.pack(torch.randn(6, 4, 32, generator=g))[0])
+    index = torch.tensor([[23, 0, 5], [5, 17, 9]])  # rows counted over [6, 4] as one
+    eager = packed.read_at(index)
+    assert eager.shape == (2, 3, 32)
+    assert torch.equal(eager[1, 1], packed.read(packed.data[4, 1]))
+    graphs = []
+
+    def keep_graph(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    for opaque_from, opaque in ((1, True), (1024, False)):
+        monkeypatch.setattr(rows_module, "OPAQUE_READ_ROWS", opaque_from)
+        traced = torch.compile(packed.read_at, fullgraph=True, backend=keep_graph)
+        assert torch.equal(traced(index), eager)
+        assert ("kvstack.read_rows" in graphs[-1]) is opaque
 
 
 def _step_code(model: Model) -> types.CodeType:

@@ -163,15 +163,15 @@ class DecodeBatch(KVStore):
             stored[kind] = values[:, None]
         return stored
 
-    def _rows(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
-        """Packed rows of entries [B, ...] of each sequence (the null block's first row
-        where a sequence holds no such entry)."""
+    def _row_index(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
+        """Where entries [B, ...] of each sequence lie in the pool's rows, counted over
+        its blocks' entries as one (the null block's first row where a sequence holds no
+        such entry)."""
         per = self.pools.entries_per_block[layer, kind]
         b = entries.shape[0]
         held = entries < self.stream_lens[layer].view(b, *(1,) * (entries.dim() - 1))
         block = self.block_table.gather(1, (entries // per).reshape(b, -1)).view_as(entries)
-        block = torch.where(held, block, self.pools.null_block)
-        return self.pools.rows[layer, kind].data[block, torch.where(held, entries % per, 0)]
+        return torch.where(held, block * per + entries % per, self.pools.null_block * per)
 
     def read_stream(self, layer: int, kind: str, start: int, stop: int) -> torch.Tensor:
         pool = self.pools.rows[layer, kind]
@@ -180,7 +180,7 @@ class DecodeBatch(KVStore):
 
     def gather_stream(self, layer: int, kind: str, entries: torch.Tensor) -> torch.Tensor:
         # Only the selected rows are read and dequantised.
-        return self.pools.rows[layer, kind].read(self._rows(layer, kind, entries))
+        return self.pools.rows[layer, kind].read_at(self._row_index(layer, kind, entries))
 
     # ---- partial groups ----------------------------------------------------------------
     def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,9 +32,45 @@ class PackedRows:
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         return dequantize(unpack_rows(rows, self.fmt, self.width))
 
+    def read_at(self, index: torch.Tensor) -> torch.Tensor:
+        """The values of the rows at index (int64, rows counted over the buffer's leading
+        dims as one): [*index.shape, width]."""
+        if torch.compiler.is_compiling() and index.numel() >= OPAQUE_READ_ROWS:
+            return _read_rows_op(self.data, index, self.fmt, self.width)
+        return self.read(_rows_at(self.data, index))
+
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def _rows_at(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of a buffer [..., bytes] at index, counted over its leading dims as one:
+    [*index.shape, bytes] (one 1-D index_select, the fastest gather on a CPU)."""
+    n_bytes = data.shape[-1]
+    rows = data.view(-1, n_bytes).index_select(0, index.reshape(-1))
+    return rows.view(*index.shape, n_bytes)
+
+
+# A read of this many rows or more is one opaque op to a traced step: Inductor's own code
+# for the gather and the codecs' table lookups runs element by element on a CPU, slower
+# per row than torch's index_select (a batch-32 step of the decode benchmark's model at 2K,
+# whose reads are 2,048 to 16,384 rows, took 58.7 ms with them opaque against 65.4 ms in
+# the graph, one thread), but an opaque op costs ~0.1 ms a call to dispatch (a batch-1
+# step at 4K, reads of 64 to 512 rows, took 12.9 ms with them all opaque against 8.6).
+# (Eager calls it directly: a custom op's first call loads torch's compiler.)
+OPAQUE_READ_ROWS = 1024
+
+
+@torch.library.custom_op("kvstack::read_rows", mutates_args=())
+def _read_rows_op(data: torch.Tensor, index: torch.Tensor, fmt: str,
+                  width: int) -> torch.Tensor:
+    return dequantize(unpack_rows(_rows_at(data, index), fmt, width))
+
+
+@_read_rows_op.register_fake
+def _(data: torch.Tensor, index: torch.Tensor, fmt: str, width: int) -> torch.Tensor:
+    return data.new_empty(*index.shape, width, dtype=torch.float32)
 
 
 class WindowRings:
@@ -92,10 +128,9 @@ class WindowRings:
         ABSENT. Before positions p are written, oldest = p reads the rings oldest first;
         after, oldest = p + 1 does, ending with p."""
         order = (oldest[:, None] + torch.arange(self.window, device=slots.device)) % self.window
-        ring = self.rows[layer]
-        rows = ring.data[slots[:, None], order]  # [B, window, bytes]
         pos = self.pos[layer][slots[:, None], order]
-        return ring.read(rows), torch.where(pos >= 0, pos, ABSENT)
+        rows = self.rows[layer].read_at(slots[:, None] * self.window + order)  # [B, window, D]
+        return rows, torch.where(pos >= 0, pos, ABSENT)
 
     def write_at(self, layer: int, slots: torch.Tensor, entries: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
