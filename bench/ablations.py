@@ -209,16 +209,17 @@ def speed(args: argparse.Namespace) -> None:
     random weights (a step's cost does not depend on them) and a cache filled through its
     real write path (bench/decode.py), each round timing every model once, so that the
     machine's drift falls on all of them alike."""
+    from contextlib import ExitStack
+
     import torch
-    from decode import engine, measure_engine  # bench/ is on the path
+    from decode import engine, engine_step, time_interleaved  # bench/ is on the path
 
     torch.set_num_threads(1)
-    best: dict[str, float] = {}
-    for _ in range(DECODE_ROUNDS):
-        for recipe in RECIPES:
-            llm = engine(recipe.config(), DECODE_CONTEXT + 64)
-            tok_s = measure_engine(llm, DECODE_CONTEXT, steps=16, repeat=1).tok_s
-            best[recipe.name] = max(best.get(recipe.name, 0.0), tok_s)
+    with ExitStack() as open_steps:
+        systems = {recipe.name: open_steps.enter_context(
+            engine_step(engine(recipe.config(), DECODE_CONTEXT + 64), DECODE_CONTEXT))
+            for recipe in RECIPES}
+        best = time_interleaved(systems, steps=16, repeat=DECODE_ROUNDS)
     args.results.mkdir(parents=True, exist_ok=True)
     out = {"context": DECODE_CONTEXT, "batch": 1, "threads": 1, "rounds": DECODE_ROUNDS,
            "tok_s": best}

@@ -17,8 +17,11 @@ a decode step's cost depends on how much cache it reads, not on what the values 
 
 The numbers that matter are the ratios measured in the same run, (a)/(b) and (a)/(c) for
 tokens/s and (b)/(a), (c)/(a) for bytes per token, because the machines are shared and
-noisy: absolute tokens/s drift between runs, the ratios much less. transformers and
-matplotlib come with the `bench` extra; without transformers, (c) is skipped.
+noisy: absolute tokens/s drift between runs, the ratios much less. So that the drift
+within a run falls on every system alike, the systems take turns: each of `--repeat`
+rounds times every system for `--steps` steps, and each system keeps its best round.
+transformers and matplotlib come with the `bench` extra; without transformers, (c) is
+skipped.
 
 With `--batches B [B ...]` it also decodes a batch of B sequences at once, each with
 `--batch-context` tokens of context (default 2048), for every B given, and reports the total
@@ -46,7 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -169,18 +172,25 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def time_decode(step: Callable[[], None], steps: int, repeat: int) -> float:
-    """Decode tokens/s: warm-up steps first (lazy initialisation, allocator growth), then
-    the best of `repeat` runs of `steps` steps (the least disturbed run)."""
-    for _ in range(WARMUP_STEPS):
-        step()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(steps):
+def time_interleaved(systems: dict[str, Callable[[], None]], steps: int,
+                     repeat: int) -> dict[str, float]:
+    """Decode steps/s of each system: warm-up steps of each first (lazy initialisation,
+    allocator growth, a compiled step's compile), then `repeat` rounds in which each system
+    runs `steps` steps in turn, and each system's best round (its least disturbed one).
+    Interleaved, a change in the machine's load between rounds reaches every system alike:
+    timed one after another, each system had its own stretch of a shared machine, and a
+    peer's figure moved by a third between runs while the ratio rode on it."""
+    for step in systems.values():
+        for _ in range(WARMUP_STEPS):
             step()
-        best = min(best, time.perf_counter() - start)
-    return steps / best
+    best = dict.fromkeys(systems, float("inf"))
+    for _ in range(repeat):
+        for name, step in systems.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: steps / seconds for name, seconds in best.items()}
 
 
 @contextmanager
@@ -253,37 +263,17 @@ def fill(store: PagedSequenceStore, config: ModelConfig, context: int,
     return ids[0].tolist()
 
 
-def measure_engine(llm: LLM, context: int, steps: int, repeat: int) -> Measured:
-    store = llm.cache.open_sequence()
-    try:
-        ids = fill(store, llm.config, context, torch.Generator().manual_seed(context))
-        greedy = SamplingParams(temperature=0, ignore_eos=True)
-        # ModelRunner.decode feeds output_ids[-1]: seed it with the context's last token.
-        seq = Sequence("bench", ids, greedy, output_ids=[ids[-1]], store=store)
-
-        def step() -> None:
-            if not store.reserve(seq.num_tokens):
-                raise RuntimeError("the cache pools are full")
-            seq.output_ids.append(llm.runner.decode([seq])[0].token)
-
-        tok_s = time_decode(step, steps, repeat)
-    finally:
-        llm.cache.close_sequence(store)
-    return Measured(tok_s, llm.memory_report()["bytes_per_token"])
-
-
-def measure_engine_batch(config: ModelConfig, max_tokens: int, batch: int, context: int,
-                         steps: int, repeat: int, ops: bool,
-                         compile_decode: bool = False) -> BatchMeasured:
-    """Decode `batch` sequences of `context` tokens as one batch, on an engine sized for
-    exactly them; with `ops`, also the aten ops of one more step."""
-    llm = engine(config, max_tokens, batch, compile_decode)
+@contextmanager
+def engine_step(llm: LLM, context: int, batch: int = 1) -> Iterator[Callable[[], None]]:
+    """One decode step of `batch` sequences of `context` tokens each, as one batch of the
+    engine; the sequences are closed on exit."""
     stores = [llm.cache.open_sequence() for _ in range(batch)]
     try:
         greedy = SamplingParams(temperature=0, ignore_eos=True)
         seqs = []
         for i, store in enumerate(stores):
-            ids = fill(store, config, context, torch.Generator().manual_seed(context + i))
+            ids = fill(store, llm.config, context, torch.Generator().manual_seed(context + i))
+            # ModelRunner.decode feeds output_ids[-1]: seed it with the context's last token.
             seqs.append(Sequence(f"bench-{i}", ids, greedy, output_ids=[ids[-1]], store=store))
 
         def step() -> None:
@@ -293,12 +283,10 @@ def measure_engine_batch(config: ModelConfig, max_tokens: int, batch: int, conte
             for seq, sample in zip(seqs, llm.runner.decode(seqs), strict=True):
                 seq.output_ids.append(sample.token)
 
-        tok_s = batch * time_decode(step, steps, repeat)
-        counted = count_ops(step) if ops else None
+        yield step
     finally:
         for store in stores:
             llm.cache.close_sequence(store)
-    return BatchMeasured(tok_s, counted)
 
 
 def measure_layers(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -450,7 +438,9 @@ def hf_model(config: ModelConfig, max_tokens: int) -> Any:
     return LlamaForCausalLM(hf_config).to(torch.float32).eval()
 
 
-def measure_hf(model: Any, context: int, steps: int, repeat: int) -> Measured:
+def hf_step(model: Any, context: int) -> tuple[Callable[[], None], float]:
+    """One batch-1 decode step of the Llama after `context` tokens of random cache in a
+    DynamicCache, and the cache's bytes per token."""
     from transformers import DynamicCache
 
     hf = model.config
@@ -472,13 +462,12 @@ def measure_hf(model: Any, context: int, steps: int, repeat: int) -> Measured:
         position = cache.get_seq_length()
         extra = ({"cache_position": torch.tensor([position])}
                  if "cache_position" in params else {})
-        out = model(input_ids=token, position_ids=torch.tensor([[position]]), use_cache=True,
-                    **{cache_arg: cache}, **extra)
+        with torch.no_grad():
+            out = model(input_ids=token, position_ids=torch.tensor([[position]]),
+                        use_cache=True, **{cache_arg: cache}, **extra)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
 
-    with torch.no_grad():
-        tok_s = time_decode(step, steps, repeat)
-    return Measured(tok_s, nbytes / context)
+    return step, nbytes / context
 
 
 def hf_batch_cache(model: Any, batch: int, context: int, max_cache_len: int,
@@ -528,14 +517,6 @@ def hf_decode_step(model: Any, cache: Any, batch: int, context: int) -> Callable
         position += 1
 
     return step
-
-
-def measure_hf_batch(model: Any, batch: int, context: int, max_cache_len: int, steps: int,
-                     repeat: int, ops: bool, static: bool) -> BatchMeasured:
-    cache = hf_batch_cache(model, batch, context, max_cache_len, static)
-    step = hf_decode_step(model, cache, batch, context)
-    tok_s = batch * time_decode(step, steps, repeat)
-    return BatchMeasured(tok_s, count_ops(step) if ops else None)
 
 
 def static_cache_works(model: Any, context: int) -> str | None:
@@ -594,7 +575,8 @@ def batch_rows(batches: list[int], context: int,
 
 
 def measure_batches(args: argparse.Namespace) -> tuple[list[BatchRow], list[str]]:
-    """The batch axis: rows, and lines to print about it (a StaticCache fallback)."""
+    """The batch axis: rows, and lines to print about it (a StaticCache fallback). At each
+    batch size the systems are timed interleaved (`time_interleaved`)."""
     context = args.batch_context
     # The warm-up, the timed steps and the profiled one, past the context.
     extra = 1 + WARMUP_STEPS + args.steps * args.repeat + 1
@@ -602,19 +584,7 @@ def measure_batches(args: argparse.Namespace) -> tuple[list[BatchRow], list[str]
     config = bench_config(max_tokens)
     dense = dense_control(config)
     counted = {args.batches[0], args.batches[-1]}
-    a, b, compiled = {}, {}, {}
-    for n in args.batches:
-        a[n] = measure_engine_batch(config, max_tokens, n, context, args.steps, args.repeat,
-                                    n in counted)
-        gc.collect()
-        if args.compile:
-            compiled[n] = measure_engine_batch(config, max_tokens, n, context, args.steps,
-                                               args.repeat, n in counted, compile_decode=True)
-            gc.collect()
-        b[n] = measure_engine_batch(dense, max_tokens, n, context, args.steps, args.repeat,
-                                    n in counted)
-        gc.collect()
-    notes, c, hf_cache = [], None, None
+    notes, llama, hf_cache = [], None, None
     if HAVE_TRANSFORMERS:
         llama = hf_model(config, max_tokens)
         failure = static_cache_works(llama, context)
@@ -622,15 +592,32 @@ def measure_batches(args: argparse.Namespace) -> tuple[list[BatchRow], list[str]
         if failure is not None:
             notes.append(f"(c) StaticCache did not work ({failure}); (c) of the batch table "
                          "uses a DynamicCache instead")
-        c = {}
-        for n in args.batches:
-            # A StaticCache attends over all its slots (masked): size it to what is used.
-            c[n] = measure_hf_batch(llama, n, context, context + extra, args.steps,
-                                    args.repeat, n in counted, failure is None)
-            gc.collect()
-    rows = batch_rows(args.batches, context, a, b, c, hf_cache)
+    measured: dict[str, dict[int, BatchMeasured]] = {}
+    for n in args.batches:
+        with ExitStack() as open_steps:
+            def engine_batch(c: ModelConfig, compiled: bool = False,
+                             n: int = n) -> Callable[[], None]:
+                return open_steps.enter_context(
+                    engine_step(engine(c, max_tokens, n, compiled), context, n))
+
+            systems = {"a": engine_batch(config)}
+            if args.compile:
+                systems["a'"] = engine_batch(config, compiled=True)
+            systems["b"] = engine_batch(dense)
+            if llama is not None:
+                # A StaticCache attends over all its slots (masked): size it to what is used.
+                cache = hf_batch_cache(llama, n, context, context + extra,
+                                       hf_cache == "StaticCache")
+                systems["c"] = hf_decode_step(llama, cache, n, context)
+            tok_s = time_interleaved(systems, args.steps, args.repeat)
+            for name, step in systems.items():
+                measured.setdefault(name, {})[n] = BatchMeasured(
+                    n * tok_s[name], count_ops(step) if n in counted else None)
+        gc.collect()
+    rows = batch_rows(args.batches, context, measured["a"], measured["b"], measured.get("c"),
+                      hf_cache)
     if args.compile:
-        rows = [with_compiled_batch(r, compiled[r.batch]) for r in rows]
+        rows = [with_compiled_batch(r, measured["a'"][r.batch]) for r in rows]
     return rows, notes
 
 
@@ -750,19 +737,28 @@ def main() -> None:
     llama = hf_model(config, max_tokens) if HAVE_TRANSFORMERS else None
     rows = []
     for context in args.contexts:
-        a = measure_engine(stack_llm, context, args.steps, args.repeat)
-        b = measure_engine(dense_llm, context, args.steps, args.repeat)
-        c = measure_hf(llama, context, args.steps, args.repeat) if llama is not None else None
+        # Each context's systems timed interleaved (`time_interleaved`).
+        with ExitStack() as open_steps:
+            systems = {"a": open_steps.enter_context(engine_step(stack_llm, context)),
+                       "b": open_steps.enter_context(engine_step(dense_llm, context))}
+            if llama is not None:
+                systems["c"], hf_bytes_per_token = hf_step(llama, context)
+            if compiled_llm is not None:
+                systems["a'"] = open_steps.enter_context(engine_step(compiled_llm, context))
+            tok_s = time_interleaved(systems, args.steps, args.repeat)
+        a = Measured(tok_s["a"], stack_llm.memory_report()["bytes_per_token"])
+        b = Measured(tok_s["b"], dense_llm.memory_report()["bytes_per_token"])
+        c = None if llama is None else Measured(tok_s["c"], hf_bytes_per_token)
         rows.append(dataclasses.replace(
             row(context, a, b, c),
             stack_floor_bytes=weight_reads(stack_llm.model, stack_llm.model.embed)
             + decode_step_reads(config, context),
             hf_floor_bytes=None if llama is None else hf_reads(llama, context)))
         if compiled_llm is not None:
-            t = measure_engine(compiled_llm, context, args.steps, args.repeat)
+            t = tok_s["a'"]
             rows[-1] = dataclasses.replace(
-                rows[-1], compiled_tok_s=t.tok_s, compiled_speedup_vs_eager=t.tok_s / a.tok_s,
-                compiled_speedup_vs_hf=None if c is None else t.tok_s / c.tok_s)
+                rows[-1], compiled_tok_s=t, compiled_speedup_vs_eager=t / a.tok_s,
+                compiled_speedup_vs_hf=None if c is None else t / c.tok_s)
     bandwidth = copy_bandwidth()
     batch_table, batch_notes = ([], []) if args.batches is None else measure_batches(args)
     layer_table = None if args.layer_contexts is None else measure_layers(args)
@@ -808,7 +804,8 @@ def main() -> None:
     caption = (
         f"dim {config.dim}, {config.n_layers} layers, {config.n_heads} heads of "
         f"{config.head_dim}; (b) and (c) {dense.n_kv_heads} KV head(s); batch 1, best of "
-        f"{args.repeat} × {args.steps} steps after {WARMUP_STEPS} warm-up; synthetic "
+        f"{args.repeat} rounds of {args.steps} steps after {WARMUP_STEPS} warm-up, the "
+        "systems taking turns in each round; synthetic "
         "context (random cache). (a) ×tok/s = (a)'s tokens/s over the row's; ÷B/token = "
         f"the row's bytes/token over (a)'s. torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
@@ -831,8 +828,9 @@ def main() -> None:
         counted = sorted({base, args.batches[-1]})
         console.print(
             f"batch of B sequences, {args.batch_context:,} tokens of context each; tok/s = "
-            f"B × {args.steps} steps / time, best of {args.repeat} after {WARMUP_STEPS} "
-            f"warm-up; (a) ×tok/s = (a)'s tokens/s over the row's; ÷B={base} = the system's "
+            f"B × {args.steps} steps / time, best of {args.repeat} rounds after "
+            f"{WARMUP_STEPS} warm-up, the systems taking turns in each round; (a) ×tok/s = "
+            f"(a)'s tokens/s over the row's; ÷B={base} = the system's "
             f"tokens/s at this batch over its tokens/s at batch {base}. ops/step = torch."
             "profiler CPU events named aten::* in one decode step after the timed ones, nested "
             "ones (an op another op calls) included; top-level = those with no aten op above "
