@@ -15,12 +15,14 @@ from kvstack.formats import (
     unpack_rows,
 )
 from kvstack.formats.codecs import (
+    E2M1_VALUES,
     ceil_log2_ratio,
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
     e4m3_encode_sixth,
 )
+from kvstack.formats.quantized import Quantized
 
 
 def f32(x: float) -> float:
@@ -244,6 +246,39 @@ def test_bf16_control_is_raw_bfloat16_bytes():
 
 
 # ---- layout: nibble order, packing, sizes ----------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["fp4_e4m3_16", "fp4_ue8m0_32", "fp8_ue8m0_32"])
+def test_dequantize_is_each_code_times_its_scale_for_every_byte_pair(fmt):
+    """Every code byte under every scale byte, NaN scales and codes included: the element's
+    value (E2M1 from its nibbles, E4M3 from its bits) times the scale's, as float32,
+    bit for bit."""
+    f = FORMATS[fmt]
+    byte = torch.arange(256)
+    code = byte[None, :].expand(256, 256)  # one row per scale byte, every code byte in it
+    per = f.code_bytes(f.block)  # code bytes per block: one scale each
+    codes = code.repeat_interleave(per, dim=1).to(torch.uint8)  # [256, 256 * per]
+    scales = byte[:, None].expand(256, 256).to(torch.uint8)  # [256, 256 blocks]
+    got = dequantize(Quantized(fmt, codes, scales)).view(256, 256, per, -1)[:, :, 0]
+
+    def e2m1(nibble: torch.Tensor) -> torch.Tensor:
+        magnitude = torch.tensor(E2M1_VALUES)[nibble & 7]
+        return torch.where(nibble >= 8, -magnitude, magnitude)
+
+    def ue8m0(b: torch.Tensor) -> torch.Tensor:
+        value = torch.pow(2.0, b.double() - 127).float()
+        return torch.where(b == 255, float("nan"), value)
+
+    if f.element == "e2m1":  # the block's first byte: elements 0 (low nibble) and 1
+        elements = torch.stack((e2m1(code & 15), e2m1(code >> 4)), dim=-1)
+    else:
+        elements = code.to(torch.uint8).view(torch.float8_e4m3fn).float()[..., None]
+    scale = (scales.view(torch.float8_e4m3fn).float() if f.scale == "e4m3"
+             else ue8m0(scales.long()))[..., None]
+    want = elements * scale
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int32),
+                       want.nan_to_num(0.0).view(torch.int32))
 
 
 def test_element_2i_is_the_low_nibble():

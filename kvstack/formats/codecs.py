@@ -197,3 +197,27 @@ def ue8m0_decode(byte: torch.Tensor) -> torch.Tensor:
     """UE8M0 scale bytes (biased exponents) to float32: 2**(byte-127); 255 is NaN and 0 is
     2**-127, as in the OCP microscaling formats."""
     return _lookup(_UE8M0_TABLE, byte)
+
+
+def _e2m1_ue8m0_pairs() -> torch.Tensor:
+    """Both elements of every packed E2M1 byte under every UE8M0 scale byte, the scale
+    applied, at 256 * scale + byte: the two float32 as one int64. The products are the
+    ones a multiplication at run time makes (the same float32 operands), so a lookup
+    gives the same values bit for bit."""
+    byte = torch.arange(256, dtype=torch.uint8)
+    pairs = e2m1_decode_packed(byte[:, None])  # [byte, 2]
+    return (ue8m0_decode(byte)[:, None, None] * pairs).view(torch.int64).reshape(-1)
+
+
+_E2M1_UE8M0_PAIRS = _e2m1_ue8m0_pairs()  # 512 KiB
+
+
+def e2m1_ue8m0_decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Float32 values [..., 32 n] of E2M1 codes packed two per byte, uint8 [..., 16 n]
+    (element 2i from the low nibble), under one UE8M0 scale byte per 32 elements, uint8
+    [..., n]: one table lookup per code byte, the scale applied by the table."""
+    n = scales.shape[-1]
+    index = codes.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
+    index = index.view(*scales.shape, codes.shape[-1] // n)  # [..., n, 16]
+    index += (scales.to(torch.int32) << 8)[..., None]
+    return _lookup(_E2M1_UE8M0_PAIRS, index).flatten(-3)

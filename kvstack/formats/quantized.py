@@ -17,6 +17,7 @@ from kvstack.formats.codecs import (
     ceil_log2_ratio,
     e2m1_decode_packed,
     e2m1_encode,
+    e2m1_ue8m0_decode,
     e4m3_decode,
     e4m3_encode,
     e4m3_encode_sixth,
@@ -88,11 +89,19 @@ def dequantize(q: Quantized) -> torch.Tensor:
     f = get_format(q.fmt)
     if f.element == "bf16":
         return q.codes.contiguous().view(torch.bfloat16).to(torch.float32)
-    # The lookups hand back contiguous values, so these reshapes are views.
+    if f.name == "fp4_ue8m0_32":
+        # One lookup per code byte with the scale applied: 0.70x the time of decoding
+        # codes and scales apart and multiplying (16,384 rows of width 64, one thread,
+        # median of 30), the bulk of scoring a decode step's index keys. Not for the
+        # others: fp8_ue8m0_32 gained 3 %, and fp4_e4m3_16's blocks of 8 code bytes make
+        # adding the scale to the index a slow broadcast (1.08x the time).
+        return e2m1_ue8m0_decode(q.codes, q.scales)
+    # The lookups hand back new contiguous values, so these reshapes are views and the
+    # scale multiplies them in place (0.9x the time of a new product, same sizes).
     values = e2m1_decode_packed(q.codes) if f.element == "e2m1" else e4m3_decode(q.codes)
     values = values.view(*q.scales.shape, f.block)
     scale = e4m3_decode(q.scales) if f.scale == "e4m3" else ue8m0_decode(q.scales)
-    return (values * scale[..., None]).flatten(-2)
+    return values.mul_(scale[..., None]).flatten(-2)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, check: bool = True) -> torch.Tensor:
