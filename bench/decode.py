@@ -800,7 +800,7 @@ def main() -> None:
             report["layers"] = layer_table
         print(json.dumps(report, indent=2))
         return
-    console = Console()
+    console = Console(width=max(Console().width, 120))  # the floor table's 11 columns
     caption = (
         f"dim {config.dim}, {config.n_layers} layers, {config.n_heads} heads of "
         f"{config.head_dim}; (b) and (c) {dense.n_kv_heads} KV head(s); batch 1, best of "

@@ -90,11 +90,11 @@ def dequantize(q: Quantized) -> torch.Tensor:
     if f.element == "bf16":
         return q.codes.contiguous().view(torch.bfloat16).to(torch.float32)
     if f.name == "fp4_ue8m0_32":
-        # One lookup per code byte with the scale applied: 0.70x the time of decoding
-        # codes and scales apart and multiplying (16,384 rows of width 64, one thread,
-        # median of 30), the bulk of scoring a decode step's index keys. Not for the
-        # others: fp8_ue8m0_32 gained 3 %, and fp4_e4m3_16's blocks of 8 code bytes make
-        # adding the scale to the index a slow broadcast (1.08x the time).
+        # One lookup per code byte with the scale applied: 1.2x as fast as decoding codes
+        # and scales apart and multiplying (bench/formats.py, one thread), on the bulk of
+        # a decode step's index scoring. Not for the others: fp8_ue8m0_32 gained 3 %, and
+        # fp4_e4m3_16's blocks of 8 code bytes make adding the scale to the index a slow
+        # broadcast (1.08x the time).
         return e2m1_ue8m0_decode(q.codes, q.scales)
     # The lookups hand back new contiguous values, so these reshapes are views and the
     # scale multiplies them in place (0.9x the time of a new product, same sizes).
