@@ -155,12 +155,15 @@ def test_a_request_that_keeps_failing_ends_with_its_error_and_the_others_go_on(
 
 
 def test_a_request_the_pool_cannot_hold_is_reported_not_left_hanging():
-    llm = tiny(kv_budget="160KiB", max_num_seqs=1)
-    capacity = llm.memory_report()["capacity_tokens"]
+    llm = tiny(kv_budget="12KiB", max_num_seqs=1)
+    report = llm.memory_report()
+    capacity = report["capacity_tokens"]
+    assert capacity < report["context"]  # the pool, not max_model_len, is what stops it
     out = llm.generate(list(range(1, 20)), SamplingParams(max_tokens=10 * capacity,
                                                           temperature=0, ignore_eos=True))[0]
     assert out.finished and out.finish_reason == "length"
-    assert len(out.prompt_token_ids) + len(out.token_ids) <= capacity + 1
+    # Every position the pool holds, and the token sampled from the last (never stored).
+    assert len(out.prompt_token_ids) + len(out.token_ids) == capacity + 1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
