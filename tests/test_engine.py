@@ -119,11 +119,12 @@ def test_a_stream_stored_wider_than_planned_is_reported_loudly(caplog):
 
 
 def test_decode_at_32k_reads_no_float_copy_of_the_context(monkeypatch):
-    """One decode step at 32K tokens of context dequantises window rows, indexer keys
-    KEY_CHUNK at a time, and only the selected KV rows: never a [context, head_dim]
-    float tensor."""
+    """One decode step at 32K tokens of context by torch's ops dequantises window rows,
+    indexer keys KEY_CHUNK at a time, and only the selected KV rows: never a [context,
+    head_dim] float tensor. (The C kernels make no float copy of a key at all.)"""
     config = preset("tiny").replace(max_seq_len=40_000)
-    llm = LLM(config, random_init=True, kv_budget="64MiB", block_tokens=64, max_num_seqs=1)
+    llm = LLM(config, random_init=True, kv_budget="64MiB", block_tokens=64, max_num_seqs=1,
+              cpu_kernels="torch")
     context = 32 * 1024
     store = llm.cache.open_sequence()
     fill(store, context, config)

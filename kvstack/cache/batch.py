@@ -14,6 +14,7 @@ instead of being branched around; rows a sequence does not hold read from there 
 
 import torch
 
+from kvstack import native
 from kvstack.cache.paged import PagedSequenceStore
 from kvstack.cache.store import KVStore
 from kvstack.formats import dequantize, unpack_rows
@@ -263,7 +264,8 @@ def score_index_keys(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
     """score(j) = sum_h w_h relu(q_h . k_j) of each sequence's query (q [B, Hi, Di], w
     [B, Hi], at positions [B]) over entries 0..n_entries-1 of a ratio-`ratio` stream of
     index keys in format fmt, entries not yet visible -inf: [B, n_entries]. The keys are
-    read and dequantised a chunk of KEY_FLOATS at a time and multiplied keys first.
+    read and dequantised a chunk of KEY_FLOATS at a time and multiplied keys first, or,
+    where the C kernels are on (`kvstack.native`), scored from the packed bytes.
 
     One opaque op to a traced step: torch.compile's own code for these gathers and
     lookups runs slower than torch's kernels on a CPU, and the chunk follows the batch
@@ -276,6 +278,8 @@ def score_index_keys(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
 def _scores(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
             positions: torch.Tensor, n_entries: int, ratio: int, fmt: str,
             width: int) -> torch.Tensor:
+    if native.enabled() and pool.device.type == "cpu" and native.decodes(fmt):
+        return native.index_scores(q, w, pool, block_table, positions, n_entries, ratio, fmt)
     b, per = q.shape[0], pool.shape[1]
     held = (positions + 1) // ratio  # [B], this step's entry included
     chunk = max(per, KEY_FLOATS // (b * width) // per * per)  # whole blocks

@@ -6,6 +6,7 @@ pools. A row is `pack_rows(quantize(entry, fmt))`: codes then scales.
 
 import torch
 
+from kvstack import native
 from kvstack.cache.layout import CacheLayout
 from kvstack.formats import bytes_per_entry, dequantize, pack_rows, quantize, unpack_rows
 
@@ -35,7 +36,10 @@ class PackedRows:
     def read_at(self, index: torch.Tensor) -> torch.Tensor:
         """The values of the rows at index (int64, rows counted over the buffer's leading
         dims as one): [*index.shape, width]."""
-        if torch.compiler.is_compiling() and index.numel() >= OPAQUE_READ_ROWS:
+        if not torch.compiler.is_compiling():
+            if _native_reads(self.data, self.fmt):
+                return native.read_rows(self.data, index, self.fmt, self.width)
+        elif index.numel() >= OPAQUE_READ_ROWS:
             return _read_rows_op(self.data, index, self.fmt, self.width)
         return self.read(_rows_at(self.data, index))
 
@@ -62,9 +66,16 @@ def _rows_at(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 OPAQUE_READ_ROWS = 1024
 
 
+def _native_reads(data: torch.Tensor, fmt: str) -> bool:
+    """Whether the C kernels read these rows: the same values, in one pass."""
+    return native.enabled() and data.device.type == "cpu" and native.decodes(fmt)
+
+
 @torch.library.custom_op("kvstack::read_rows", mutates_args=())
 def _read_rows_op(data: torch.Tensor, index: torch.Tensor, fmt: str,
                   width: int) -> torch.Tensor:
+    if _native_reads(data, fmt):
+        return native.read_rows(data, index, fmt, width)
     return dequantize(unpack_rows(_rows_at(data, index), fmt, width))
 
 

@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from kvstack.cache.paged import parse_bytes
-from kvstack.config import ATTENTION_BACKENDS, NUMERICS, REPLAY_MODES, ModelConfig
+from kvstack.config import (
+    ATTENTION_BACKENDS,
+    CPU_KERNELS,
+    NUMERICS,
+    REPLAY_MODES,
+    ModelConfig,
+)
 
 log = logging.getLogger("kvstack")
 
@@ -85,6 +91,10 @@ class EngineConfig:
     # ATTENTION_BACKENDS: auto is triton on CUDA when it is installed and the cache
     # formats are the kernel's (kvstack.cache.kernels), torch elsewhere.
     attention: str = "auto"
+    # CPU_KERNELS: auto runs a CPU step's packed-row reads, index scoring and expert
+    # matmuls by C kernels (kvstack.native) where the system's C compiler builds them,
+    # and says in the log when it cannot; "c" requires them; "torch" never.
+    cpu_kernels: str = "auto"
     # Ranks the model is split over (`kvstack.parallel`: heads, index heads, Engram rows
     # and vocabulary by rank), one process and one device each; with expert_parallel
     # the routed experts go whole by rank, else each expert is split by its inter dim.
@@ -113,6 +123,9 @@ class EngineConfig:
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                              f"{self.attention!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got "
+                             f"{self.cpu_kernels!r}")
         if self.attention == "triton" and self.compile_decode:
             raise ValueError("attention='triton' and compile_decode are two ways to run a "
                              "decode step: choose one")

@@ -79,7 +79,7 @@ class EngineCore:
         if workers is None:
             self.runner = ModelRunner(model, config.replay, config.chunk_size,
                                       config.compile_decode, config.attention,
-                                      config.max_num_seqs)
+                                      config.max_num_seqs, config.cpu_kernels)
         else:
             from kvstack.engine.workers import ParallelRunner
 

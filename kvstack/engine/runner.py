@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvstack import native
 from kvstack.cache.batch import DecodeBatch
 from kvstack.cache.paged import PagedSequenceStore
 from kvstack.engine.sampling import Sample, sample_batch
@@ -20,7 +21,7 @@ log = logging.getLogger("kvstack")
 class ModelRunner:
     def __init__(self, model: Model, replay: str, chunk_size: int,
                  compile_decode: bool = False, attention: str = "torch",
-                 max_num_seqs: int = 1) -> None:
+                 max_num_seqs: int = 1, cpu_kernels: str = "torch") -> None:
         self.model, self.replay, self.chunk_size = model, replay, chunk_size
         # A compiled step pads its batch to the next bucket: one static graph per bucket.
         self.buckets = decode_buckets(max_num_seqs) if compile_decode else []
@@ -30,12 +31,15 @@ class ModelRunner:
         self.compile_seconds = 0.0  # decode steps that compiled a graph, in all
         self.compiled_graphs = 0  # graphs those steps made
         self.attention = _attention_backend(attention, model, self.device, compile_decode)
+        self.cpu_kernels = _cpu_kernels(cpu_kernels, self.device)
         if compile_decode:
             model.compile_decode()
-        log.info("kvstack decode: %s, attention by %s", "torch.compile (inductor, one graph "
+        log.info("kvstack decode: %s, attention by %s, packed reads, index scoring and expert "
+                 "matmuls by %s", "torch.compile (inductor, one graph "
                  f"per batch-size bucket {self.buckets}, each compiled on its "
                  "first decode step)" if compile_decode
                  else "eager torch", "the Triton kernel" if self.attention == "triton"
+                 else "torch", "the C kernels (kvstack.native)" if self.cpu_kernels
                  else "torch")
 
     @torch.no_grad()
@@ -54,12 +58,16 @@ class ModelRunner:
         """Prefill `fresh` ids after what the store holds; the last logits [1, V]. A store
         started on cached blocks first rebuilds its window rings and partial groups by
         replay (`bounded` or `exact`)."""
-        if store.needs_replay:
-            self.replayed_tokens += self.model.rebuild_spans(store.num_tokens, self.replay)[0]
-            self.model.rebuild_window(store, replay=self.replay, chunk_size=self.chunk_size)
-            store.needs_replay = False
-        ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
-        return self.model.prefill(ids, store, replay=self.replay, chunk_size=self.chunk_size)
+        with native.active(self.cpu_kernels):
+            if store.needs_replay:
+                self.replayed_tokens += self.model.rebuild_spans(store.num_tokens,
+                                                                 self.replay)[0]
+                self.model.rebuild_window(store, replay=self.replay,
+                                          chunk_size=self.chunk_size)
+                store.needs_replay = False
+            ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
+            return self.model.prefill(ids, store, replay=self.replay,
+                                      chunk_size=self.chunk_size)
 
     def decode(self, seqs: list[Sequence]) -> list[Sample]:
         """Feed each sequence's last sampled token, all in one batch whatever their
@@ -71,6 +79,11 @@ class ModelRunner:
     def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:
         """One decode step of `tokens` (one per store) as one `DecodeBatch`, the step's
         plan over the block pools: logits [B, V]."""
+        with native.active(self.cpu_kernels):
+            return self._decode_logits(stores, tokens)
+
+    def _decode_logits(self, stores: list[PagedSequenceStore],
+                       tokens: list[int]) -> torch.Tensor:
         kernels = self.attention == "triton"
         if not self.compiled:
             return self.model.decode(tokens, DecodeBatch(stores, kernels))
@@ -89,9 +102,11 @@ class ModelRunner:
 
     def backend(self) -> dict[str, Any]:
         """What runs a decode step, and what compiling it has cost so far."""
+        cpu_kernels = "c" if self.cpu_kernels else "torch"
         if not self.compiled:
-            return {"decode": "eager", "attention": self.attention}
+            return {"decode": "eager", "attention": self.attention, "cpu_kernels": cpu_kernels}
         return {"decode": "torch.compile", "attention": self.attention,
+                "cpu_kernels": cpu_kernels,
                 "graphs": self.compiled_graphs, "compile_seconds": round(self.compile_seconds, 3),
                 "batch_buckets": self.buckets}
 
@@ -129,6 +144,17 @@ def _attention_backend(choice: str, model: Model, device: torch.device,
     if choice == "auto":
         return "torch" if why or compile_decode or device.type != "cuda" else "triton"
     return choice
+
+
+def _cpu_kernels(choice: str, device: torch.device) -> bool:
+    """Whether the C kernels run a step, for an EngineConfig.cpu_kernels choice: they read
+    host memory, so on another device "c" is refused and "auto" is torch."""
+    if device.type != "cpu":
+        if choice == "c":
+            raise ValueError(f"cpu_kernels='c': the model is on {device.type}, and the C "
+                             "kernels run on a CPU")
+        return False
+    return native.resolve(choice)
 
 
 def _graphs() -> int:

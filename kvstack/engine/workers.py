@@ -107,7 +107,8 @@ class ParallelRunner(ModelRunner):
 
     def __init__(self, model: Model, config: EngineConfig, cache: PagedCache,
                  workers: list[multiprocessing.Process]) -> None:
-        super().__init__(model, config.replay, config.chunk_size, False, config.attention)
+        super().__init__(model, config.replay, config.chunk_size, False, config.attention,
+                         cpu_kernels=config.cpu_kernels)
         self.cache, self.workers, self.config = cache, workers, config
         self.lost: str | None = None
         cache.pools.journal, cache.rings.journal = [], []
@@ -292,7 +293,8 @@ def serve_worker(rank: int, world_size: int, address: str | None, port: int | No
                                 config.numerics)
         cache = PagedCache(model.config, config.kv_budget, config.block_tokens,
                            config.max_num_seqs, device)
-        runner = ModelRunner(model, config.replay, config.chunk_size, False, config.attention)
+        runner = ModelRunner(model, config.replay, config.chunk_size, False, config.attention,
+                             cpu_kernels=config.cpu_kernels)
         gather_report(model, cache)
         mirrors: dict[int, PagedSequenceStore] = {}
         while (call := broadcast_call(None)).kind != "stop":

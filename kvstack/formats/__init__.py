@@ -4,7 +4,7 @@
 from kvstack._lazy import lazy_exports
 from kvstack.formats.spec import FORMATS, Format, bytes_per_entry, get_format
 
-_CODECS = ("Quantized", "dequantize", "fake_quantize", "pack_rows", "quantize",
+_CODECS = ("Quantized", "decode_tables", "dequantize", "fake_quantize", "pack_rows", "quantize",
            "straight_through", "unpack_rows")
 __getattr__ = lazy_exports(__name__, dict.fromkeys(_CODECS, "kvstack.formats.quantized"))
 __all__ = ["FORMATS", "Format", "bytes_per_entry", "get_format", *_CODECS]

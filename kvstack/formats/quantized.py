@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from kvstack.formats.codecs import (
+    _E2M1_TABLE,
+    _E4M3_TABLE,
+    _UE8M0_TABLE,
     E2M1_MAX,
     E4M3_MAX,
     ceil_log2_ratio,
@@ -102,6 +105,17 @@ def dequantize(q: Quantized) -> torch.Tensor:
     values = values.view(*q.scales.shape, f.block)
     scale = e4m3_decode(q.scales) if f.scale == "e4m3" else ue8m0_decode(q.scales)
     return values.mul_(scale[..., None]).flatten(-2)
+
+
+def decode_tables(fmt: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The float32 tables `dequantize` decodes a block-scaled format by: (value by code,
+    16 entries for E2M1 or 256 for E4M3; scale by scale byte, 256 entries), for a kernel
+    that decodes rows itself; None for bf16. A value is element[code] * scale[byte]."""
+    f = get_format(fmt)
+    if f.element == "bf16":
+        return None
+    return (_E2M1_TABLE if f.element == "e2m1" else _E4M3_TABLE,
+            _E4M3_TABLE if f.scale == "e4m3" else _UE8M0_TABLE)
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, check: bool = True) -> torch.Tensor:

@@ -1,0 +1,228 @@
+"""CPU kernels in C for the decode step's three costliest torch sequences: reading packed
+rows, scoring packed index keys through the block table, and the experts' grouped matmul.
+
+Torch runs each of them as tens of ops over float copies (a batch-32 step of the decode
+benchmark's model made 4,500 of its 5,400 aten ops there); these read the packed bytes once
+and write only their result. They are built on first use from `kernels.c` by the
+system's C compiler (`cc`, or $CC) into a per-user cache ($XDG_CACHE_HOME or ~/.cache,
+`kvstack/native/`), keyed by the source, the compiler and this CPU's flags, and loaded
+with ctypes; no torch headers, so a build takes about a second.
+
+`resolve(choice)` says whether they run for an engine setting (kvstack.config.CPU_KERNELS:
+"auto" where they build, saying in the log when they do not; "c" or raise
+`NativeUnavailable` naming why; "torch" never), and an engine runs each step inside
+`active(on)`; the ops ask `enabled()` and keep their torch code beside, which runs
+everywhere else (GPUs, training, a model used without an engine).
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from kvstack.config import CPU_KERNELS
+from kvstack.formats import decode_tables, get_format
+
+log = logging.getLogger("kvstack")
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+
+
+class NativeUnavailable(RuntimeError):
+    """The C kernels were required and cannot be built or loaded here."""
+
+
+_library: ctypes.CDLL | None = None
+_why_not: str | None = None
+_on = False
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "kv_read_rows": [_P, _I, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int],
+    "kv_index_scores": [_P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int, _P, _P,
+                        _I, _I, _P, ctypes.c_int],
+    "kv_grouped_mm": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "kvstack" / "native"
+
+
+def _build() -> Path:
+    """The shared library for this source, compiler and CPU, built if not cached; raises
+    NativeUnavailable naming what failed."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise NativeUnavailable("no C compiler found (cc, gcc or $CC)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"the C compiler {cc} does not run: {e}") from e
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"kvstack-native-{os.getuid()}"):
+        target = folder / f"kernels-{key}.so"
+        if target.exists():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            # Built under a name of its own and renamed into place: a process that loads
+            # the library while another builds it sees the whole file or none.
+            fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
+            os.close(fd)
+        except OSError:
+            continue
+        try:
+            run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", partial, "-lm"],
+                                 capture_output=True, text=True, timeout=300)
+            if run.returncode != 0:
+                raise NativeUnavailable(f"{cc} failed on {SOURCE.name}: "
+                                        f"{run.stderr.strip()[-2000:]}")
+            os.replace(partial, target)
+            return target
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NativeUnavailable(f"building {SOURCE.name} with {cc}: {e}") from e
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
+    raise NativeUnavailable(f"no writable folder for the built library ({_cache_dir()}, "
+                            f"{tempfile.gettempdir()})")
+
+
+def _load() -> ctypes.CDLL:
+    global _library, _why_not
+    if _library is None:
+        if _why_not is not None:
+            raise NativeUnavailable(_why_not)
+        try:
+            library = ctypes.CDLL(str(_build()))
+        except OSError as e:
+            _why_not = f"the built library does not load: {e}"
+            raise NativeUnavailable(_why_not) from e
+        except NativeUnavailable as e:
+            _why_not = str(e)
+            raise
+        for name, argtypes in _SIGNATURES.items():
+            getattr(library, name).argtypes = argtypes
+            getattr(library, name).restype = None
+        _library = library
+    return _library
+
+
+def resolve(choice: str) -> bool:
+    """Whether the C kernels run for a setting of CPU_KERNELS ("c": or NativeUnavailable)."""
+    if choice not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels {choice!r}: expected one of {', '.join(CPU_KERNELS)}")
+    if choice == "torch":
+        return False
+    try:
+        _load()
+    except NativeUnavailable as e:
+        if choice == "c":
+            raise
+        log.warning("kvstack: the C kernels are off (%s); torch runs their ops", e)
+        return False
+    return True
+
+
+@contextmanager
+def active(on: bool) -> Iterator[None]:
+    """The C kernels on (or off) for the ops run inside: one engine step."""
+    global _on
+    before, _on = _on, on
+    try:
+        yield
+    finally:
+        _on = before
+
+
+def enabled() -> bool:
+    return _on
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    f = get_format(fmt)
+    tables = decode_tables(fmt)
+    if tables is None:
+        raise ValueError(f"format {fmt}: the C kernels decode block-scaled formats only")
+    return f.block, int(f.element == "e2m1"), *tables
+
+
+def decodes(fmt: str) -> bool:
+    """Whether the C kernels read rows of this format (every block-scaled one)."""
+    return decode_tables(fmt) is not None
+
+
+def read_rows(data: torch.Tensor, index: torch.Tensor, fmt: str, width: int) -> torch.Tensor:
+    """What `dequantize(unpack_rows(rows at index))` gives, bit for bit: the float32 values
+    [*index.shape, width] of the rows of a buffer [..., bytes] of format fmt at index
+    (over its leading dims as one)."""
+    block, packed, elem, scale = _decoding(fmt)
+    rows = data.contiguous().view(-1, data.shape[-1])
+    flat = index.reshape(-1).contiguous()
+    out = torch.empty(*index.shape, width, dtype=torch.float32)
+    _load().kv_read_rows(_ptr(rows), rows.shape[1], _ptr(flat), flat.numel(), width, block,
+                         packed, _ptr(elem), _ptr(scale), _ptr(out), _threads())
+    return out
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
+                 block_table: torch.Tensor, positions: torch.Tensor, n_entries: int,
+                 ratio: int, fmt: str) -> torch.Tensor:
+    """What `kvstack.cache.batch.score_index_keys` computes, within float rounding, from
+    the packed keys of format fmt where they lie (pool [blocks, per, bytes] through
+    block_table [B, max_blocks]), with no float copy of them."""
+    block, packed, elem, scale = _decoding(fmt)
+    b, hi, di = q.shape
+    q, w, pool = q.float().contiguous(), w.float().contiguous(), pool.contiguous()
+    table = block_table.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty(b, n_entries, dtype=torch.float32)
+    _load().kv_index_scores(_ptr(q), _ptr(w), _ptr(pool), pool.shape[1], pool.shape[2],
+                            _ptr(table), table.shape[1], _ptr(positions), b, hi, di, block,
+                            packed, _ptr(elem), _ptr(scale), n_entries, ratio,
+                            _ptr(out), _threads())
+    return out
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows ends[g-1]:ends[g] of x [M, K] times w[g] [K, N] (float32, any strides of w;
+    ends [G] int32): [M, N], rows past ends[-1] zero. Within float rounding of torch's."""
+    x = x.contiguous()
+    ends = ends.to(torch.int32).contiguous()
+    g, k, n = w.shape
+    out = torch.zeros(x.shape[0], n, dtype=torch.float32)  # rows past ends[-1] stay 0
+    _load().kv_grouped_mm(_ptr(x), k, _ptr(w), g, n, *w.stride(), _ptr(ends),
+                          _ptr(out), _threads())
+    return out

@@ -1,0 +1,195 @@
+/* CPU kernels of the decode step, in C: what torch does in several passes over float
+ * copies, done in one pass over the packed bytes.
+ *
+ * The decode tables are the formats' own (kvstack.formats.codecs), passed in by the
+ * caller, so a value here is table[code] * table[scale], the same float32 product the
+ * torch codecs compute: reads are bit for bit the torch backend's. Scores and matmuls
+ * add in another order than torch's BLAS does, so they agree within float rounding.
+ *
+ * A row is a cache entry's packed bytes: `width` codes (two E2M1 codes a byte, element
+ * 2i in the low nibble, when `packed`; else one byte each), then one scale byte per
+ * `block` elements. Built by kvstack/native/__init__.py (cc -O3 -march=native -fopenmp).
+ */
+#include <math.h>
+#include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+static inline void decode_row(const uint8_t *row, int64_t width, int64_t block, int packed,
+                              const float *elem, const float *scale, float *out) {
+    const uint8_t *scales = row + (packed ? width / 2 : width);
+    for (int64_t b = 0; b < width / block; b++) {
+        const float s = scale[scales[b]];
+        float *o = out + b * block;
+        if (packed) {
+            const uint8_t *c = row + b * block / 2;
+            for (int64_t i = 0; i < block / 2; i++) {
+                o[2 * i] = elem[c[i] & 15] * s;
+                o[2 * i + 1] = elem[c[i] >> 4] * s;
+            }
+        } else {
+            const uint8_t *c = row + b * block;
+            for (int64_t i = 0; i < block; i++) o[i] = elem[c[i]] * s;
+        }
+    }
+}
+
+/* out [n, width] = the values of rows data[index[i]] (rows of row_bytes). */
+void kv_read_rows(const uint8_t *data, int64_t row_bytes, const int64_t *index, int64_t n,
+                  int64_t width, int64_t block, int packed, const float *elem,
+                  const float *scale, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 256)
+    for (int64_t i = 0; i < n; i++)
+        decode_row(data + index[i] * row_bytes, width, block, packed, elem, scale,
+                   out + i * width);
+}
+
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* The heads' dots q[h] . key of one packed E2M1 row (D a multiple of 32, block a multiple
+ * of 32): each code byte's two nibbles become twice their values as int8 by one shuffle
+ * (E2M1 values times 2 are the integers 0..12), and each eight of them float32 times
+ * half the block's scale -- exactly table[code] * table[scale], a power of two apart. */
+static void dots_e2m1(const uint8_t *row, int64_t D, int64_t block, const __m128i twice,
+                      const float *scale, const float *q, int64_t H, float *dots) {
+    __m256 acc[8];
+    for (int64_t h = 0; h < H; h++) acc[h] = _mm256_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t d = 0; d < D; d += 32) {
+        const __m256 half = _mm256_set1_ps(scale[row[D / 2 + d / block]] * 0.5f);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + d / 2));
+        const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(bytes, low));
+        const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+        const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+        __m256 k[4];
+        k[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
+        k[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
+        k[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
+        k[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
+        for (int i = 0; i < 4; i++) k[i] = _mm256_mul_ps(k[i], half);
+        for (int64_t h = 0; h < H; h++)
+            for (int i = 0; i < 4; i++)
+                acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d + 8 * i), k[i], acc[h]);
+    }
+    for (int64_t h = 0; h < H; h++) dots[h] = hsum(acc[h]);
+}
+#endif
+
+/* score(b, j) = sum_h w[b, h] relu(q[b, h] . key(b, j)) over entries j < n_entries of a
+ * stream whose entry j of sequence b is row j % per of block table[b, j / per] of pool
+ * [blocks, per, row_bytes]; entries of an incomplete group (j >= (positions[b] + 1) /
+ * ratio) score -inf. q [B, H, D], w [B, H], out [B, n_entries]. relu keeps a NaN, as
+ * torch's does. */
+void kv_index_scores(const float *q, const float *w, const uint8_t *pool, int64_t per,
+                     int64_t row_bytes, const int64_t *table, int64_t max_blocks,
+                     const int64_t *positions, int64_t B, int64_t H, int64_t D,
+                     int64_t block, int packed, const float *elem, const float *scale,
+                     int64_t n_entries, int64_t ratio, float *out, int threads) {
+    const int64_t n_blocks = (n_entries + per - 1) / per;
+#ifdef __AVX2__
+    const int fast = packed && H <= 8 && D % 32 == 0 && block % 32 == 0;
+    int8_t twice_values[16];
+    for (int i = 0; i < 16; i++) twice_values[i] = (int8_t)(elem[i] * 2.0f);
+    const __m128i twice = _mm_loadu_si128((const __m128i *)twice_values);
+#endif
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < n_blocks; t++) {
+            float key[D], dots[H];
+            const int64_t held = (positions[b] + 1) / ratio;
+            const uint8_t *rows = pool + table[b * max_blocks + t] * per * row_bytes;
+            const float *qb = q + b * H * D;
+            for (int64_t e = 0; e < per && t * per + e < n_entries; e++) {
+                const int64_t j = t * per + e;
+                if (j >= held) {
+                    out[b * n_entries + j] = -INFINITY;
+                    continue;
+                }
+                const uint8_t *row = rows + e * row_bytes;
+#ifdef __AVX2__
+                if (fast) {
+                    dots_e2m1(row, D, block, twice, scale, qb, H, dots);
+                } else
+#endif
+                {
+                    decode_row(row, D, block, packed, elem, scale, key);
+                    for (int64_t h = 0; h < H; h++) {
+                        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                        for (int64_t d = 0; d < D; d++) s += qb[h * D + d] * key[d];
+                        dots[h] = s;
+                    }
+                }
+                float total = 0.0f;
+                for (int64_t h = 0; h < H; h++)
+                    total += w[b * H + h] * (dots[h] < 0.0f ? 0.0f : dots[h]);
+                out[b * n_entries + j] = total;
+            }
+        }
+    }
+}
+
+#ifdef __AVX2__
+/* out rows m0, m0 + 1 (two when `two`) and columns n0..n0+3 of x times w[g] stored [N, K]
+ * (K a multiple of 8): eight accumulators, so that each load of x and of w serves four and
+ * two multiply-adds. */
+static void dots_2x4(const float *x, int64_t K, const float *wg, int64_t sn, int64_t m0,
+                     int two, int64_t n0, float *out, int64_t N) {
+    __m256 a[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
+    const float *x0 = x + m0 * K, *x1 = x + (m0 + two) * K;
+    const float *w0 = wg + n0 * sn;
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
+        for (int c = 0; c < 4; c++) {
+            const __m256 wc = _mm256_loadu_ps(w0 + c * sn + k);
+            a[0][c] = _mm256_fmadd_ps(u, wc, a[0][c]);
+            a[1][c] = _mm256_fmadd_ps(v, wc, a[1][c]);
+        }
+    }
+    for (int r = 0; r <= two; r++)
+        for (int c = 0; c < 4; c++) out[(m0 + r) * N + n0 + c] = hsum(a[r][c]);
+}
+#endif
+
+/* out [M, N]: rows ends[g-1]..ends[g]-1 of x [M, K] times w[g] [K, N], where w[g][k][n]
+ * lies at w + g * sg + k * sk + n * sn. Experts' weights are stored [N, K] (sk == 1), so
+ * each output is a dot of two contiguous rows; any other stride goes element by
+ * element. */
+void kv_grouped_mm(const float *x, int64_t K, const float *w, int64_t G, int64_t N,
+                   int64_t sg, int64_t sk, int64_t sn, const int32_t *ends, float *out,
+                   int threads) {
+#ifdef __AVX2__
+    const int fast = sk == 1 && K % 8 == 0 && N % 4 == 0;
+#else
+    const int fast = 0;
+#endif
+    const int64_t step = fast ? 4 : 1;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t n = 0; n < N; n += step) {
+            const int64_t start = g ? ends[g - 1] : 0;
+            const float *wg = w + g * sg;
+#ifdef __AVX2__
+            if (fast) {
+                for (int64_t m = start; m < ends[g]; m += 2)
+                    dots_2x4(x, K, wg, sn, m, m + 1 < ends[g], n, out, N);
+                continue;
+            }
+#endif
+            for (int64_t m = start; m < ends[g]; m++) {
+                const float *xm = x + m * K;
+                float s = 0.0f;
+                for (int64_t k = 0; k < K; k++) s += xm[k] * wg[k * sk + n * sn];
+                out[m * N + n] = s;
+            }
+        }
+    }
+}

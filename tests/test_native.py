@@ -1,0 +1,85 @@
+"""The C kernels (kvstack.native) against the torch ops they stand in for."""
+
+import pytest
+import torch
+
+from kvstack import LLM, SamplingParams, native
+from kvstack.cache.batch import _scores
+from kvstack.cache.rows import _rows_at
+from kvstack.config import preset
+from kvstack.engine.config import EngineConfig
+from kvstack.formats import dequantize, pack_rows, quantize, unpack_rows
+from kvstack.model.model import grouped_mm_by_group
+
+pytestmark = pytest.mark.skipif(not native.resolve("auto"), reason="no C compiler here")
+
+
+@pytest.mark.parametrize(("fmt", "width"), [("fp4_e4m3_16", 64), ("fp4_ue8m0_32", 64),
+                                             ("fp8_ue8m0_32", 96)])
+def test_read_rows_equal_the_codecs_bit_for_bit(fmt, width):
+    """Every code and scale byte, NaN scales included: the same float32 bits."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(300, width, generator=g) * torch.rand(300, 1, generator=g) * 50
+    rows = pack_rows(quantize(values, fmt))
+    rows = torch.cat([rows, torch.randint(0, 256, (256, rows.shape[1]), generator=g,
+                                          dtype=torch.uint8)])  # any byte, NaN scales too
+    index = torch.randint(0, rows.shape[0], (5, 70), generator=g)
+    got = native.read_rows(rows, index, fmt, width)
+    want = dequantize(unpack_rows(_rows_at(rows, index), fmt, width))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_index_scores_equal_dequantise_then_score(ratio):
+    """Through a block table with the null block, at positions whose last group is
+    incomplete: the same -inf entries, the scores within float rounding."""
+    g = torch.Generator().manual_seed(ratio)
+    fmt, b, heads, width, per, blocks = "fp4_ue8m0_32", 3, 4, 64, 16, 24
+    pool = pack_rows(quantize(torch.randn(blocks * per, width, generator=g), fmt))
+    pool = pool.view(blocks, per, -1).clone()
+    pool[0] = 0  # the null block
+    table = torch.randint(1, blocks, (b, 8), generator=g)
+    table[0, 4:] = 0
+    positions = torch.tensor([6, 70, 127])
+    q, w = torch.randn(b, heads, width, generator=g), torch.randn(b, heads, generator=g)
+    n = 128 // ratio
+    got = native.index_scores(q, w, pool, table, positions, n, ratio, fmt)
+    want = _scores(q, w, pool, table, positions, n, ratio, fmt, width)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.isinf(want).any() and torch.isfinite(want).any()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_equals_a_matmul_per_group():
+    """Empty groups, odd group sizes, experts' [N, K] weights and a contiguous [K, N]."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=g)
+    w = torch.randn(6, 32, 64, generator=g).transpose(1, 2)  # [G, K, N], stored [N, K]
+    ends = torch.tensor([3, 3, 10, 21, 30, 37], dtype=torch.int32)
+    for weights in (w, w.contiguous()):
+        got = native.grouped_mm(x, weights, ends)
+        assert torch.allclose(got, grouped_mm_by_group(x, weights, ends), atol=1e-5)
+
+
+def test_the_engine_decodes_the_same_tokens_with_the_c_kernels_as_with_torch():
+    config = preset("tiny")
+    prompts = [[5, 9, 2, 7] * 20, [3, 1] * 33]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = {}
+    for choice in ("c", "torch"):
+        llm = LLM(config, random_init=True, kv_budget="4MiB", max_num_seqs=2,
+                  cpu_kernels=choice)
+        assert llm.memory_report()["backend"]["cpu_kernels"] == choice
+        outputs[choice] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs["c"] == outputs["torch"]
+
+
+def test_a_required_c_kernel_that_cannot_build_is_an_error_naming_why(monkeypatch):
+    with pytest.raises(ValueError, match="cpu_kernels must be one of auto, c, torch"):
+        EngineConfig(cpu_kernels="fast")
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_why_not", None)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(native.NativeUnavailable, match="/nonexistent/cc"):
+        native.resolve("c")
+    assert native.resolve("auto") is False  # the same reason, logged, and torch runs
