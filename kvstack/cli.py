@@ -18,7 +18,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvstack.config import ATTENTION_BACKENDS, NUMERICS, PRESETS, ModelConfig, preset
+from kvstack.config import (
+    ATTENTION_BACKENDS,
+    CPU_KERNELS,
+    NUMERICS,
+    PRESETS,
+    ModelConfig,
+    preset,
+)
 from kvstack.plan import make_plan
 
 if TYPE_CHECKING:  # the engine pulls in the model; `kvstack plan` does not need it
@@ -295,8 +302,9 @@ def _load_llm(args: argparse.Namespace, **settings: Any) -> "LLM":
         cache_dir=args.cache_dir, host_budget=args.host_budget or 0,
         disk_prefix_cache=args.disk_prefix_cache, numerics=args.numerics,
         threads=args.threads, max_model_len=args.max_model_len, compile_decode=args.compile,
-        attention=args.attention, tensor_parallel_size=args.tensor_parallel_size,
-        expert_parallel=args.expert_parallel, **settings)
+        attention=args.attention, cpu_kernels=args.cpu_kernels,
+        tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
+        **settings)
     rank = int(os.environ.get("RANK", "0"))
     if config.tensor_parallel_size > 1 and rank > 0:
         from kvstack.engine.workers import ModelSource, serve_worker
@@ -873,6 +881,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
                    help="a decode step's attention: the Triton kernel over the packed rows "
                         "(CUDA), torch, or auto (Triton on CUDA when installed)")
+    p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
+                   help="a CPU step's packed-row reads, index scoring and expert matmuls: C "
+                        "kernels built on first use (c: or fail), torch, or auto (C where "
+                        "the system's C compiler builds them)")
     p.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="tokens a sequence may hold, below the model's max_seq_len")
     p.add_argument("--numerics", choices=NUMERICS, default="default",
