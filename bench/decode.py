@@ -37,6 +37,10 @@ around one step after the warm-up and the timed steps, counting every event whos
 starts with "aten::", nested ones (an op another op calls) included, and separately the
 top-level ones (no aten op above them). The count is what the host dispatches per step,
 the overhead that batching amortises; it does not depend on the machine's noise.
+
+With `--torch-ops` every table gains (t): (a) with `cpu_kernels="torch"`, the same engine
+running torch's ops where (a) runs the C kernels of `kvstack.native` (packed reads, index
+scoring, the experts' grouped matmul), so the kernels' gain is a ratio of one run.
 """
 
 import argparse
@@ -98,6 +102,8 @@ class Row:
     compiled_speedup_vs_hf: float | None = None  # (a')/(c) tokens/s
     stack_floor_bytes: int = 0  # what one step must read: weights used and cache
     hf_floor_bytes: int | None = None
+    torch_ops_tok_s: float | None = None  # (t) with --torch-ops
+    c_kernels_speedup: float | None = None  # (a)/(t) tokens/s
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,9 @@ class BatchRow:
     compiled_speedup_vs_hf: float | None = None
     compiled_aten_ops: int | None = None
     compiled_top_level_ops: int | None = None
+    torch_ops_tok_s: float | None = None  # (t) with --torch-ops
+    torch_ops_aten_ops: int | None = None
+    torch_ops_top_level_ops: int | None = None
 
 
 def parse_args() -> argparse.Namespace:
@@ -151,6 +160,9 @@ def parse_args() -> argparse.Namespace:
                         help="tokens of context of each sequence of a batch")
     parser.add_argument("--compile", action="store_true",
                         help="also measure (a') = (a) with compile_decode (torch.compile)")
+    parser.add_argument("--torch-ops", action="store_true",
+                        help="also measure (t) = (a) with cpu_kernels='torch': torch's ops "
+                             "where (a) runs the C kernels (kvstack.native)")
     parser.add_argument("--layer-contexts", type=int, nargs="+", default=None,
                         help="also time each layer of (a)'s decode step at these contexts")
     args = parser.parse_args()
@@ -231,7 +243,7 @@ def count_ops(step: Callable[[], None]) -> OpCount:
 
 # ---- (a) and (b): kvstack's engine ---------------------------------------------------------
 def engine(config: ModelConfig, max_tokens: int, batch: int = 1,
-           compile_decode: bool = False) -> LLM:
+           compile_decode: bool = False, cpu_kernels: str = "auto") -> LLM:
     """An LLM whose budget holds `batch` sequences of max_tokens and nothing more (a
     window-ring slot and the blocks of each, and a compiled step's pad slot), so the
     benchmark allocates what it uses."""
@@ -239,7 +251,8 @@ def engine(config: ModelConfig, max_tokens: int, batch: int = 1,
     budget = ((batch + compile_decode) * layout.window_bytes_per_sequence
               + batch * block_bytes(layout, BLOCK_TOKENS) * -(-max_tokens // BLOCK_TOKENS))
     return LLM(config, random_init=True, kv_budget=budget, max_num_seqs=batch,
-               block_tokens=BLOCK_TOKENS, compile_decode=compile_decode)
+               block_tokens=BLOCK_TOKENS, compile_decode=compile_decode,
+               cpu_kernels=cpu_kernels)
 
 
 def fill(store: PagedSequenceStore, config: ModelConfig, context: int,
@@ -595,14 +608,16 @@ def measure_batches(args: argparse.Namespace) -> tuple[list[BatchRow], list[str]
     measured: dict[str, dict[int, BatchMeasured]] = {}
     for n in args.batches:
         with ExitStack() as open_steps:
-            def engine_batch(c: ModelConfig, compiled: bool = False,
+            def engine_batch(c: ModelConfig, compiled: bool = False, kernels: str = "auto",
                              n: int = n) -> Callable[[], None]:
                 return open_steps.enter_context(
-                    engine_step(engine(c, max_tokens, n, compiled), context, n))
+                    engine_step(engine(c, max_tokens, n, compiled, kernels), context, n))
 
             systems = {"a": engine_batch(config)}
             if args.compile:
                 systems["a'"] = engine_batch(config, compiled=True)
+            if args.torch_ops:
+                systems["t"] = engine_batch(config, kernels="torch")
             systems["b"] = engine_batch(dense)
             if llama is not None:
                 # A StaticCache attends over all its slots (masked): size it to what is used.
@@ -618,6 +633,12 @@ def measure_batches(args: argparse.Namespace) -> tuple[list[BatchRow], list[str]
                       hf_cache)
     if args.compile:
         rows = [with_compiled_batch(r, measured["a'"][r.batch]) for r in rows]
+    if args.torch_ops:
+        rows = [dataclasses.replace(
+            r, torch_ops_tok_s=(m := measured["t"][r.batch]).tok_s,
+            torch_ops_aten_ops=None if m.ops is None else m.ops.aten_ops,
+            torch_ops_top_level_ops=None if m.ops is None else m.ops.top_level_ops)
+            for r in rows]
     return rows, notes
 
 
@@ -663,6 +684,9 @@ def render(console: Console, r: Row) -> None:
                       f"{r.stack_bytes_per_token:,.1f}", f"{1 / r.compiled_speedup_vs_eager:.2f}×",
                       "")
         table.caption = f"(a') = {r.compiled_speedup_vs_eager:.2f}× (a){vs_hf}"
+    if r.torch_ops_tok_s is not None:
+        table.add_row("(t) stack, torch's ops", f"{r.torch_ops_tok_s:.1f}",
+                      f"{r.stack_bytes_per_token:,.1f}", f"{r.c_kernels_speedup:.2f}×", "")
     console.print(table)
 
 
@@ -690,6 +714,10 @@ def render_batch(console: Console, r: BatchRow, base: int) -> None:
                       ops(r.compiled_aten_ops), ops(r.compiled_top_level_ops))
         if r.compiled_speedup_vs_hf is not None:
             table.caption = f"(a') = {r.compiled_speedup_vs_hf:.2f}× (c)"
+    if r.torch_ops_tok_s is not None:
+        table.add_row("(t) stack, torch's ops", f"{r.torch_ops_tok_s:.1f}",
+                      f"{r.stack_tok_s / r.torch_ops_tok_s:.2f}×", "",
+                      ops(r.torch_ops_aten_ops), ops(r.torch_ops_top_level_ops))
     console.print(table)
 
 
@@ -734,6 +762,7 @@ def main() -> None:
     dense = dense_control(config)
     stack_llm, dense_llm = engine(config, max_tokens), engine(dense, max_tokens)
     compiled_llm = engine(config, max_tokens, compile_decode=True) if args.compile else None
+    torch_llm = engine(config, max_tokens, cpu_kernels="torch") if args.torch_ops else None
     llama = hf_model(config, max_tokens) if HAVE_TRANSFORMERS else None
     rows = []
     for context in args.contexts:
@@ -745,6 +774,8 @@ def main() -> None:
                 systems["c"], hf_bytes_per_token = hf_step(llama, context)
             if compiled_llm is not None:
                 systems["a'"] = open_steps.enter_context(engine_step(compiled_llm, context))
+            if torch_llm is not None:
+                systems["t"] = open_steps.enter_context(engine_step(torch_llm, context))
             tok_s = time_interleaved(systems, args.steps, args.repeat)
         a = Measured(tok_s["a"], stack_llm.memory_report()["bytes_per_token"])
         b = Measured(tok_s["b"], dense_llm.memory_report()["bytes_per_token"])
@@ -759,6 +790,9 @@ def main() -> None:
             rows[-1] = dataclasses.replace(
                 rows[-1], compiled_tok_s=t, compiled_speedup_vs_eager=t / a.tok_s,
                 compiled_speedup_vs_hf=None if c is None else t / c.tok_s)
+        if torch_llm is not None:
+            rows[-1] = dataclasses.replace(rows[-1], torch_ops_tok_s=tok_s["t"],
+                                           c_kernels_speedup=a.tok_s / tok_s["t"])
     bandwidth = copy_bandwidth()
     batch_table, batch_notes = ([], []) if args.batches is None else measure_batches(args)
     layer_table = None if args.layer_contexts is None else measure_layers(args)
@@ -791,6 +825,7 @@ def main() -> None:
             "copy_bandwidth_bytes_per_s": bandwidth,
             "compile_seconds": (None if compiled_llm is None
                                 else compiled_llm.runner.compile_seconds),
+            "stack_cpu_kernels": stack_llm.memory_report()["backend"]["cpu_kernels"],
         }
         if args.batches is not None:
             report["batch_context"] = args.batch_context
@@ -819,6 +854,12 @@ def main() -> None:
                       "graph per batch-size bucket, compiled in "
                       f"{compiled_llm.runner.compile_seconds:.0f} s over the warm-up steps "
                       "(not timed)")
+    kernels = stack_llm.memory_report()["backend"]["cpu_kernels"]
+    console.print(f"(a), (a') and (b) ran the decode step's packed reads, index scoring and "
+                  f"expert matmuls by {'the C kernels' if kernels == 'c' else 'torch'} "
+                  f"(cpu_kernels={kernels})" + (
+                      "; (t) = (a) with cpu_kernels='torch', (a) ×tok/s on its row = (a)'s "
+                      "tokens/s over (t)'s" if torch_llm is not None else ""))
     for line in skipped:
         console.print(line, markup=False)  # "[bench]" is not rich markup
     if args.batches is not None:
