@@ -38,9 +38,10 @@ starts with "aten::", nested ones (an op another op calls) included, and separat
 top-level ones (no aten op above them). The count is what the host dispatches per step,
 the overhead that batching amortises; it does not depend on the machine's noise.
 
-With `--torch-ops` every table gains (t): (a) with `cpu_kernels="torch"`, the same engine
-running torch's ops where (a) runs the C kernels of `kvstack.native` (packed reads, index
-scoring, the experts' grouped matmul), so the kernels' gain is a ratio of one run.
+With `--torch-ops` the context and batch tables gain (t): (a) with `cpu_kernels="torch"`,
+the same engine running torch's ops where (a) runs the C kernels of `kvstack.native`
+(packed reads, index scoring, the experts' grouped matmul), so the kernels' gain is a
+ratio of one run.
 """
 
 import argparse
@@ -855,7 +856,7 @@ def main() -> None:
                       f"{compiled_llm.runner.compile_seconds:.0f} s over the warm-up steps "
                       "(not timed)")
     kernels = stack_llm.memory_report()["backend"]["cpu_kernels"]
-    console.print(f"(a), (a') and (b) ran the decode step's packed reads, index scoring and "
+    console.print(f"(a) and (a') ran the decode step's packed reads, index scoring and "
                   f"expert matmuls by {'the C kernels' if kernels == 'c' else 'torch'} "
                   f"(cpu_kernels={kernels})" + (
                       "; (t) = (a) with cpu_kernels='torch', (a) ×tok/s on its row = (a)'s "
