@@ -14,13 +14,22 @@ from kvstack.train.data import (
     retrieval_sample,
     stdlib_root,
 )
-from kvstack.train.families import HELD_OUT, KEY, TRAINED, families, plant, starts_with_planted_key
+from kvstack.train.families import (
+    HELD_OUT,
+    KEY,
+    SIX,
+    TRAINED,
+    families,
+    plant,
+    starts_with_planted_key,
+)
 from kvstack.train.trainer import IGNORE, TrainConfig, Trainer
 
 CORPUS = str(stdlib_root() / "json")
 # Words of the questions' own code, not names a definition made.
 COMMON = {"assert", "print", "if", "value", "result", "label", "get", "lookup", "registry",
-          "again", "settings", "os", "environ"}
+          "again", "settings", "os", "environ", "self", "return", "getattr", "dict", "logged",
+          "the", "is"}
 
 
 def run_config(**changes) -> TrainConfig:
@@ -44,6 +53,25 @@ def test_every_family_asks_back_the_value_it_plants(family):
         assert names and all(n in p.define for n in names)
         seen.add(p.question.split(value)[0])
     assert len(seen) > 10  # identifiers are drawn, not fixed
+
+
+def test_no_trained_form_states_a_value_as_a_held_out_one_does():
+    """Held out by construction: a trained definition is never a keyword argument, an
+    assignment to a subscript or an annotation, the three ways the held-out forms state a
+    value; and the six forms of the first long-context stages are the start of TRAINED."""
+    g = torch.Generator().manual_seed(4)
+    ways = (re.compile(r"\w+\([^)]*\b\w+=\""), re.compile(r"\]\s*=\s*\""),
+            re.compile(r"^\s*\w+: \w+ ="))
+    for family in HELD_OUT:
+        define = plant(family, g).define
+        assert any(w.search(line) for w in ways for line in define.splitlines())
+    for family in TRAINED:
+        for _ in range(5):
+            lines = plant(family, g).define.splitlines()
+            assert not any(w.search(line) for w in ways for line in lines), family.name
+    assert TRAINED[: len(SIX)] == SIX and len(TRAINED) >= 3 * len(SIX)
+    assert {f.name for f in TRAINED}.isdisjoint(f.name for f in HELD_OUT)
+    assert families("six") == SIX and families("trained") == TRAINED
 
 
 def test_held_out_families_never_reach_training(tmp_path):
@@ -70,7 +98,7 @@ def test_without_the_definitions_loss_only_the_answers_and_code_teach(tmp_path):
     decode = without.tokenizer.decode
     for r in range(rows.shape[0]):  # every row is a retrieval sample here
         left_out = targets[r] == IGNORE
-        assert 0 < left_out.sum() < 0.2 * left_out.numel()
+        assert 0 < left_out.sum() < 0.3 * left_out.numel()
         # The scored key's value closes the row, and its definition is what is left out.
         value = re.findall(r"([a-z]{6})[\"\n]*$", decode(rows[r].tolist()))[0]
         assert value in decode(rows[r, 1:][left_out].tolist())
@@ -114,7 +142,10 @@ def test_the_key_form_draws_the_samples_the_bundled_recipe_drew(data):
 def test_a_planted_definition_is_told_from_code():
     g = torch.Generator().manual_seed(1)
     for family in (KEY, *[f for f in TRAINED if f.name in
-                          ("assignment", "dict_entry", "comment_line", "registry_call")]):
+                          ("assignment", "dict_entry", "comment_line", "registry_call",
+                           "single_quoted", "attribute_set", "setattr_call", "lambda_return",
+                           "tuple_unpack", "pair_list", "log_field", "ini_comment",
+                           "docstring")]):
         for _ in range(5):
             assert starts_with_planted_key(plant(family, g).define)
     for code in ("\n\nx = compute(y)\n", "MAX_SIZE = 10\n", "# returns: string\n",

@@ -4,10 +4,13 @@ value in and asks it back from.
 A family is one way code states a value (an assignment, a dict entry, a function that
 returns it, a class attribute, a comment line, a registry call, ...) and the ways it is
 asked again later. Identifiers and values are drawn at random, so no form can be learnt
-by heart. `TRAINED` is what the trainer samples; `HELD_OUT` are forms it never samples,
-listed here so that a retrieval score on them measures whether the model learnt to
-retrieve or only to complete the forms it saw. `KEY` is the single form the bundled model
-was trained on (`KEY_0042 = "value"`), kept so that its recipe reproduces.
+by heart. `TRAINED` is every form the trainer may sample; `HELD_OUT` are forms it never
+samples, listed here so that a retrieval score on them measures whether the model learnt
+to retrieve or only to complete the forms it saw. No trained form states a value the way a
+held-out one does (a keyword argument, an assignment to a subscript, an annotation), so a
+held-out score is not a near-copy of a trained one. `KEY` is the single form of the
+bundled model's first stage (`KEY_0042 = "value"`) and `SIX` the six forms of its first
+long-context stages, kept so that those recipes reproduce.
 """
 
 import re
@@ -34,7 +37,7 @@ class Family:
 
 KEY = Family("key", '\n{key} = "{value}"\n', ('\nassert {key} == "',))
 
-TRAINED = (
+SIX = (
     Family("assignment", '\n{upper} = "{value}"\n',
            ('\nassert {upper} == "', '\nprint({upper})  # "', '\nif {upper} != "')),
     Family("dict_entry", '\n{owner} = {{"{name}": "{value}"}}\n',
@@ -49,6 +52,36 @@ TRAINED = (
            ('\nassert registry["{name}"] == "', '\nlookup("{name}")  # "')),
 )
 
+# More ways of stating a value, so that what is learnt is to find the value a name was given
+# rather than to complete six templates.
+TRAINED = (
+    *SIX,
+    Family("single_quoted", "\n{name} = '{value}'\n",
+           ("\nassert {name} == '", "\nprint({name})  # '"), closing="'"),
+    Family("attribute_set", '\nself.{name} = "{value}"\n',
+           ('\nassert self.{name} == "', '\nreturn self.{name}  # "')),
+    Family("setattr_call", '\nsetattr({owner}, "{name}", "{value}")\n',
+           ('\nassert getattr({owner}, "{name}") == "',)),
+    Family("enum_member", '\nclass {camel}(Enum):\n    {upper} = "{value}"\n',
+           ('\nassert {camel}.{upper}.value == "',)),
+    Family("lambda_return", '\n{name} = lambda: "{value}"\n',
+           ('\nassert {name}() == "', '\nresult = {name}()  # "')),
+    Family("tuple_unpack", '\n{name}, {owner} = "{value}", None\n',
+           ('\nassert {name} == "',)),
+    Family("pair_list", '\n{owner} = [("{name}", "{value}")]\n',
+           ('\nassert dict({owner})["{name}"] == "',)),
+    Family("return_dict", '\ndef {owner}():\n    return {{"{name}": "{value}"}}\n',
+           ('\nassert {owner}()["{name}"] == "',)),
+    Family("method_return", '\nclass {camel}:\n    def {name}(self):\n        return "{value}"\n',
+           ('\nassert {camel}().{name}() == "',)),
+    Family("log_field", '\nlogger.info("{name}={value}")\n', ("\n# logged {name}=",),
+           closing="\n"),
+    Family("ini_comment", "\n# [{owner}]\n# {name} = {value}\n", ("\n# {owner}.{name} = ",),
+           closing="\n"),
+    Family("docstring", '\n    """The {name} is {value}."""\n', ("\n# the {name} is ",),
+           closing="."),
+)
+
 HELD_OUT = (
     Family("keyword_argument", '\nsettings = dict({name}="{value}")\n',
            ('\nassert settings["{name}"] == "',)),
@@ -57,12 +90,12 @@ HELD_OUT = (
     Family("annotated", '\n{name}: str = "{value}"\n', ('\nassert {name} == "',)),
 )
 
-FAMILY_SETS = {"key": (KEY,), "trained": TRAINED, "held-out": HELD_OUT}
+FAMILY_SETS = {"key": (KEY,), "six": SIX, "trained": TRAINED, "held-out": HELD_OUT}
 _BY_NAME = {f.name: f for f in (KEY, *TRAINED, *HELD_OUT)}
 
 
 def families(spec: str) -> tuple[Family, ...]:
-    """A set by name (key, trained, held-out) or comma-separated family names."""
+    """A set by name (key, six, trained, held-out) or comma-separated family names."""
     if spec in FAMILY_SETS:
         return FAMILY_SETS[spec]
     names = [n.strip() for n in spec.split(",") if n.strip()]
@@ -114,7 +147,11 @@ def plant(family: Family, generator: torch.Generator) -> Planted:
 _NAME, _UPPER, _VALUE = r"[a-z]+_[a-z]+_[a-z]+", r"[A-Z]+_[A-Z]+_[A-Z]+", r"[a-z]{6}"
 _PLANTED = re.compile(
     rf'^\s*(KEY_\d{{4}} = "|{_UPPER} = "{_VALUE}"|# {_NAME}: {_VALUE}$'
-    rf'|register\("{_NAME}", "{_VALUE}"\)|[a-z]+_[a-z]+ = \{{"{_NAME}": "{_VALUE}"\}})')
+    rf'|register\("{_NAME}", "{_VALUE}"\)|[a-z]+_[a-z]+ = \{{"{_NAME}": "{_VALUE}"\}}'
+    rf"|(self\.)?{_NAME} = (lambda: )?[\"']{_VALUE}[\"']|{_NAME}, [a-z]+_[a-z]+ = \"{_VALUE}\""
+    rf'|setattr\([a-z]+_[a-z]+, "{_NAME}", "{_VALUE}"\)|logger\.info\("{_NAME}={_VALUE}"\)'
+    rf'|[a-z]+_[a-z]+ = \[\("{_NAME}", "{_VALUE}"\)\]|# \[[a-z]+_[a-z]+\]$'
+    rf'|"""The {_NAME} is {_VALUE}\.""")')
 
 
 def starts_with_planted_key(text: str) -> bool:

@@ -72,8 +72,9 @@ class TrainConfig:
     retrieval_rate: float = 0.0  # share of rows replaced by a synthetic retrieval sample
     retrieval_keys: int = 1  # keys defined and asked in each retrieval sample
     # The written forms of retrieval samples (kvstack.train.families: "key", the single
-    # form of the bundled recipe; "trained", every family but the held-out ones; or
-    # names); held-out families are refused, so that they measure generalisation.
+    # form of the bundled model's first stage; "six", the forms of its first long-context
+    # stages; "trained", every family but the held-out ones; or names); held-out families
+    # are refused, so that they measure generalisation.
     retrieval_families: str = "key"
     # Train on the tokens of the planted definitions too: off, only the answers (and the
     # code) teach, so free generation does not learn to open with a definition.
