@@ -703,6 +703,15 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
     for n, row in zip(args.lengths, result["accuracy"], strict=True):
         table.add_row(str(n), *(f"{a:.0%}" for a in row))
     console.print(table)
+    if len(result["families"]) > 1:
+        console.print("answered / asked, by the family the key was written in")
+        by_family = Table(box=box.SIMPLE_HEAD)
+        by_family.add_column("tokens", justify="right")
+        for name in result["families"]:
+            by_family.add_column(name, justify="right")
+        for n, tally in zip(args.lengths, result["by_family"], strict=True):
+            by_family.add_row(str(n), *(f"{hit} / {asked}" for hit, asked in tally.values()))
+        console.print(by_family)
     return 0
 
 

@@ -160,8 +160,29 @@ def test_retrieval_and_planted_starts_on_held_out_families(data):
     result = retrieval(model, tokenizer, cache, [128], [0.5], 2, forms="held-out")
     assert result["families"] == [f.name for f in HELD_OUT]
     assert 0 <= result["accuracy"][0][0] <= 1
+    tally = result["by_family"][0]  # every question counted once, under its own family
+    assert list(tally) == result["families"]
+    assert sum(asked for _, asked in tally.values()) == 2
+    assert sum(hit for hit, _ in tally.values()) == round(result["accuracy"][0][0] * 2)
     planted = planted_starts(model, tokenizer, cache, samples=3, context=32, new_tokens=6)
     assert planted["code"]["prompts"] == 3 and 0 <= planted["code"]["planted_share"] <= 1
     assert planted["chat"]["prompts"] == 20
     assert families("assignment,registry_call") == tuple(
         f for f in TRAINED if f.name in ("assignment", "registry_call"))
+
+
+def test_a_sample_names_the_family_of_the_key_it_scores(data):
+    tokenizer, cache = data
+    g = torch.Generator().manual_seed(7)
+    seen = set()
+    for _ in range(12):
+        sample = retrieval_sample(cache, tokenizer, 300, 0.5, g, extra_keys=2, families=HELD_OUT)
+        question = tokenizer.decode(sample.ids[: sample.answer_start]).rsplit("\n", 1)[-1]
+        marker = {"keyword_argument": 'settings["', "environment": 'os.environ["'}
+        if sample.family in marker:
+            assert marker[sample.family] in question
+        else:
+            assert sample.family == "annotated"
+            assert not any(m in question for m in marker.values())
+        seen.add(sample.family)
+    assert seen == {f.name for f in HELD_OUT}

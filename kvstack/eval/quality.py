@@ -166,23 +166,31 @@ def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
               seed: int = 0, forms: str = "key") -> dict[str, Any]:
     """Accuracy of greedy answers by length and depth: [len(lengths)][len(depths)], the
     keys written in the families `forms` names (kvstack.train.families: "key", the
-    bundled model's one form; "held-out", those no training run samples; ...)."""
+    bundled model's one form; "held-out", those no training run samples; ...); and by
+    length and family, {family: [answered, asked]} per length, since the questions of
+    a cell are drawn from every family."""
     chosen = families(forms)
     for depth in depths:  # before any sample is scored
         check_depth(depth)
-    accuracy = []
+    accuracy, by_family = [], []
     for length in lengths:
         row = []
+        tally = {f.name: [0, 0] for f in chosen}
         for depth in depths:
             g = _question_generator(length, depth, seed)
             hits = 0
             for _ in range(samples):
                 sample = retrieval_sample(data, tokenizer, length, depth, g, families=chosen)
-                hits += _answers(model, sample.ids, sample.answer_start, replay)
+                hit = _answers(model, sample.ids, sample.answer_start, replay)
+                hits += hit
+                tally[sample.family][0] += hit
+                tally[sample.family][1] += 1
             row.append(hits / samples)
         accuracy.append(row)
+        by_family.append(tally)
     return {"lengths": lengths, "depths": depths, "samples": samples, "replay": replay,
-            "families": [f.name for f in chosen], "accuracy": accuracy}
+            "families": [f.name for f in chosen], "accuracy": accuracy,
+            "by_family": by_family}
 
 
 # Requests a user types into `kvstack chat`: a reply to prose, where a model that learnt

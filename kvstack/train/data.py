@@ -136,6 +136,7 @@ class RetrievalSample:
     depth: float  # where the key was defined, as a fraction of the sample
     length: int
     defines: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in ids
+    family: str = ""  # the written form of the scored key (kvstack.train.families)
 
 
 def check_depth(depth: float) -> None:
@@ -155,7 +156,11 @@ def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
     (answers included) just before the scored one: more answer tokens per sample, since one
     key's answer is a handful of tokens among hundreds."""
     check_depth(depth)
-    keys = [plant(_pick(families, generator), generator) for _ in range(extra_keys + 1)]
+    forms = []
+    keys = []
+    for _ in range(extra_keys + 1):
+        forms.append(_pick(families, generator))
+        keys.append(plant(forms[-1], generator))
     depths = [float(torch.rand((), generator=generator)) for _ in range(extra_keys)] + [depth]
     defines = [tokenizer.encode(k.define).ids for k in keys]
     questions = [tokenizer.encode(k.question).ids for k in keys]
@@ -177,7 +182,8 @@ def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
     ids += code[done:]
     for question, answer in zip(questions, answers, strict=True):
         ids += question + answer
-    return RetrievalSample(ids, len(ids) - len(answers[-1]), depth, length, spans)
+    return RetrievalSample(ids, len(ids) - len(answers[-1]), depth, length, spans,
+                           forms[-1].name)
 
 
 def _pick(families: tuple[Family, ...], generator: torch.Generator) -> Family:
