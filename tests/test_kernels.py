@@ -2,6 +2,9 @@
 (TRITON_INTERPRET=1 runs the kernels on the CPU, one program at a time: small shapes)."""
 
 import os
+import sys
+from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,10 @@ from kvstack.cache.kernels import (
 )
 from kvstack.cache.rows import PackedRows
 from kvstack.config import preset
+from kvstack.formats import bytes_per_entry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import kernels as kernel_bench  # bench/kernels.py
 
 
 def test_sparse_attention_equals_dequantise_then_attend():
@@ -113,3 +120,29 @@ def test_the_kernel_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="CUDA"):
         llm(attention="triton")
+
+
+def bench_args() -> Namespace:
+    return Namespace(preset="tiny", contexts=[200], batch=2, ratio=2, block_entries=16,
+                     repeat=1, device="cpu")
+
+
+def test_the_kernel_benchmark_counts_the_layouts_bytes_and_checks_the_kernels(monkeypatch):
+    """bench/kernels.py at tiny shapes: both kernels timed, the bytes they must move
+    counted from the formats, and a kernel whose output is wrong stops the run."""
+    _, results = kernel_bench.run(bench_args())
+    c = preset("tiny")
+    attention, index = results
+    assert (attention.kernel, index.kernel) == ("sparse attention", "index scores")
+    k = min(c.index_topk, 100)
+    per_sequence = (c.window_size * bytes_per_entry(WINDOW_FORMAT, c.head_dim)
+                    + k * bytes_per_entry(KV_FORMAT, c.head_dim)
+                    + c.window_size * 8 + k * 8 + 2 * c.n_heads * c.head_dim * 4)
+    assert attention.bytes == 2 * per_sequence
+    assert index.bytes == 2 * (100 * bytes_per_entry(INDEX_FORMAT, c.index_head_dim)
+                               + c.index_n_heads * (c.index_head_dim + 1) * 4 + 100 * 4)
+    monkeypatch.setattr(kernel_bench, "sparse_attention",
+                        lambda q, *rest: torch.zeros_like(q))
+    with pytest.raises(SystemExit, match="sparse attention at context 200: the kernel's "
+                                         "output differs"):
+        kernel_bench.run(bench_args())
