@@ -27,12 +27,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
+from formats import best_seconds  # bench/ is on the path: one way of timing
 from rich.console import Console
 from rich.table import Table
 
@@ -89,19 +89,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def best_ms(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    """Least wall time of fn over `repeat` runs after one warm-up (which also compiles a
-    Triton kernel on its first call), in ms; CUDA is synchronised around each run."""
+    """best_seconds after one warm-up call (which also compiles a Triton kernel), in ms."""
     fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    return best_seconds(fn, device, repeat) * 1e3
 
 
 def copy_gbps(device: torch.device, repeat: int) -> float:
