@@ -229,6 +229,26 @@ def test_incremental_text_equals_the_whole_decode_and_stops_where_a_stop_string_
         assert stopped_at == len(tok.encode("naïve café — 日本")) - 1
 
 
+def test_text_a_stop_string_may_still_cut_is_held_back_until_it_cannot():
+    """What a stream shows (`settled`) never holds the start of a stop string that a later
+    token completes: "\nuser" waits for its ":" (which stops) or for what rules it out."""
+    tok = ByteTokenizer()
+    d = Detokenizer(tok, ("\nuser:", "\nsystem:"))
+    shown = []
+    for token in tok.encode("ok\nuser:"):
+        stopped = d.add(token)
+        shown.append(d.settled())
+    assert stopped and d.text == "ok"
+    assert all(s in ("", "o", "ok") for s in shown)
+    d = Detokenizer(tok, ("\nuser:",))
+    for token in tok.encode("a\nus"):
+        d.add(token)
+    assert d.settled() == "a" and d.text == "a\nus"
+    for token in tok.encode("e it"):
+        d.add(token)
+    assert d.settled() == d.text == "a\nuse it"
+
+
 def test_requests_of_a_failed_batch_decode_alone_until_they_step(monkeypatch, alone):
     # Request 1 fails every batch it is in with others, never alone: without the solo
     # retries its batch-mates would fail with it until they ran out of tries.

@@ -263,7 +263,7 @@ class EngineCore:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         stopped = seq.detokenizer.add(token)
-        seq.text = seq.detokenizer.text
+        seq.text = seq.detokenizer.settled()
         if (not seq.params.ignore_eos and token == self.tokenizer.eos_id) or stopped:
             self._finish(seq, "stop")
         elif (len(seq.output_ids) >= seq.params.max_tokens
@@ -273,7 +273,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if reason != "stop":
             seq.detokenizer.flush()
-            seq.text = seq.detokenizer.text
+        seq.text = seq.detokenizer.text  # all of it: nothing can cut it any more
         keep = seq.keep_cache and reason in ("stop", "length")
         self.scheduler.finish(seq, reason, keep_cache=keep)
         seq.finish_time = time.perf_counter()

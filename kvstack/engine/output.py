@@ -43,6 +43,15 @@ class Detokenizer:
             return True
         return False
 
+    def settled(self) -> str:
+        """The text no later token can take back: without the end of it where a stop
+        string may be starting, so that a streamed reply never shows what a stop then cuts
+        (its final text is `text`)."""
+        for n in range(min(self.longest_stop - 1, len(self.text)), 0, -1):
+            if any(s.startswith(self.text[-n:]) for s in self.stop):
+                return self.text[:-n]
+        return self.text
+
     def flush(self) -> None:
         """At the end: whatever is still held back (an incomplete character) joins the
         text, as a decode of the whole would show it."""
