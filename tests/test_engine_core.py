@@ -509,6 +509,33 @@ def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
     assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [3, 3]
 
 
+def test_a_compiled_step_checks_its_guards_once_per_step_shape(monkeypatch):
+    """A decode step of a (batch, table width) already seen runs only the guards that
+    tell its graphs apart; the first step of a new width checks them all, so a layer
+    that changes how it runs there gets its own graph. Here a Reindex layer's stream
+    outgrows its candidate pool (4 blocks of 4 entries) when the table grows to a
+    second block: two graphs, the eager tokens, and every other step skips the guards."""
+    original = Model.compile_decode
+    monkeypatch.setattr(Model, "compile_decode", lambda self: original(self, "eager"))
+    config = FIVE_LAYERS.replace(candidate_topk_blocks=4, candidate_block_size=4)
+    settings = {"kv_budget": "2MiB", "block_tokens": 16, "max_num_seqs": 1}
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
+    prompt = [prompts(2)[1]]  # 5 tokens
+    eager = LLM(config, random_init=True, **settings).generate(prompt, params)
+    llm = LLM(config, random_init=True, compile_decode=True, **settings)
+    step, skipped = llm.model._compiled_step, []
+
+    def counted(*args: object) -> object:
+        skipped.append(torch._dynamo.eval_frame._is_skip_guard_eval_unsafe_stance())
+        return step(*args)
+
+    llm.model._compiled_step = counted
+    assert llm.generate(prompt, params)[0].token_ids == eager[0].token_ids
+    assert llm.memory_report()["backend"]["graphs"] == 2
+    # Tables of 1, 2 and 3 blocks (35 tokens at the end); the first token is prefill's.
+    assert skipped.count(False) == 3 and len(skipped) == 29
+
+
 def test_a_traced_read_of_packed_rows_equals_the_eager_one(monkeypatch):
     """A large read is one opaque op to a traced step, a small one the graph's own code;
     both give what the eager read gives."""

@@ -25,7 +25,7 @@ from kvstack.config import preset
 from kvstack.formats import bytes_per_entry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import kernels as kernel_bench  # bench/kernels.py
+import sparse_kernels as kernel_bench  # bench/sparse_kernels.py
 
 
 def test_sparse_attention_equals_dequantise_then_attend():
@@ -128,7 +128,7 @@ def bench_args() -> Namespace:
 
 
 def test_the_kernel_benchmark_counts_the_layouts_bytes_and_checks_the_kernels(monkeypatch):
-    """bench/kernels.py at tiny shapes: both kernels timed, the bytes they must move
+    """bench/sparse_kernels.py at tiny shapes: both kernels timed, the bytes they must move
     counted from the formats, and a kernel whose output is wrong stops the run."""
     _, results = kernel_bench.run(bench_args())
     c = preset("tiny")

@@ -18,9 +18,9 @@ sequence, queries and outputs), and GB/s = bytes / time. The device's copy bandw
 beside each kernel: "of copy" is the share of it the kernel reaches. Every run also checks
 that the kernels' outputs equal torch's, so on a new GPU it doubles as a correctness check.
 
-    python bench/kernels.py                       # on a CUDA device, V4.1-Flash shapes
-    TRITON_INTERPRET=1 python bench/kernels.py --device cpu --preset tiny --batch 2 \\
-        --contexts 256 --repeat 1                  # the interpreter: a check, no speeds
+    python bench/sparse_kernels.py            # on a CUDA device, V4.1-Flash shapes
+    TRITON_INTERPRET=1 python bench/sparse_kernels.py --device cpu --preset tiny \\
+        --batch 2 --contexts 256 --repeat 1   # the interpreter: a check, no speeds
 """
 
 import argparse
