@@ -29,25 +29,32 @@ def test_read_rows_equal_the_codecs_bit_for_bit(fmt, width):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize("ratio", [1, 2, 4])
-def test_index_scores_equal_dequantise_then_score(ratio):
+@pytest.mark.parametrize("ratio, heads, short", [(1, 4, 0), (2, 4, 0), (4, 4, 0), (1, 12, 3),
+                                                  (2, 1, 5)])
+def test_index_scores_equal_dequantise_then_score(ratio, heads, short):
     """Through a block table with the null block, at positions whose last group is
-    incomplete: the same -inf entries, the scores within float rounding."""
+    incomplete, eight keys a pass and the `short` entries past the last whole eight one
+    at a time: the same -inf entries, a NaN scale's NaN score, the scores within float
+    rounding."""
     g = torch.Generator().manual_seed(ratio)
-    fmt, b, heads, width, per, blocks = "fp4_ue8m0_32", 3, 4, 64, 16, 24
+    fmt, b, width, per, blocks = "fp4_ue8m0_32", 3, 64, 16, 24
     pool = pack_rows(quantize(torch.randn(blocks * per, width, generator=g), fmt))
     pool = pool.view(blocks, per, -1).clone()
     pool[0] = 0  # the null block
-    table = torch.randint(1, blocks, (b, 8), generator=g)
+    table = torch.randint(2, blocks, (b, 8), generator=g)
     table[0, 4:] = 0
+    table[2, 0] = 1
+    pool[1, 3, width // 2] = 0xFF  # a NaN scale (E8M0): sequence 2's entry 3
     positions = torch.tensor([6, 70, 127])
     q, w = torch.randn(b, heads, width, generator=g), torch.randn(b, heads, generator=g)
-    n = 128 // ratio
+    n = 128 // ratio - short
     got = native.index_scores(q, w, pool, table, positions, n, ratio, fmt)
     want = _scores(q, w, pool, table, positions, n, ratio, fmt, width)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[2, 3])
     assert torch.isinf(want).any() and torch.isfinite(want).any()
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_mm_equals_a_matmul_per_group():

@@ -52,32 +52,59 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* The heads' dots q[h] . key of one packed E2M1 row (D a multiple of 32, block a multiple
- * of 32): each code byte's two nibbles become twice their values as int8 by one shuffle
- * (E2M1 values times 2 are the integers 0..12), and each eight of them float32 times
- * half the block's scale -- exactly table[code] * table[scale], a power of two apart. */
-static void dots_e2m1(const uint8_t *row, int64_t D, int64_t block, const __m128i twice,
-                      const float *scale, const float *q, int64_t H, float *dots) {
-    __m256 acc[8];
-    for (int64_t h = 0; h < H; h++) acc[h] = _mm256_setzero_ps();
+/* Lane i of the result: the sum of v[i]'s eight lanes. */
+static inline __m256 hsum8(const __m256 v[8]) {
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20),
+                         _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+/* keys [8, D] = the values of eight packed E2M1 rows (D and block multiples of 32): each
+ * code byte's two nibbles become twice their values as int8 by one shuffle (E2M1 values
+ * times 2 are the integers 0..12), and each eight of them float32 times half the block's
+ * scale -- exactly table[code] * table[scale], a power of two apart. */
+static void decode_e2m1_8(const uint8_t *rows, int64_t row_bytes, int64_t D, int64_t block,
+                          const __m128i twice, const float *scale, float *keys) {
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (int64_t d = 0; d < D; d += 32) {
-        const __m256 half = _mm256_set1_ps(scale[row[D / 2 + d / block]] * 0.5f);
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + d / 2));
-        const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(bytes, low));
-        const __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-        const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
-        __m256 k[4];
-        k[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
-        k[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
-        k[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
-        k[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
-        for (int i = 0; i < 4; i++) k[i] = _mm256_mul_ps(k[i], half);
-        for (int64_t h = 0; h < H; h++)
-            for (int i = 0; i < 4; i++)
-                acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d + 8 * i), k[i], acc[h]);
+    for (int i = 0; i < 8; i++) {
+        const uint8_t *row = rows + i * row_bytes;
+        float *key = keys + i * D;
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m256 half = _mm256_set1_ps(scale[row[D / 2 + d / block]] * 0.5f);
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + d / 2));
+            const __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(bytes, low));
+            const __m128i hi = _mm_shuffle_epi8(twice,
+                                                _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+            const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+            const __m128i parts[4] = {first, _mm_srli_si128(first, 8), second,
+                                      _mm_srli_si128(second, 8)};
+            for (int p = 0; p < 4; p++)
+                _mm256_storeu_ps(key + d + 8 * p, _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[p])), half));
+        }
     }
-    for (int64_t h = 0; h < H; h++) dots[h] = hsum(acc[h]);
+}
+
+/* Lane i: sum_h w[h] relu(q[h] . keys[i]) of eight decoded keys [8, D]. Eight keys a
+ * pass, so each load of q serves eight independent multiply-add chains and one
+ * transposing sum (hsum8) finishes eight dots. */
+static __m256 scores_8(const float *keys, int64_t D, const float *q, const float *w,
+                       int64_t H) {
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t h = 0; h < H; h++) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(q + h * D + d);
+            for (int i = 0; i < 8; i++)
+                acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys + i * D + d), acc[i]);
+        }
+        /* max(0, x) returns x where x is NaN: relu keeps a NaN, as torch's does. */
+        const __m256 relu = _mm256_max_ps(_mm256_setzero_ps(), hsum8(acc));
+        total = _mm256_add_ps(total, _mm256_mul_ps(_mm256_set1_ps(w[h]), relu));
+    }
+    return total;
 }
 #endif
 
@@ -93,7 +120,7 @@ void kv_index_scores(const float *q, const float *w, const uint8_t *pool, int64_
                      int64_t n_entries, int64_t ratio, float *out, int threads) {
     const int64_t n_blocks = (n_entries + per - 1) / per;
 #ifdef __AVX2__
-    const int fast = packed && H <= 8 && D % 32 == 0 && block % 32 == 0;
+    const int fast = packed && D % 32 == 0 && block % 32 == 0;
     int8_t twice_values[16];
     for (int i = 0; i < 16; i++) twice_values[i] = (int8_t)(elem[i] * 2.0f);
     const __m128i twice = _mm_loadu_si128((const __m128i *)twice_values);
@@ -101,35 +128,41 @@ void kv_index_scores(const float *q, const float *w, const uint8_t *pool, int64_
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t t = 0; t < n_blocks; t++) {
-            float key[D], dots[H];
             const int64_t held = (positions[b] + 1) / ratio;
             const uint8_t *rows = pool + table[b * max_blocks + t] * per * row_bytes;
-            const float *qb = q + b * H * D;
-            for (int64_t e = 0; e < per && t * per + e < n_entries; e++) {
+            const float *qb = q + b * H * D, *wb = w + b * H;
+            float *ob = out + b * n_entries + t * per;
+            const int64_t count = per < n_entries - t * per ? per : n_entries - t * per;
+            int64_t e = 0;
+#ifdef __AVX2__
+            if (fast) {
+                float keys[8 * D], scores[8];
+                for (; e + 8 <= count; e += 8) {
+                    decode_e2m1_8(rows + e * row_bytes, row_bytes, D, block, twice, scale, keys);
+                    _mm256_storeu_ps(scores, scores_8(keys, D, qb, wb, H));
+                    for (int i = 0; i < 8; i++)
+                        ob[e + i] = t * per + e + i < held ? scores[i] : -INFINITY;
+                }
+            }
+#endif
+            float key[D], dots[H];
+            for (; e < count; e++) {
                 const int64_t j = t * per + e;
                 if (j >= held) {
-                    out[b * n_entries + j] = -INFINITY;
+                    ob[e] = -INFINITY;
                     continue;
                 }
-                const uint8_t *row = rows + e * row_bytes;
-#ifdef __AVX2__
-                if (fast) {
-                    dots_e2m1(row, D, block, twice, scale, qb, H, dots);
-                } else
-#endif
-                {
-                    decode_row(row, D, block, packed, elem, scale, key);
-                    for (int64_t h = 0; h < H; h++) {
-                        float s = 0.0f;
+                decode_row(rows + e * row_bytes, D, block, packed, elem, scale, key);
+                for (int64_t h = 0; h < H; h++) {
+                    float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                        for (int64_t d = 0; d < D; d++) s += qb[h * D + d] * key[d];
-                        dots[h] = s;
-                    }
+                    for (int64_t d = 0; d < D; d++) s += qb[h * D + d] * key[d];
+                    dots[h] = s;
                 }
                 float total = 0.0f;
                 for (int64_t h = 0; h < H; h++)
-                    total += w[b * H + h] * (dots[h] < 0.0f ? 0.0f : dots[h]);
-                out[b * n_entries + j] = total;
+                    total += wb[h] * (dots[h] < 0.0f ? 0.0f : dots[h]);
+                ob[e] = total;
             }
         }
     }
