@@ -106,7 +106,7 @@ def test_compressed_entries_are_visible_only_once_their_group_is_complete():
         assert torch.all(target[~visible] == 0)
         assert torch.all(target[visible] > 0)  # dense: every visible entry is attended
     # Sparse attention respects the same rule.
-    target = model(tokens(1, 48), collect=True).attention_targets[1][0]
+    target = model(tokens(1, 48), collect=True).dense_targets(1, 48 // 2)[0]
     j = torch.arange(target.shape[-1])[None, :]
     assert torch.all(target[j >= (torch.arange(48)[:, None] + 1) // 2] == 0)
 
@@ -115,7 +115,38 @@ def test_sparse_attention_uses_at_most_index_topk_entries():
     c = preset("tiny")
     out = make_model(c)(tokens(1, 80), collect=True)
     for layer, target in out.attention_targets.items():
-        assert int((target[0] > 0).sum(-1).max()) <= c.index_topk, layer
+        assert target.shape[-1] == out.index_entries[layer].shape[-1] <= c.index_topk
+        dense = out.dense_targets(layer, 80 // c.compress_ratios[layer])
+        assert int((dense[0] > 0).sum(-1).max()) <= c.index_topk, layer
+        assert torch.allclose(dense.sum(-1), target.sum(-1))
+
+
+def test_sparse_attention_trains_the_indexer_on_its_selected_entries_scores(monkeypatch):
+    """Sparse attention keeps the indexer's scores and targets over each query's selected
+    entries only ([B, T, k], not the whole stream's [B, T, N]), scored again with a
+    gradient: those scores are the whole stream's scoring at the same entries, so the
+    indexer loss (a softmax over the attended entries) is unchanged."""
+    model, checked = make_model().train(), []
+    for layer in (1, 4):
+        indexer = model.layers[layer].attn.indexer
+        original = indexer.scores_at
+
+        def scores_at(x, qr, positions, store, entries, indexer=indexer, original=original):
+            got = original(x, qr, positions, store, entries)
+            n = store.stream_len(indexer.spec.kv_source)
+            with torch.no_grad():
+                full = indexer.scores(x, qr, positions, store, n)
+            want = full.gather(-1, entries.clamp(min=0)).masked_fill(entries < 0, -torch.inf)
+            assert got.requires_grad and torch.allclose(got, want, atol=1e-6)
+            checked.append((entries >= 0).sum())
+            return got
+
+        monkeypatch.setattr(indexer, "scores_at", scores_at)
+    out = model(tokens(2, 70), collect=True)
+    assert len(checked) == 2 and all(n > 0 for n in checked)
+    for layer in out.index_scores:
+        k = out.index_entries[layer].shape[-1]
+        assert out.index_scores[layer].shape[-1] == out.attention_targets[layer].shape[-1] == k
 
 
 def test_candidate_pool_restricts_later_index_sources(monkeypatch):
@@ -140,16 +171,16 @@ def test_candidate_pool_restricts_later_index_sources(monkeypatch):
 
     planted(source, {10: 1e6, 30: -1e6})
     planted(consumer, {30: 1e9})
-    target = model(tokens(1, 64), collect=True).attention_targets
+    target = model(tokens(1, 64), collect=True).dense_targets(6, 64)  # ratio 1
     # Queries from 32 on: entry 30's block is neither the best block nor the newest one.
-    assert torch.all(target[6][0, 32:, 30] == 0)
-    assert torch.all(target[6][0, 32:, 10] > 0)  # the pool's planted block is selected
+    assert torch.all(target[0, 32:, 30] == 0)
+    assert torch.all(target[0, 32:, 10] > 0)  # the pool's planted block is selected
 
     monkeypatch.undo()
     planted(source, {10: 1e6})
     planted(consumer, {11: 1e9})  # entry 11 shares entry 10's block: in the pool
-    target = model(tokens(1, 64), collect=True).attention_targets
-    assert torch.all(target[6][0, 32:, 11] > 0)
+    target = model(tokens(1, 64), collect=True).dense_targets(6, 64)
+    assert torch.all(target[0, 32:, 11] > 0)
 
 
 def test_a_reindex_layer_scoring_only_its_pool_selects_as_scoring_every_entry():

@@ -365,8 +365,9 @@ class StepContext:
     collect: bool = False  # keep indexer scores and attention targets (indexer loss)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B,n,k]
     pool: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> blocks [B,n,kb]
-    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N]
-    attention_targets: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N]
+    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N or k]
+    attention_targets: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N or k]
+    index_entries: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,k], sparse
     probe: bool = False  # keep where each layer's attention went (`attention_mass`)
     attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,5]
     # Layers that attend to their window and sink only, their compressed entries left out
@@ -514,13 +515,24 @@ class Indexer(nn.Module):
         blocks = blocks.sort(dim=-1).values
         entries = (blocks[..., None] * bs + torch.arange(bs, device=x.device)).flatten(-2)
         visible = entries < _visible(positions, self.spec)  # [B, n, K]
-        q, w = self._queries(x, qr, positions)
-        keys = store.gather_stream(self.spec.kv_source, "index",
-                                   entries.clamp(max=n_entries - 1)).float()  # [B, n, K, Di]
-        s = torch.einsum("bnhk,bnh->bnk", torch.einsum("bnhd,bnkd->bnhk", q, keys).relu(), w)
-        s = all_reduce(s, self.shard)
+        s = self._scores_of(x, qr, positions, store, entries.clamp(max=n_entries - 1))
         chosen = select_topk(s.masked_fill(~visible, float("-inf")), self.config.index_topk)
         return torch.where(chosen >= 0, entries.gather(-1, chosen.clamp(min=0)), -1)
+
+    def scores_at(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
+                  store: KVStore, entries: torch.Tensor) -> torch.Tensor:
+        """score(t, j) of each query's own entries [B, n, k] (-1 for none, scored -inf):
+        [B, n, k], reading k keys a query rather than the stream (the indexer loss of
+        sparse attention)."""
+        s = self._scores_of(x, qr, positions, store, entries.clamp(min=0))
+        return s.masked_fill(entries < 0, float("-inf"))
+
+    def _scores_of(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
+                   store: KVStore, entries: torch.Tensor) -> torch.Tensor:
+        q, w = self._queries(x, qr, positions)
+        keys = store.gather_stream(self.spec.kv_source, "index", entries).float()  # [B,n,K,Di]
+        s = torch.einsum("bnhk,bnh->bnk", torch.einsum("bnhd,bnkd->bnhk", q, keys).relu(), w)
+        return all_reduce(s, self.shard)
 
 
 def _visible(positions: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
@@ -725,14 +737,23 @@ class Attention(nn.Module):
                     topks.append(self.indexer.select_in_pool(xi, qri, positions[:, block],
                                                              store, pool, n_entries))
                 else:
-                    s = self.indexer.scores(xi, qri, positions[:, block], store, n_entries)
-                    if ctx.collect:  # the indexer is trained on every visible entry it scores
+                    # Sparse attention trains the indexer on the entries it selected
+                    # alone (scored again below, with a gradient), so the scores of the
+                    # whole stream need none: a [block, N] graph kept for every block
+                    # made a 16K-token training row outgrow 24 GB.
+                    with torch.set_grad_enabled(torch.is_grad_enabled() and ctx.dense):
+                        s = self.indexer.scores(xi, qri, positions[:, block], store,
+                                                n_entries)
+                    if ctx.collect and ctx.dense:  # every visible entry is attended
                         scores.append(s)
                     if spec.is_candidate_source:
                         pools.append(candidate_blocks(s, positions[:, block], spec, c))
                     elif pool is not None:
                         s = s.masked_fill(~pool_mask(pool, n_entries, c), float("-inf"))
                     topks.append(select_topk(s, c.index_topk))
+                    if ctx.collect and not ctx.dense:
+                        scores.append(self.indexer.scores_at(xi, qri, positions[:, block],
+                                                             store, topks[-1]))
             if spec.ratio and not ctx.dense:
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
             if spec.index in ctx.window_only:
@@ -748,6 +769,8 @@ class Attention(nn.Module):
             ctx.topk[spec.index] = torch.cat(topks, dim=1)
             if ctx.collect:
                 ctx.index_scores[spec.index] = torch.cat(scores, dim=1)
+                if not ctx.dense:
+                    ctx.index_entries[spec.index] = ctx.topk[spec.index]
         if pools:
             ctx.pool[spec.kv_source] = torch.cat(pools, dim=1)
         out = torch.cat(outs, dim=1)  # [B, n, H, D]
@@ -798,7 +821,7 @@ class Attention(nn.Module):
             else:
                 out = out + torch.einsum("bhqk,bkd->bqhd", p, entries.float())
             if ctx.collect and self.indexer is not None:
-                self._collect_target(p, selected, n_entries, ctx)
+                self._collect_target(p, ctx)
         return out.type_as(q)
 
     def _record_mass(self, probs: torch.Tensor, m: int, positions: torch.Tensor,
@@ -823,15 +846,11 @@ class Attention(nn.Module):
         prev = ctx.attention_mass.get(self.spec.index)
         ctx.attention_mass[self.spec.index] = row if prev is None else torch.cat((prev, row), 1)
 
-    def _collect_target(self, p: torch.Tensor, selected: torch.Tensor | None,
-                        n_entries: int, ctx: StepContext) -> None:
+    def _collect_target(self, p: torch.Tensor, ctx: StepContext) -> None:
         """The attention distribution over compressed entries, summed over heads and
-        renormalised, without gradient: the indexer's training target [B, q, N]."""
-        p = p.detach().sum(1)  # [B, q, k]
-        if selected is not None:
-            full = p.new_zeros(*p.shape[:2], n_entries + 1)
-            index = selected.masked_fill(selected < 0, n_entries)
-            p = full.scatter_add_(-1, index, p)[..., :n_entries]
+        renormalised, without gradient: the indexer's training target [B, q, N] (dense)
+        or [B, q, k] over the selected entries, as `ModelOutput.index_entries` says."""
+        p = p.detach().sum(1)  # [B, q, N or k]
         target = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
         prev = ctx.attention_targets.get(self.spec.index)
         ctx.attention_targets[self.spec.index] = (
@@ -963,10 +982,25 @@ class Block(nn.Module):
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [B, T, vocab]
-    index_scores: dict[int, torch.Tensor]  # index source layer -> [B, T, N] (collect=True)
-    attention_targets: dict[int, torch.Tensor]  # index source layer -> [B, T, N]
+    # collect=True: index source layer -> the indexer's scores and the attention target,
+    # [B, T, N] over every entry (dense), or [B, T, k] over each query's selected entries
+    # (sparse), column c being entry index_entries[layer][..., c] (-1: none).
+    index_scores: dict[int, torch.Tensor]
+    attention_targets: dict[int, torch.Tensor]
     # layer -> [B, T, 5]: window, near and far compressed, sink, near share (probe=True)
     attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)
+    index_entries: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def dense_targets(self, layer: int, n_entries: int) -> torch.Tensor:
+        """A layer's attention target over every entry [B, T, n_entries], whichever
+        form it was collected in."""
+        target = self.attention_targets[layer]
+        entries = self.index_entries.get(layer)
+        if entries is None:
+            return target
+        full = target.new_zeros(*target.shape[:2], n_entries + 1)
+        return full.scatter_add_(-1, entries.masked_fill(entries < 0, n_entries),
+                                 target)[..., :n_entries]
 
 
 class Model(nn.Module):
@@ -1187,7 +1221,7 @@ class Model(nn.Module):
         ctx = StepContext(dense=dense, collect=collect, probe=probe, window_only=window_only)
         s = self._run(self._states(ids, 0, store), 0, store, range(self.config.n_layers), ctx)
         return ModelOutput(self._logits(s), ctx.index_scores, ctx.attention_targets,
-                           ctx.attention_mass)
+                           ctx.attention_mass, ctx.index_entries)
 
     # ---- incremental -------------------------------------------------------------------
     def decoder_span(self, replay: str) -> int:

@@ -185,7 +185,8 @@ def losses(out: ModelOutput, targets: torch.Tensor) -> tuple[torch.Tensor, torch
     for layer, scores in out.index_scores.items():
         # Over the entries attention weighed: every visible one in the dense warm-up, the
         # selected ones after it (DeepSeek-V3.2's indexer loss).
-        target = out.attention_targets[layer]  # [B, T, N], rows sum to 1 where attended
+        # [B, T, N] or, sparse, [B, T, k] (the selected entries); rows sum to 1 where attended
+        target = out.attention_targets[layer]
         attended = target > 0
         rows = attended.any(-1)
         if not rows.any():
