@@ -1,24 +1,27 @@
 """What each mechanism of the stack buys: small models of the bundled recipe, one mechanism
 changed at a time, trained on the same data and token budget, then measured side by side.
 
-    python bench/ablations.py train --runs runs/ablations [--only NAME ...] [--jobs 2]
-    python bench/ablations.py eval  --runs runs/ablations [--only NAME ...]
+    python bench/ablations.py train [--budget cpu|gpu] [--only NAME ...] [--jobs 2]
+    python bench/ablations.py eval  [--budget cpu|gpu] [--only NAME ...]
     python bench/ablations.py speed
-    python bench/ablations.py table [--results bench/results/ablations]
+    python bench/ablations.py table [--budget cpu|gpu]
 
-`train` runs `kvstack train` once per recipe (each a run directory under --runs that
+`train` runs `kvstack train` once per recipe (each a run directory under runs/ that
 resumes if killed; each process one thread). `eval` measures every finished run into the
-results directory (one JSON file per run, with its training command): cache bytes per
-token (HBM and disk, from kvstack.formats through the cache layout), held-out perplexity
-(overall and beyond the largest window), retrieval on the held-out families at 1x / 4x /
-16x the training length. `speed` times batch-1 decode at a 4K context of every recipe's
-model side by side in one process (one thread, rounds interleaved, the best of each), into
-the same directory. `table` reads only those files, prints the table with the gap between
-the two seeds of the bundled recipe, and draws quality against bytes per token.
+budget's results directory (one JSON file per run, with its training command): cache bytes
+per token (HBM and disk, from kvstack.formats through the cache layout), held-out
+perplexity (overall and beyond the largest window), retrieval on the held-out families at
+1x / 4x / 16x the training length. `speed` times batch-1 decode at a 4K context of every
+recipe's model side by side in one process (one thread, rounds interleaved, the best of
+each); a step's cost depends on the configuration alone, so both budgets' tables read the
+one timing. `table` reads only those files, prints the table with the gap between the two
+seeds of the bundled recipe, and draws quality against bytes per token.
 
-The token budget is 200 steps of 16 rows of 512 tokens (1.6M tokens), 3.6 % of the bundled
-model's 46M: what a 2-core CPU trains ten times over in a few hours. The figures compare
-the recipes with each other at that budget; they are not the bundled model's.
+Two token budgets (BUDGETS), each the same for every recipe: `cpu`, 200 steps of 16 rows
+of 512 tokens (1.6M tokens, 3.6 % of the bundled model's first stage, 46M: what a 2-core
+CPU trains ten times over in a few hours), and `gpu`, 250 steps of 64 rows (8.2M tokens,
+18 %: all ten side by side on one H200 in about six minutes). The figures compare the
+recipes with each other at one budget; they are not the bundled model's.
 """
 
 import argparse
@@ -35,21 +38,67 @@ from kvstack.config import ModelConfig, preset
 from kvstack.plan import mechanism_variants
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "ablations"  # one JSON file per run
 
 SEQ_LEN = 512
-STEPS = 200
-# The bundled recipe scaled to the budget: its learning rate, warm-up and dense warm-up
-# in the same proportion of the run, half of the rows retrieval samples (the six forms of
-# the bundled model's first long-context stages, no loss on their definitions).
-ROWS = 16  # per step: micro-batches of 8, two of them
-RECIPE = [
-    "--device", "cpu", "--steps", str(STEPS), "--seq-len", str(SEQ_LEN),
-    "--batch-size", "8", "--grad-accum", str(ROWS // 8), "--lr", "3e-3", "--warmup-steps", "15",
-    "--dense-warmup-steps", "20", "--eval-every", "100", "--checkpoint-every", "20",
-    "--retrieval-rate", "0.5", "--retrieval-keys", "4", "--retrieval-families", "six",
-    "--no-define-loss",
-]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long every recipe trains, and where: the bundled recipe scaled to the budget
+    (its learning rate, and its warm-up and dense warm-up in the same proportion of the
+    run), half of the rows retrieval samples (the six forms of the bundled model's first
+    long-context stages, no loss on their definitions)."""
+    name: str
+    device: str
+    steps: int
+    batch_size: int  # rows per micro-batch
+    grad_accum: int
+    warmup_steps: int
+    dense_warmup_steps: int
+    checkpoint_every: int
+
+    @property
+    def rows(self) -> int:  # per optimizer step
+        return self.batch_size * self.grad_accum
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.rows * SEQ_LEN
+
+    def args(self) -> list[str]:
+        return [
+            "--device", self.device, "--steps", str(self.steps), "--seq-len", str(SEQ_LEN),
+            "--batch-size", str(self.batch_size), "--grad-accum", str(self.grad_accum),
+            "--lr", "3e-3", "--warmup-steps", str(self.warmup_steps),
+            "--dense-warmup-steps", str(self.dense_warmup_steps),
+            "--eval-every", str(self.steps // 2),
+            "--checkpoint-every", str(self.checkpoint_every),
+            "--retrieval-rate", "0.5", "--retrieval-keys", "4", "--retrieval-families", "six",
+            "--no-define-loss",
+        ]
+
+    @property
+    def runs(self) -> Path:  # one run directory per recipe
+        return ROOT / "runs" / f"ablations{self.suffix}"
+
+    @property
+    def results(self) -> Path:  # one JSON file per run
+        return ROOT / "bench" / "results" / f"ablations{self.suffix}"
+
+    @property
+    def suffix(self) -> str:  # the CPU budget's paths came first and keep their names
+        return "" if self.name == "cpu" else f"-{self.name}"
+
+
+BUDGETS = {b.name: b for b in (
+    Budget("cpu", "cpu", steps=200, batch_size=8, grad_accum=2, warmup_steps=15,
+           dense_warmup_steps=20, checkpoint_every=20),
+    # The bundled model's first stage ran 64-row steps on an H200 (docs/training-on-a-gpu.md).
+    Budget("gpu", "cuda", steps=250, batch_size=64, grad_accum=1, warmup_steps=18,
+           dense_warmup_steps=25, checkpoint_every=25),
+)}
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -67,9 +116,9 @@ class Recipe:
         base, changed = preset(self.preset).to_dict(), self.config().to_dict()
         return [f"{k}={json.dumps(v)}" for k, v in changed.items() if v != base[k]]
 
-    def command(self, runs: Path) -> list[str]:
+    def command(self, budget: Budget, runs: Path) -> list[str]:
         cmd = [sys.executable, "-m", "kvstack.cli", "train", "--preset", self.preset,
-               "--out", str(runs / self.name), "--seed", str(self.seed), *RECIPE]
+               "--out", str(runs / self.name), "--seed", str(self.seed), *budget.args()]
         for s in self.sets():
             cmd += ["--set", s]
         return cmd
@@ -114,31 +163,35 @@ def selected(names: list[str] | None) -> list[Recipe]:
     return [BY_NAME[n] for n in names] if names else list(RECIPES)  # in the order asked
 
 
-def finished(run: Path) -> bool:
+def finished(run: Path, budget: Budget) -> bool:
     log = run / "log.jsonl"
     if not log.exists():
         return False
     lines = log.read_text().splitlines()
-    return bool(lines) and json.loads(lines[-1])["step"] >= STEPS
+    return bool(lines) and json.loads(lines[-1])["step"] >= budget.steps
 
 
 def train(args: argparse.Namespace) -> None:
+    budget = BUDGETS[args.budget]
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def one(recipe: Recipe) -> int:
-        run = args.runs / recipe.name
-        if finished(run):
+        run = budget.runs / recipe.name
+        if finished(run, budget):
             return 0
         run.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.runs / f"{recipe.name}.out", "a") as out:
-            return subprocess.run(recipe.command(args.runs), env=env, cwd=ROOT,
-                                  stdout=out, stderr=subprocess.STDOUT).returncode
+        corpus = ["--corpus", str(args.corpus)] if args.corpus else []
+        with open(budget.runs / f"{recipe.name}.out", "a") as out:
+            return subprocess.run(recipe.command(budget, budget.runs) + corpus, env=env,
+                                  cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        codes = list(pool.map(one, selected(args.only)))
-    failed = [r.name for r, c in zip(selected(args.only), codes, strict=True) if c]
+    recipes = selected(args.only)
+    with ThreadPoolExecutor(args.jobs or len(recipes)) as pool:
+        codes = list(pool.map(one, recipes))
+    failed = [r.name for r, c in zip(recipes, codes, strict=True) if c]
     if failed:
-        raise SystemExit(f"training failed for {', '.join(failed)} (see {args.runs}/NAME.out)")
+        raise SystemExit(f"training failed for {', '.join(failed)} "
+                         f"(see {budget.runs}/NAME.out)")
 
 
 # ---- eval: every finished run's figures, one file each ----------------------------------
@@ -151,7 +204,7 @@ DECODE_CONTEXT = 4096
 FAR = f"{SEQ_LEN // 2}-{SEQ_LEN}"
 
 
-def measure(recipe: Recipe, run: Path) -> dict:
+def measure(recipe: Recipe, budget: Budget) -> dict:
     import torch
 
     from kvstack.cache.layout import CacheLayout
@@ -159,6 +212,7 @@ def measure(recipe: Recipe, run: Path) -> dict:
     from kvstack.plan import make_plan
 
     torch.set_num_threads(1)
+    run = budget.runs / recipe.name
     model, tokenizer = load_eval_model(run / "checkpoint" / "model")
     data = heldout_tokens(tokenizer, run / "heldout.npy")
     stored = make_plan(model.config, recipe.name)["mechanisms"][0]  # as configured
@@ -168,9 +222,10 @@ def measure(recipe: Recipe, run: Path) -> dict:
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     return {
         "what": recipe.what, "preset": recipe.preset, "seed": recipe.seed,
-        "command": " ".join(["OMP_NUM_THREADS=1", "kvstack",
-                             *recipe.command(Path("runs/ablations"))[3:]]),
-        "tokens": log[-1]["step"] * ROWS * SEQ_LEN,
+        "budget": budget.name,
+        "command": " ".join(["OMP_NUM_THREADS=1", "kvstack", *recipe.command(
+            budget, budget.runs.relative_to(ROOT))[3:]]),
+        "tokens": log[-1]["step"] * budget.rows * SEQ_LEN,
         "final_heldout_loss": next(
             (r["heldout_loss"] for r in reversed(log) if "heldout_loss" in r), None),
         "params": sum(p.numel() for p in model.parameters()),
@@ -187,14 +242,14 @@ def measure(recipe: Recipe, run: Path) -> dict:
 
 
 def evaluate(args: argparse.Namespace) -> None:
-    args.results.mkdir(parents=True, exist_ok=True)
+    budget = BUDGETS[args.budget]
+    budget.results.mkdir(parents=True, exist_ok=True)
     for recipe in selected(args.only):
-        run = args.runs / recipe.name
-        if not finished(run):
-            print(f"{recipe.name}: not trained to step {STEPS} yet, skipped")
+        if not finished(budget.runs / recipe.name, budget):
+            print(f"{recipe.name}: not trained to step {budget.steps} yet, skipped")
             continue
-        row = measure(recipe, run)
-        path = args.results / f"{recipe.name}.json"
+        row = measure(recipe, budget)
+        path = budget.results / f"{recipe.name}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(row, indent=1) + "\n")
         tmp.replace(path)  # whole or not at all: evaluations may run side by side
@@ -202,6 +257,7 @@ def evaluate(args: argparse.Namespace) -> None:
 
 
 DECODE_ROUNDS = 5
+TIMING = ROOT / "bench" / "results" / "ablations-decode.json"  # read by both budgets' tables
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -220,20 +276,18 @@ def speed(args: argparse.Namespace) -> None:
             engine_step(engine(recipe.config(), DECODE_CONTEXT + 64), DECODE_CONTEXT))
             for recipe in RECIPES}
         best = time_interleaved(systems, steps=16, repeat=DECODE_ROUNDS)
-    args.results.mkdir(parents=True, exist_ok=True)
     out = {"context": DECODE_CONTEXT, "batch": 1, "threads": 1, "rounds": DECODE_ROUNDS,
            "tok_s": best}
-    (args.results / "decode.json").write_text(json.dumps(out, indent=1) + "\n")
+    TIMING.write_text(json.dumps(out, indent=1) + "\n")
     for name, tok_s in best.items():
         print(f"{name}: {tok_s:.1f} tok/s ({tok_s / best['bundled']:.2f}x as bundled)")
 
 
-def load(results: Path) -> dict:
+def load(results: Path, timing: Path) -> dict:
     """Every measured run in the results directory, by recipe name, with its decode speed
     from the side-by-side timing where that has run."""
     runs = {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))
             if p.stem in BY_NAME}
-    timing = results / "decode.json"
     tok_s = json.loads(timing.read_text())["tok_s"] if timing.exists() else {}
     for name, row in runs.items():
         if name in tok_s:
@@ -292,7 +346,7 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, budget: Budget, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -326,27 +380,29 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("cache bytes per token (log)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"Quality against cache bytes: {STEPS} steps x {ROWS} x {SEQ_LEN} tokens "
-                 "per recipe")
+    fig.suptitle(f"Quality against cache bytes: {budget.steps} steps x {budget.rows} x "
+                 f"{SEQ_LEN} tokens per recipe")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def table(args: argparse.Namespace) -> None:
-    results = load(args.results)
+    budget = BUDGETS[args.budget]
+    where = args.results or budget.results
+    results = load(where, args.timing)
     missing = [r.name for r in RECIPES if r.name not in results]
     if any(name in missing for name in SEEDS):
-        raise SystemExit(f"{args.results}: the bundled recipe's two seeds are needed for the "
+        raise SystemExit(f"{where}: the bundled recipe's two seeds are needed for the "
                          f"noise; missing {', '.join(n for n in SEEDS if n in missing)}")
     untimed = [n for n, row in results.items() if "decode_tok_s_4k" not in row]
     if untimed:
-        raise SystemExit(f"{args.results}: no decode timing for {', '.join(untimed)}; run "
+        raise SystemExit(f"{args.timing}: no decode timing for {', '.join(untimed)}; run "
                          "`python bench/ablations.py speed` first")
     print(render(results))
     if missing:
         print(f"\nnot measured yet: {', '.join(missing)}")
     if args.plot:
-        plot(results, args.plot)
+        plot(results, budget, args.plot)
         print(f"\nplot: {args.plot}")
 
 
@@ -354,24 +410,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train every recipe (resumes)")
-    t.add_argument("--runs", type=Path, default=ROOT / "runs" / "ablations")
     t.add_argument("--only", nargs="+")
-    t.add_argument("--jobs", type=int, default=2, help="runs side by side (one thread each)")
+    t.add_argument("--jobs", type=int, default=2,
+                   help="runs side by side (one thread each); 0: every recipe at once")
+    t.add_argument("--corpus", type=Path,
+                   help="the standard library's .py files copied from the machine that "
+                        "built the token caches (default: this Python's)")
     t.set_defaults(run=train)
     e = sub.add_parser("eval", help="measure every finished run into the results directory")
-    e.add_argument("--runs", type=Path, default=ROOT / "runs" / "ablations")
     e.add_argument("--only", nargs="+")
-    e.add_argument("--results", type=Path, default=RESULTS)
     e.set_defaults(run=evaluate)
     d = sub.add_parser("speed", help="decode tokens/s of every recipe, side by side")
-    d.add_argument("--results", type=Path, default=RESULTS)
     d.set_defaults(run=speed)
     b = sub.add_parser("table", help="the results as a Markdown table and a plot")
-    b.add_argument("--results", type=Path, default=RESULTS)
-    b.add_argument("--plot", type=Path, default=ROOT / "bench" / "ablations.png",
-                   help="where to draw quality against bytes per token (PNG)")
+    b.add_argument("--results", type=Path, help="default: the budget's results directory")
+    b.add_argument("--timing", type=Path, default=TIMING)
+    b.add_argument("--plot", type=Path, help="where to draw quality against bytes per token "
+                   "(PNG; default bench/ablations.png, bench/ablations-gpu.png)")
     b.set_defaults(run=table)
+    for p in (t, e, b):
+        p.add_argument("--budget", choices=BUDGETS, default="cpu")
     args = parser.parse_args()
+    if args.command == "table" and args.plot is None:
+        args.plot = ROOT / "bench" / f"ablations{BUDGETS[args.budget].suffix}.png"
     args.run(args)
 
 

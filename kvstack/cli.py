@@ -931,13 +931,21 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "room for --max-tokens")
 
 
+def _version() -> str:
+    """The installed version; a source tree run with PYTHONPATH (no install) has none."""
+    try:
+        return importlib.metadata.version("kvstack")
+    except importlib.metadata.PackageNotFoundError:
+        return "(source tree, not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstack",
         description="The DeepSeek-V4.1 compressed KV-cache stack.",
     )
     parser.add_argument("--version", action="version",
-                        version=f"kvstack {importlib.metadata.version('kvstack')}")
+                        version=f"kvstack {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser(
         "plan",

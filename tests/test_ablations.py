@@ -18,9 +18,9 @@ from kvstack.config import Mode, preset
 from kvstack.train.trainer import TrainConfig
 
 
-def trained_config(recipe: ablations.Recipe):
+def trained_config(recipe: ablations.Recipe, budget: ablations.Budget):
     """The model config `kvstack train` builds from the recipe's command line."""
-    args = build_parser().parse_args(recipe.command(Path("runs"))[3:])
+    args = build_parser().parse_args(recipe.command(budget, Path("runs"))[3:])
     tc = TrainConfig(preset=args.preset, seq_len=args.seq_len, seed=args.seed,
                      model_overrides=dict(args.set or []),
                      retrieval_families=args.retrieval_families)
@@ -28,12 +28,24 @@ def trained_config(recipe: ablations.Recipe):
     return tc.model_config(), args
 
 
+@pytest.mark.parametrize("budget", ablations.BUDGETS.values(), ids=lambda b: b.name)
 @pytest.mark.parametrize("recipe", ablations.RECIPES, ids=lambda r: r.name)
-def test_command_trains_the_recipes_model(recipe):
-    config, args = trained_config(recipe)
+def test_command_trains_the_recipes_model(recipe, budget):
+    config, args = trained_config(recipe, budget)
     assert config == recipe.config()
     assert args.seed == recipe.seed and args.no_define_loss
-    assert args.steps == ablations.STEPS and args.seq_len == ablations.SEQ_LEN
+    assert (args.steps, args.seq_len, args.device) == (budget.steps, ablations.SEQ_LEN,
+                                                       budget.device)
+    assert args.steps * args.batch_size * args.grad_accum * args.seq_len == budget.tokens
+
+
+def test_budgets_scale_the_recipe_in_proportion():
+    cpu, gpu = ablations.BUDGETS["cpu"], ablations.BUDGETS["gpu"]
+    assert gpu.tokens > cpu.tokens and gpu.runs != cpu.runs and gpu.results != cpu.results
+    for b in (cpu, gpu):  # warm-ups a like share of the run
+        assert 0.05 <= b.warmup_steps / b.steps <= 0.1
+        assert 0.08 <= b.dense_warmup_steps / b.steps <= 0.12
+        assert b.steps % b.checkpoint_every == 0  # the last step is a checkpoint
 
 
 def test_each_recipe_changes_its_one_mechanism():
@@ -88,6 +100,11 @@ def test_table_stars_only_differences_beyond_twice_the_seed_gap():
     assert "Seed gap" in ablations.render(res)
 
 
+def table(results: Path) -> None:
+    ablations.table(argparse.Namespace(budget="cpu", results=results,
+                                       timing=results / "decode.json", plot=None))
+
+
 def test_table_needs_both_seeds(tmp_path):
     res = results()
     del res["bundled-seed1"]
@@ -95,7 +112,7 @@ def test_table_needs_both_seeds(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps(row))
     (tmp_path / "decode.json").write_text(json.dumps({"tok_s": {n: 1.0 for n in res}}))
     with pytest.raises(SystemExit, match="bundled-seed1"):
-        ablations.table(argparse.Namespace(results=tmp_path, plot=None))
+        table(tmp_path)
 
 
 def test_decode_timing_is_merged_and_required(tmp_path):
@@ -104,12 +121,13 @@ def test_decode_timing_is_merged_and_required(tmp_path):
         del row["decode_tok_s_4k"]
         (tmp_path / f"{name}.json").write_text(json.dumps(row))
     with pytest.raises(SystemExit, match=r"ablations\.py speed"):
-        ablations.table(argparse.Namespace(results=tmp_path, plot=None))
+        table(tmp_path)
     (tmp_path / "decode.json").write_text(json.dumps({"tok_s": {n: 2.0 for n in res}}))
-    assert {r["decode_tok_s_4k"] for r in ablations.load(tmp_path).values()} == {2.0}
+    assert {r["decode_tok_s_4k"] for r in ablations.load(
+        tmp_path, tmp_path / "decode.json").values()} == {2.0}
 
 
 def test_plot_draws_every_recipe(tmp_path):
     path = tmp_path / "ablations.png"
-    ablations.plot(results(), path)
+    ablations.plot(results(), ablations.BUDGETS["gpu"], path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

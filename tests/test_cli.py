@@ -248,3 +248,18 @@ def test_chat_in_a_terminal_ctrl_c_stops_the_reply_and_ctrl_d_leaves():
         os.close(terminal)
     assert os.waitstatus_to_exitcode(status) == 0
     assert b"Traceback" not in seen
+
+
+def test_a_source_tree_not_installed_runs_the_command(tmp_path):
+    """With the checkout on PYTHONPATH and no package metadata (a machine the package was
+    never installed on), the parser still builds and names where the version went."""
+    import subprocess
+    import sys
+
+    script = ("import importlib.metadata as m\n"
+              "def missing(name): raise m.PackageNotFoundError(name)\n"
+              "m.version = missing\n"
+              "from kvstack.cli import main\n"
+              "main(['--version'])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and "not installed" in done.stdout
