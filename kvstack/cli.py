@@ -889,7 +889,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "faster after")
     p.add_argument("--attention", choices=ATTENTION_BACKENDS, default="auto",
                    help="a decode step's attention: the Triton kernel over the packed rows "
-                        "(CUDA), torch, or auto (Triton on CUDA when installed)")
+                        "(CUDA), torch, or auto (torch: the kernel is slower on an H200 so far)")
     p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
                    help="a CPU step's packed-row reads, index scoring and expert matmuls: C "
                         "kernels built on first use (c: or fail), torch, or auto (C where "

@@ -88,8 +88,8 @@ class EngineConfig:
     # Decode steps through torch.compile, one graph per batch-size bucket: minutes to
     # compile on a bucket's first step on a small CPU, faster steps after (Model.compile_decode).
     compile_decode: bool = False
-    # ATTENTION_BACKENDS: auto is triton on CUDA when it is installed and the cache
-    # formats are the kernel's (kvstack.cache.kernels), torch elsewhere.
+    # ATTENTION_BACKENDS: auto is torch; "triton" (CUDA, the kernel's cache formats) runs
+    # the Triton kernels of kvstack.cache.kernels, slower than torch on an H200 so far.
     attention: str = "auto"
     # CPU_KERNELS: auto runs a CPU step's packed-row reads, index scoring and expert
     # matmuls by C kernels (kvstack.native) where the system's C compiler builds them,
