@@ -189,6 +189,34 @@ def test_resume_after_a_kill_continues_exactly(tmp_path):
     assert "heldout_ppl" in log[2] and "heldout_ppl" in log[5]
 
 
+def test_one_process_trains_in_a_run_directory_and_a_killed_ones_lock_goes_with_it(tmp_path):
+    import subprocess
+    import sys
+
+    first = Trainer(small_run(), tmp_path)
+    with pytest.raises(ValueError, match="is in use by another kvstack train process"):
+        Trainer(small_run(), tmp_path)
+    first.run(progress=False)  # its end lets the directory go
+    second = Trainer(small_run(steps=9), tmp_path)
+    second.close()
+    # Another process holding the run, then killed (SIGKILL: no cleanup of its own).
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+         str(tmp_path / "train.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match="in use"):
+            Trainer(small_run(steps=9), tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    resumed = Trainer(small_run(steps=9), tmp_path)
+    assert resumed.step == 6
+    resumed.run(progress=False)
+    assert resumed.step == 9
+
+
 def test_a_run_directory_refuses_other_settings(tmp_path):
     Trainer(small_run(), tmp_path)
     with pytest.raises(ValueError, match=r"holds a run with another training config: lr "

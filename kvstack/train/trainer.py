@@ -20,6 +20,7 @@ a pure function of (seed, step), so a run killed and resumed continues exactly w
 """
 
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -224,6 +225,7 @@ class Trainer:
         if tc.init_from:
             _check_init_from(tc)
         self.out.mkdir(parents=True, exist_ok=True)
+        self._lock = self._lock_run() if self.rank == 0 else None
         saved = self.out / "train_config.json"
         extended = False
         if saved.exists():
@@ -285,6 +287,25 @@ class Trainer:
                                            self.out / "data" / "train.npy")
         self.heldout_data = TokenCache.build(root, heldout_files, self.tokenizer,
                                              self.out / "data" / "heldout.npy")
+
+    def _lock_run(self):
+        """One run per directory: a second process on it would interleave the log and
+        swap checkpoints under the first. The kernel drops the lock when a process dies,
+        so a killed run's directory resumes."""
+        handle = open(self.out / "train.lock", "a+")  # noqa: SIM115 (held until close())
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise ValueError(f"{self.out} is in use by another kvstack train process; wait "
+                             "for it, or use another --out") from None
+        return handle
+
+    def close(self) -> None:
+        """Let another process take the run directory (run() does this when it ends)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     # ---- checkpoints -------------------------------------------------------------------
     def _resume(self) -> None:
@@ -419,6 +440,12 @@ class Trainer:
     def run(self, progress: bool = True, lines: bool = False) -> None:
         """Train to tc.steps. progress: a live bar (a terminal); lines: a line on stderr at
         the first step, every evaluation and the last step (logs, pipes, CI)."""
+        try:
+            self._train(progress, lines)
+        finally:
+            self.close()
+
+    def _train(self, progress: bool, lines: bool) -> None:
         from rich.progress import Progress
 
         lead = self.rank == 0  # only the first process logs, evaluates and checkpoints
