@@ -236,6 +236,8 @@ def measure(recipe: Recipe, budget: Budget) -> dict:
         "ppl": ppl["ppl"], "ppl_far": ppl["ppl_by_position"][FAR], "ppl_windows": PPL_WINDOWS,
         "retrieval": {str(n): sum(row) / len(row)
                       for n, row in zip(RETRIEVAL_LENGTHS, found["accuracy"], strict=True)},
+        "answer_nll": {str(n): nll
+                       for n, nll in zip(RETRIEVAL_LENGTHS, found["answer_nll"], strict=True)},
         "retrieval_families": found["families"],
         "retrieval_questions_per_length": RETRIEVAL_SAMPLES * len(RETRIEVAL_DEPTHS),
     }
@@ -300,6 +302,8 @@ SEEDS = ("bundled", "bundled-seed1")  # the recipe trained twice, for run-to-run
 METRICS = (  # key, heading
     ("ppl", "ppl"), ("ppl_far", f"ppl {FAR}"),
     *((f"retrieval.{n}", f"found {n // SEQ_LEN}x") for n in RETRIEVAL_LENGTHS),
+    # Nats per answer token, the answer fed back: it moves before a greedy answer is exact.
+    *((f"answer_nll.{n}", f"nll {n // SEQ_LEN}x") for n in RETRIEVAL_LENGTHS),
     ("decode_tok_s_4k", "tok/s 4K"),
 )
 
@@ -309,27 +313,35 @@ def value(row: dict, key: str) -> float:
     return row[head][rest] if rest else row[head]
 
 
+def measured(results: dict) -> list[tuple[str, str]]:
+    """The metrics every run has (results measured before a metric existed lack it)."""
+    def has(row: dict, key: str) -> bool:
+        head, _, rest = key.partition(".")
+        return head in row and (not rest or rest in row[head])
+    return [(k, h) for k, h in METRICS if all(has(row, k) for row in results.values())]
+
+
 def noise(results: dict) -> dict[str, float]:
     """Per metric, the gap between the two seeds of the bundled recipe."""
     a, b = (results[name] for name in SEEDS)
-    return {key: abs(value(a, key) - value(b, key)) for key, _ in METRICS}
+    return {key: abs(value(a, key) - value(b, key)) for key, _ in measured(results)}
 
 
 def render(results: dict) -> str:
     """The table as Markdown: each metric, and its change from the bundled recipe's mean
     over the two seeds, starred where it is more than twice the seeds' gap."""
-    gap = noise(results)
-    base = {key: sum(value(results[n], key) for n in SEEDS) / 2 for key, _ in METRICS}
-    heads = ["recipe", "HBM B/tok", "disk B/tok", *(h for _, h in METRICS)]
+    gap, metrics = noise(results), measured(results)
+    base = {key: sum(value(results[n], key) for n in SEEDS) / 2 for key, _ in metrics}
+    heads = ["recipe", "HBM B/tok", "disk B/tok", *(h for _, h in metrics)]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for name in [r.name for r in RECIPES if r.name in results]:
         row = results[name]
         cells = [row["what"], f"{row['hbm_bytes_per_token']:,.1f}",
                  f"{row['disk_bytes_per_token']:,.1f}"]
-        for key, _ in METRICS:
+        for key, _ in metrics:
             v = value(row, key)
             text = f"{v:.0%}" if key.startswith("retrieval") else f"{v:.2f}" if key.startswith(
-                "ppl") else f"{v:.1f}"
+                ("ppl", "answer_nll")) else f"{v:.1f}"
             if name not in SEEDS:
                 delta = v - base[key]
                 star = "*" if abs(delta) > 2 * gap[key] else ""
@@ -342,7 +354,7 @@ def render(results: dict) -> str:
     lines.append("")
     lines.append("Seed gap (bundled recipe, seeds 0 and 1): " + ", ".join(
         f"{h} {gap[k] * 100:.0f} points" if k.startswith("retrieval") else
-        f"{h} {gap[k] / base[k]:.1%}" for k, h in METRICS))
+        f"{h} {gap[k] / base[k]:.1%}" for k, h in metrics))
     return "\n".join(lines)
 
 

@@ -82,7 +82,8 @@ def test_each_recipe_changes_its_one_mechanism():
 def results(gap: float = 0.2) -> dict:
     row = {"what": "x", "hbm_bytes_per_token": 133.5, "disk_bytes_per_token": 133.5,
            "ppl": 10.0, "ppl_far": 12.0, "decode_tok_s_4k": 30.0,
-           "retrieval": {"512": 0.5, "2048": 0.25, "8192": 0.0}}
+           "retrieval": {"512": 0.5, "2048": 0.25, "8192": 0.0},
+           "answer_nll": {"512": 2.0, "2048": 3.0, "8192": 4.0}}
     out = {}
     for r in ablations.RECIPES:
         out[r.name] = copy.deepcopy(row) | {"what": r.what}
@@ -103,6 +104,14 @@ def test_table_stars_only_differences_beyond_twice_the_seed_gap():
 def table(results: Path) -> None:
     ablations.table(argparse.Namespace(budget="cpu", results=results,
                                        timing=results / "decode.json", plot=None))
+
+
+def test_a_metric_some_runs_lack_is_left_out_of_the_table():
+    res = results()
+    table = ablations.render(res)
+    assert "nll 16x" in table.splitlines()[0] and "| 4.00 (+0.0%) |" in table
+    del res["window-64"]["answer_nll"]  # measured before the metric existed
+    assert "nll" not in ablations.render(res) and "found 16x" in ablations.render(res)
 
 
 def test_table_needs_both_seeds(tmp_path):

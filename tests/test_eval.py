@@ -97,9 +97,11 @@ def test_retrieval_scores_the_greedy_answer(monkeypatch, data):
     result = retrieval(model, tokenizer, cache, lengths=[64, 96], depths=[0.2, 0.8], samples=2)
     assert len(result["accuracy"]) == 2 and all(len(r) == 2 for r in result["accuracy"])
     assert all(0 <= a <= 1 for r in result["accuracy"] for a in r)
+    assert len(result["answer_nll"]) == 2 and all(n > 0 for n in result["answer_nll"])
     with pytest.raises(ValueError, match=r"depth 1\.5 must lie in \[0, 1\]"):
         retrieval(model, tokenizer, cache, lengths=[64], depths=[0.5, 1.5], samples=1)
-    # A model made to emit exactly the answer scores; one that misses a token does not.
+    # A model made to emit exactly the answer scores, at a likelihood of one; one that
+    # misses a token does not, and that token's likelihood is next to nothing.
     ids = list(range(10, 40))
     answer_start = 25
     for wrong_at, expected in ((None, True), (2, False)):
@@ -107,8 +109,10 @@ def test_retrieval_scores_the_greedy_answer(monkeypatch, data):
         hook = model.head.register_forward_hook(
             lambda module, args, out, q=queue: out.index_fill(-1, torch.tensor([q.pop(0)]), 1e4)
             if q else out)
-        assert _answers(model, ids, answer_start, "exact") is expected
+        exact, nll, n = _answers(model, ids, answer_start, "exact")
         hook.remove()
+        assert exact is expected and n == len(ids) - answer_start and not queue
+        assert nll < 1e-3 if expected else nll > 100
 
 
 def test_eval_commands(trained, tmp_path, capsys):

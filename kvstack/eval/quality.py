@@ -168,29 +168,33 @@ def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
     keys written in the families `forms` names (kvstack.train.families: "key", the
     bundled model's one form; "held-out", those no training run samples; ...); and by
     length and family, {family: [answered, asked]} per length, since the questions of
-    a cell are drawn from every family."""
+    a cell are drawn from every family; and by length the answers' mean negative
+    log-likelihood per token (nats, `answer_nll`)."""
     chosen = families(forms)
     for depth in depths:  # before any sample is scored
         check_depth(depth)
-    accuracy, by_family = [], []
+    accuracy, by_family, answer_nll = [], [], []
     for length in lengths:
         row = []
         tally = {f.name: [0, 0] for f in chosen}
+        nats, answer_tokens = 0.0, 0
         for depth in depths:
             g = _question_generator(length, depth, seed)
             hits = 0
             for _ in range(samples):
                 sample = retrieval_sample(data, tokenizer, length, depth, g, families=chosen)
-                hit = _answers(model, sample.ids, sample.answer_start, replay)
+                hit, nll, n = _answers(model, sample.ids, sample.answer_start, replay)
+                nats, answer_tokens = nats + nll, answer_tokens + n
                 hits += hit
                 tally[sample.family][0] += hit
                 tally[sample.family][1] += 1
             row.append(hits / samples)
         accuracy.append(row)
         by_family.append(tally)
+        answer_nll.append(nats / answer_tokens)
     return {"lengths": lengths, "depths": depths, "samples": samples, "replay": replay,
             "families": [f.name for f in chosen], "accuracy": accuracy,
-            "by_family": by_family}
+            "by_family": by_family, "answer_nll": answer_nll}
 
 
 # Requests a user types into `kvstack chat`: a reply to prose, where a model that learnt
@@ -282,17 +286,22 @@ def _question_generator(length: int, depth: float, seed: int) -> torch.Generator
     return torch.Generator().manual_seed(seed * 1_000_003 + length * 101 + round(depth * 100))
 
 
-def _answers(model: Model, ids: list[int], answer_start: int, replay: str) -> bool:
-    """Greedy decoding after the question reproduces the answer's tokens."""
+def _answers(model: Model, ids: list[int], answer_start: int,
+             replay: str) -> tuple[bool, float, int]:
+    """Whether greedy decoding after the question reproduces the answer's tokens, and the
+    answer's negative log-likelihood (nats, summed over its tokens) with each answer token
+    fed back whatever the model chose: a measure that moves before the greedy answer is
+    exact."""
     answer = ids[answer_start:]
     cache = ContiguousCache(model.config, max_tokens=len(ids) + 1)
     logits = model.prefill(torch.tensor([ids[:answer_start]]), cache, replay=replay)
-    for expected in answer:
-        token = int(logits.argmax(-1))
-        if token != expected:
-            return False
-        logits = model.decode(torch.tensor([token]), cache)
-    return True
+    exact, nll = True, 0.0
+    for i, expected in enumerate(answer):
+        exact = exact and int(logits.argmax(-1)) == expected
+        nll -= float(torch.log_softmax(logits.float().reshape(-1), -1)[expected])
+        if i + 1 < len(answer):
+            logits = model.decode(torch.tensor([expected]), cache)
+    return exact, nll, len(answer)
 
 
 def heat_map(result: dict[str, Any], path: str | Path) -> None:
