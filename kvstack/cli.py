@@ -1047,7 +1047,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--retrieval-families", default="key",
                        help="how retrieval samples write their keys: key (the bundled "
                             "model's first form), six (the forms of its first long-context "
-                            "stages), trained (every family not held out), or family names "
+                            "stages), trained (the forms of its later stages), crossed "
+                            "(those and the same definitions asked in another spelling of "
+                            "the name), or family names "
                             "(default: %(default)s)")
     train.add_argument("--no-define-loss", action="store_true",
                        help="no loss on the planted definitions: only the answers teach")
@@ -1102,8 +1104,8 @@ def build_parser() -> argparse.ArgumentParser:
     ret.add_argument("--plot", help="write the heat map to this PNG")
     ret.add_argument("--families", default="key",
                      help="how the keys are written: key (KEY_0042 = \"...\", the bundled "
-                          "model's first form), six, trained, held-out (forms no training "
-                          "run samples), or family names (default: %(default)s)")
+                          "model's first form), six, trained, crossed, held-out (forms no "
+                          "training run samples), or family names (default: %(default)s)")
     ret.set_defaults(run=_cmd_eval_retrieval)
     planted = kinds.add_parser("planted", help="how often free generation opens with a key "
                                "definition as retrieval samples write them")

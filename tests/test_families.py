@@ -15,10 +15,12 @@ from kvstack.train.data import (
     stdlib_root,
 )
 from kvstack.train.families import (
+    CROSSED,
     HELD_OUT,
     KEY,
     SIX,
     TRAINED,
+    Family,
     families,
     plant,
     starts_with_planted_key,
@@ -29,7 +31,7 @@ CORPUS = str(stdlib_root() / "json")
 # Words of the questions' own code, not names a definition made.
 COMMON = {"assert", "print", "if", "value", "result", "label", "get", "lookup", "registry",
           "again", "settings", "os", "environ", "self", "return", "getattr", "dict", "logged",
-          "the", "is"}
+          "the", "is", "vars", "__dict__", "parse"}
 
 
 def run_config(**changes) -> TrainConfig:
@@ -39,7 +41,8 @@ def run_config(**changes) -> TrainConfig:
 
 
 
-@pytest.mark.parametrize("family", [KEY, *TRAINED, *HELD_OUT], ids=lambda f: f.name)
+@pytest.mark.parametrize("family", [KEY, *TRAINED, *CROSSED, *HELD_OUT],
+                         ids=lambda f: f.name)
 def test_every_family_asks_back_the_value_it_plants(family):
     g = torch.Generator().manual_seed(3)
     seen = set()
@@ -65,17 +68,32 @@ def test_no_trained_form_states_a_value_as_a_held_out_one_does():
     for family in HELD_OUT:
         define = plant(family, g).define
         assert any(w.search(line) for w in ways for line in define.splitlines())
-    for family in TRAINED:
+    for family in (*TRAINED, *CROSSED):
         for _ in range(5):
             lines = plant(family, g).define.splitlines()
             assert not any(w.search(line) for w in ways for line in lines), family.name
     assert TRAINED[: len(SIX)] == SIX and len(TRAINED) >= 3 * len(SIX)
-    assert {f.name for f in TRAINED}.isdisjoint(f.name for f in HELD_OUT)
+    assert {f.name for f in (*TRAINED, *CROSSED)}.isdisjoint(f.name for f in HELD_OUT)
     assert families("six") == SIX and families("trained") == TRAINED
+    assert families("crossed") == (*TRAINED, *CROSSED)
 
 
-def test_held_out_families_never_reach_training(tmp_path):
-    trainer = Trainer(run_config(retrieval_families="trained"), tmp_path)
+def test_a_crossed_form_asks_a_name_in_another_spelling_than_it_stated_it():
+    """Quoted where the definition has it bare, bare where it is quoted, or out of a
+    string: the asks that a token-for-token match of the definition cannot answer."""
+    g = torch.Generator().manual_seed(8)
+    for family in CROSSED:
+        for ask in family.asks:
+            p = plant(Family(family.name, family.define, (ask,), family.closing), g)
+            name = re.search(r"[a-z]+_[a-z]+_[a-z]+", p.question)[0]
+            spelling = rf'(["=.]?){name}(["=(]?)'  # the name with what bounds it
+            asked, stated = (set(re.findall(spelling, t)) for t in (p.question, p.define))
+            assert asked and stated and asked.isdisjoint(stated), (family.name, ask)
+
+
+@pytest.mark.parametrize("forms", ["trained", "crossed"])
+def test_held_out_families_never_reach_training(tmp_path, forms):
+    trainer = Trainer(run_config(retrieval_families=forms), tmp_path)
     text = "".join(trainer.tokenizer.decode(row.tolist())
                    for i in range(6) for row in trainer.batch(i)[0])
     for marker in ('settings = dict(', 'os.environ["', ': str = "'):
@@ -145,7 +163,7 @@ def test_a_planted_definition_is_told_from_code():
                           ("assignment", "dict_entry", "comment_line", "registry_call",
                            "single_quoted", "attribute_set", "setattr_call", "lambda_return",
                            "tuple_unpack", "pair_list", "log_field", "ini_comment",
-                           "docstring")]):
+                           "docstring")], *[f for f in CROSSED if f.name == "query_string"]):
         for _ in range(5):
             assert starts_with_planted_key(plant(family, g).define)
     for code in ("\n\nx = compute(y)\n", "MAX_SIZE = 10\n", "# returns: string\n",

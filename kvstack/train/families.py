@@ -4,13 +4,14 @@ value in and asks it back from.
 A family is one way code states a value (an assignment, a dict entry, a function that
 returns it, a class attribute, a comment line, a registry call, ...) and the ways it is
 asked again later. Identifiers and values are drawn at random, so no form can be learnt
-by heart. `TRAINED` is every form the trainer may sample; `HELD_OUT` are forms it never
-samples, listed here so that a retrieval score on them measures whether the model learnt
-to retrieve or only to complete the forms it saw. No trained form states a value the way a
-held-out one does (a keyword argument, an assignment to a subscript, an annotation), so a
-held-out score is not a near-copy of a trained one. `KEY` is the single form of the
-bundled model's first stage (`KEY_0042 = "value"`) and `SIX` the six forms of its first
-long-context stages, kept so that those recipes reproduce.
+by heart. `TRAINED` and `CROSSED` are the forms the trainer may sample; `HELD_OUT` are
+forms it never samples, listed here so that a retrieval score on them measures whether the
+model learnt to retrieve or only to complete the forms it saw. No trained form states a
+value the way a held-out one does (a keyword argument, an assignment to a subscript, an
+annotation), so a held-out score is not a near-copy of a trained one. `KEY` is the single
+form of the bundled model's first stage (`KEY_0042 = "value"`) and `SIX` the six forms of
+its first long-context stages, kept so that those recipes reproduce, as is `TRAINED`
+alone (the set of its later stages).
 """
 
 import re
@@ -82,6 +83,27 @@ TRAINED = (
            closing="."),
 )
 
+# The same definitions read back through another spelling of the name: a name stated bare
+# asked as a quoted string (`getattr`, `vars`, `__dict__`) or the reverse, and a name held
+# inside a string. The trained forms above always ask a name as they stated it, so a model
+# can pass them by matching the same tokens; these need the name matched across spellings.
+# Their definitions are trained ones (or a plain string assignment), never a held-out way.
+CROSSED = (
+    Family("setattr_read", '\nsetattr({owner}, "{name}", "{value}")\n',
+           ('\nassert {owner}.{name} == "', '\nreturn {owner}.{name}  # "')),
+    Family("attribute_getattr", '\nself.{name} = "{value}"\n',
+           ('\nassert getattr(self, "{name}") == "', '\nassert vars(self)["{name}"] == "')),
+    Family("class_getattr", '\nclass {camel}:\n    {name} = "{value}"\n',
+           ('\nassert getattr({camel}, "{name}") == "',
+            '\nassert {camel}.__dict__["{name}"] == "')),
+    Family("registry_attribute", '\nregister("{name}", "{value}")\n',
+           ('\nassert registry.{name} == "',)),
+    Family("method_getattr", '\nclass {camel}:\n    def {name}(self):\n        return "{value}"\n',
+           ('\nassert getattr({camel}(), "{name}")() == "',)),
+    Family("query_string", '\n{owner} = "{name}={value}"\n',
+           ('\nassert parse({owner})["{name}"] == "', '\nassert parse({owner}).{name} == "')),
+)
+
 HELD_OUT = (
     Family("keyword_argument", '\nsettings = dict({name}="{value}")\n',
            ('\nassert settings["{name}"] == "',)),
@@ -90,12 +112,14 @@ HELD_OUT = (
     Family("annotated", '\n{name}: str = "{value}"\n', ('\nassert {name} == "',)),
 )
 
-FAMILY_SETS = {"key": (KEY,), "six": SIX, "trained": TRAINED, "held-out": HELD_OUT}
-_BY_NAME = {f.name: f for f in (KEY, *TRAINED, *HELD_OUT)}
+FAMILY_SETS = {"key": (KEY,), "six": SIX, "trained": TRAINED,
+               "crossed": (*TRAINED, *CROSSED), "held-out": HELD_OUT}
+_BY_NAME = {f.name: f for f in (KEY, *TRAINED, *CROSSED, *HELD_OUT)}
 
 
 def families(spec: str) -> tuple[Family, ...]:
-    """A set by name (key, six, trained, held-out) or comma-separated family names."""
+    """A set by name (key, six, trained, crossed, held-out) or comma-separated family
+    names."""
     if spec in FAMILY_SETS:
         return FAMILY_SETS[spec]
     names = [n.strip() for n in spec.split(",") if n.strip()]
@@ -151,7 +175,7 @@ _PLANTED = re.compile(
     rf"|(self\.)?{_NAME} = (lambda: )?[\"']{_VALUE}[\"']|{_NAME}, [a-z]+_[a-z]+ = \"{_VALUE}\""
     rf'|setattr\([a-z]+_[a-z]+, "{_NAME}", "{_VALUE}"\)|logger\.info\("{_NAME}={_VALUE}"\)'
     rf'|[a-z]+_[a-z]+ = \[\("{_NAME}", "{_VALUE}"\)\]|# \[[a-z]+_[a-z]+\]$'
-    rf'|"""The {_NAME} is {_VALUE}\.""")')
+    rf'|"""The {_NAME} is {_VALUE}\."""|[a-z]+_[a-z]+ = "{_NAME}={_VALUE}")')
 
 
 def starts_with_planted_key(text: str) -> bool:
