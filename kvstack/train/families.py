@@ -83,23 +83,30 @@ TRAINED = (
            closing="."),
 )
 
+
+def _asked_otherwise(name: str, trained: str, asks: tuple[str, ...]) -> Family:
+    """A trained family's definition, asked back in other ways."""
+    define = next(f.define for f in TRAINED if f.name == trained)
+    return Family(name, define, asks)
+
+
 # The same definitions read back through another spelling of the name: a name stated bare
 # asked as a quoted string (`getattr`, `vars`, `__dict__`) or the reverse, and a name held
 # inside a string. The trained forms above always ask a name as they stated it, so a model
 # can pass them by matching the same tokens; these need the name matched across spellings.
 # Their definitions are trained ones (or a plain string assignment), never a held-out way.
 CROSSED = (
-    Family("setattr_read", '\nsetattr({owner}, "{name}", "{value}")\n',
-           ('\nassert {owner}.{name} == "', '\nreturn {owner}.{name}  # "')),
-    Family("attribute_getattr", '\nself.{name} = "{value}"\n',
-           ('\nassert getattr(self, "{name}") == "', '\nassert vars(self)["{name}"] == "')),
-    Family("class_getattr", '\nclass {camel}:\n    {name} = "{value}"\n',
-           ('\nassert getattr({camel}, "{name}") == "',
-            '\nassert {camel}.__dict__["{name}"] == "')),
-    Family("registry_attribute", '\nregister("{name}", "{value}")\n',
-           ('\nassert registry.{name} == "',)),
-    Family("method_getattr", '\nclass {camel}:\n    def {name}(self):\n        return "{value}"\n',
-           ('\nassert getattr({camel}(), "{name}")() == "',)),
+    _asked_otherwise("setattr_read", "setattr_call",
+                     ('\nassert {owner}.{name} == "', '\nreturn {owner}.{name}  # "')),
+    _asked_otherwise("attribute_getattr", "attribute_set",
+                     ('\nassert getattr(self, "{name}") == "',
+                      '\nassert vars(self)["{name}"] == "')),
+    _asked_otherwise("class_getattr", "class_attribute",
+                     ('\nassert getattr({camel}, "{name}") == "',
+                      '\nassert {camel}.__dict__["{name}"] == "')),
+    _asked_otherwise("registry_attribute", "registry_call", ('\nassert registry.{name} == "',)),
+    _asked_otherwise("method_getattr", "method_return",
+                     ('\nassert getattr({camel}(), "{name}")() == "',)),
     Family("query_string", '\n{owner} = "{name}={value}"\n',
            ('\nassert parse({owner})["{name}"] == "', '\nassert parse({owner}).{name} == "')),
 )
