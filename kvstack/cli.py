@@ -755,6 +755,34 @@ def _cmd_eval_knockout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval_selection(args: argparse.Namespace) -> int:
+    from kvstack.eval.quality import selection
+
+    model, tokenizer, data = _eval_data(args)
+    result = selection(model, tokenizer, data, args.lengths, args.depths, args.samples,
+                       forms=args.families)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    console = Console()
+    console.print(f"the definition's compressed entries at the query before the answer "
+                  f"({len(args.depths) * args.samples} questions per length, keys written as "
+                  f"{', '.join(result['families'])}; top-{result['index_topk']}): the share "
+                  "of them each picking layer selects, its compressed attention on them, and "
+                  "exact answers where it selected some (found) and none (missed)")
+    table = Table(box=box.SIMPLE_HEAD)
+    for name in ("tokens", "exact", "layer", "mode", "selected", "mass", "found", "missed"):
+        table.add_column(name, justify="left" if name == "mode" else "right")
+    for row in result["lengths"]:
+        for i, layer in enumerate(row["layers"]):
+            head = (str(row["length"]), f"{row['exact']:.0%}") if i == 0 else ("", "")
+            table.add_row(*head, str(layer["layer"]), layer["mode"],
+                          f"{layer['selected']:.0%}", f"{layer['mass']:.0%}",
+                          *(f"{hit} / {n}" for hit, n in (layer["found"], layer["missed"])))
+    console.print(table)
+    return 0
+
+
 def _cmd_eval_attention(args: argparse.Namespace) -> int:
     from kvstack.eval.quality import attention_mass
 
@@ -1049,7 +1077,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "model's first form), six (the forms of its first long-context "
                             "stages), trained (the forms of its later stages), crossed "
                             "(those and the same definitions asked in another spelling of "
-                            "the name), or family names "
+                            "the name), indirect (those and values stated through a call or "
+                            "a second name), or family names "
                             "(default: %(default)s)")
     train.add_argument("--no-define-loss", action="store_true",
                        help="no loss on the planted definitions: only the answers teach")
@@ -1104,8 +1133,9 @@ def build_parser() -> argparse.ArgumentParser:
     ret.add_argument("--plot", help="write the heat map to this PNG")
     ret.add_argument("--families", default="key",
                      help="how the keys are written: key (KEY_0042 = \"...\", the bundled "
-                          "model's first form), six, trained, crossed, held-out (forms no "
-                          "training run samples), or family names (default: %(default)s)")
+                          "model's first form), six, trained, crossed, indirect, held-out "
+                          "(forms no training run samples), or family names (default: "
+                          "%(default)s)")
     ret.set_defaults(run=_cmd_eval_retrieval)
     planted = kinds.add_parser("planted", help="how often free generation opens with a key "
                                "definition as retrieval samples write them")
@@ -1138,7 +1168,15 @@ def build_parser() -> argparse.ArgumentParser:
     knock.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5])
     knock.add_argument("--samples", type=_positive_int, default=8)
     knock.set_defaults(run=_cmd_eval_knockout)
-    for p in (ppl, ret, planted, rep, att, knock):
+    sel = kinds.add_parser("selection", help="whether a retrieval miss is the indexer's "
+                           "choice or the read: the definition's entries in each top-k")
+    sel.add_argument("--lengths", type=_positive_int, nargs="+", default=[512, 2048, 8192])
+    sel.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    sel.add_argument("--samples", type=_positive_int, default=4)
+    sel.add_argument("--families", default="held-out",
+                     help="how the keys are written, as for retrieval (default: %(default)s)")
+    sel.set_defaults(run=_cmd_eval_selection)
+    for p in (ppl, ret, planted, rep, att, knock, sel):
         p.add_argument("--model", required=True, help="a model directory")
         p.add_argument("--heldout-percent", type=_positive_float, default=2.0)
         p.add_argument("--json", action="store_true")

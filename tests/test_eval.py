@@ -1,4 +1,4 @@
-"""`kvstack eval ppl`, `retrieval`, `attention` and `knockout`."""
+"""`kvstack eval ppl`, `retrieval`, `attention`, `knockout` and `selection`."""
 
 import json
 import math
@@ -14,6 +14,7 @@ from kvstack.eval.quality import (
     perplexity,
     position_buckets,
     retrieval,
+    selection,
 )
 from kvstack.train.data import stdlib_root
 from kvstack.train.trainer import TrainConfig, Trainer
@@ -131,6 +132,9 @@ def test_eval_commands(trained, tmp_path, capsys):
     assert main(["eval", "knockout", "--model", str(trained), "--length", "64",
                  "--depths", "0.2", "--samples", "1"]) == 0
     assert "layer 1" in capsys.readouterr().out
+    assert main(["eval", "selection", "--model", str(trained), "--lengths", "96",
+                 "--depths", "0.2", "--samples", "1"]) == 0
+    assert "reindex" in capsys.readouterr().out
     assert main(["eval", "ppl", "--model", str(tmp_path / "missing")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
@@ -240,3 +244,33 @@ def test_knockout_leaves_out_each_compressed_layer_in_turn(trained, data):
     with pytest.raises(ValueError, match="no compressed entries"):
         knockout(Model(preset("dense-tiny")), tokenizer, data[1], length=64, depths=[0.5],
                  samples=1)
+
+
+def test_selection_finds_the_definition_in_each_top_k(data):
+    """Every visible entry selected when the top-k and the candidate pool hold the whole
+    stream, so each picking layer holds all of the definition's entries and puts some of
+    its attention there; a top-1 holds at most one of them."""
+    from kvstack.config import preset
+    from kvstack.model import Model
+
+    tokenizer, cache = data
+    torch.manual_seed(0)
+    config = preset("tiny").replace(vocab_size=512, index_topk=4096, candidate_topk_blocks=4096)
+    everything = selection(Model(config).eval(), tokenizer, cache, [160], [0.1, 0.3], 2)
+    pickers = [s.index for s in config.layers if s.ratio and s.index_source == s.index]
+    (row,) = everything["lengths"]
+    assert [layer["layer"] for layer in row["layers"]] == pickers == [1, 3, 4, 6]
+    assert len(row["questions"]) == 4 and everything["families"] == ["keyword_argument",
+                                                                      "environment", "annotated"]
+    for layer in row["layers"]:
+        assert layer["selected"] == 1.0 and 0 < layer["mass"] < 1
+        assert layer["found"][1] == 4 and layer["missed"] == [0, 0]
+        assert layer["found"][0] == round(row["exact"] * 4)
+    torch.manual_seed(0)
+    one = selection(Model(config.replace(index_topk=1, candidate_topk_blocks=1)).eval(),
+                    tokenizer, cache, [160], [0.1, 0.3], 2)
+    for question in one["lengths"][0]["questions"]:
+        for share in question["selected"].values():
+            assert share <= 0.5  # every definition spans more than two entries
+    with pytest.raises(ValueError, match="no top-k selection"):
+        selection(Model(preset("dense-tiny")), tokenizer, cache, [160], [0.5], 1)

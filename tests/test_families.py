@@ -17,6 +17,7 @@ from kvstack.train.data import (
 from kvstack.train.families import (
     CROSSED,
     HELD_OUT,
+    INDIRECT,
     KEY,
     SIX,
     TRAINED,
@@ -31,7 +32,7 @@ CORPUS = str(stdlib_root() / "json")
 # Words of the questions' own code, not names a definition made.
 COMMON = {"assert", "print", "if", "value", "result", "label", "get", "lookup", "registry",
           "again", "settings", "os", "environ", "self", "return", "getattr", "dict", "logged",
-          "the", "is", "vars", "__dict__", "parse"}
+          "the", "is", "vars", "__dict__", "parse", "globals", "SimpleNamespace"}
 
 
 def run_config(**changes) -> TrainConfig:
@@ -41,7 +42,7 @@ def run_config(**changes) -> TrainConfig:
 
 
 
-@pytest.mark.parametrize("family", [KEY, *TRAINED, *CROSSED, *HELD_OUT],
+@pytest.mark.parametrize("family", [KEY, *TRAINED, *CROSSED, *INDIRECT, *HELD_OUT],
                          ids=lambda f: f.name)
 def test_every_family_asks_back_the_value_it_plants(family):
     g = torch.Generator().manual_seed(3)
@@ -68,14 +69,16 @@ def test_no_trained_form_states_a_value_as_a_held_out_one_does():
     for family in HELD_OUT:
         define = plant(family, g).define
         assert any(w.search(line) for w in ways for line in define.splitlines())
-    for family in (*TRAINED, *CROSSED):
+    for family in (*TRAINED, *CROSSED, *INDIRECT):
         for _ in range(5):
             lines = plant(family, g).define.splitlines()
             assert not any(w.search(line) for w in ways for line in lines), family.name
     assert TRAINED[: len(SIX)] == SIX and len(TRAINED) >= 3 * len(SIX)
-    assert {f.name for f in (*TRAINED, *CROSSED)}.isdisjoint(f.name for f in HELD_OUT)
+    assert {f.name for f in (*TRAINED, *CROSSED, *INDIRECT)}.isdisjoint(
+        f.name for f in HELD_OUT)
     assert families("six") == SIX and families("trained") == TRAINED
     assert families("crossed") == (*TRAINED, *CROSSED)
+    assert families("indirect") == (*TRAINED, *CROSSED, *INDIRECT)
 
 
 def test_a_crossed_form_asks_a_name_in_another_spelling_than_it_stated_it():
@@ -91,7 +94,25 @@ def test_a_crossed_form_asks_a_name_in_another_spelling_than_it_stated_it():
             assert asked and stated and asked.isdisjoint(stated), (family.name, ask)
 
 
-@pytest.mark.parametrize("forms", ["trained", "crossed"])
+def test_an_indirect_form_asks_what_no_trained_form_asks_of_its_definition():
+    """A trained definition reread in an ask no earlier form pairs with it, or a definition
+    of its own; and the alias is asked through the second name alone, so the value has to
+    be carried from one name to the other."""
+    earlier = {(f.define, ask) for f in (*TRAINED, *CROSSED) for ask in f.asks}
+    stated = {f.define for f in (*TRAINED, *CROSSED)}
+    for family in INDIRECT:
+        assert not {(family.define, ask) for ask in family.asks} & earlier, family.name
+    assert sum(f.define in stated for f in INDIRECT) == 3
+    g = torch.Generator().manual_seed(9)
+    alias = next(f for f in INDIRECT if f.name == "alias")
+    for _ in range(5):
+        p = plant(alias, g)
+        value_line, alias_line = p.define.strip().splitlines()
+        asked = re.search(r"assert (\w+) ==", p.question)[1]
+        assert asked not in value_line and alias_line.startswith(f"{asked} = ")
+
+
+@pytest.mark.parametrize("forms", ["trained", "crossed", "indirect"])
 def test_held_out_families_never_reach_training(tmp_path, forms):
     trainer = Trainer(run_config(retrieval_families=forms), tmp_path)
     text = "".join(trainer.tokenizer.decode(row.tolist())
@@ -163,7 +184,8 @@ def test_a_planted_definition_is_told_from_code():
                           ("assignment", "dict_entry", "comment_line", "registry_call",
                            "single_quoted", "attribute_set", "setattr_call", "lambda_return",
                            "tuple_unpack", "pair_list", "log_field", "ini_comment",
-                           "docstring")], *[f for f in CROSSED if f.name == "query_string"]):
+                           "docstring")], *[f for f in CROSSED if f.name == "query_string"],
+                   *INDIRECT[3:]):
         for _ in range(5):
             assert starts_with_planted_key(plant(family, g).define)
     for code in ("\n\nx = compute(y)\n", "MAX_SIZE = 10\n", "# returns: string\n",

@@ -10,7 +10,9 @@ real code and scores the greedy answer, through CED prefill and decode as served
 attention probe says where each layer's attention goes on held-out text: its window, the
 compressed entries the window also holds raw, the entries beyond it, the sink. The
 knockout says which layers' compressed attention retrieval needs: the same questions with
-one layer at a time attending to its window and sink only.
+one layer at a time attending to its window and sink only. The selection probe says
+whether a wrong answer is the indexer's choice or the read: whether each top-k holds the
+definition's entries at the query before the answer, and how much attention they get.
 """
 
 import itertools
@@ -278,6 +280,73 @@ def knockout(model: Model, tokenizer: Any, data: TokenCache, length: int,
             layers.append({"layer": spec.index, "mode": str(spec.mode), "ratio": spec.ratio,
                            **score(frozenset({spec.index}))})
     return {"length": length, "depths": depths, "samples": samples, "layers": layers}
+
+
+@torch.no_grad()
+def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int],
+              depths: list[float], samples: int, seed: int = 0,
+              forms: str = "held-out") -> dict[str, Any]:
+    """Whether a wrong answer is the indexer's choice or the read, on the questions
+    `retrieval` asks: for each layer that picks its own top-k, at the query that predicts
+    the answer's first token, the share of the definition's compressed entries its top-k
+    holds (`selected`) and the share of its compressed attention, summed over heads, that
+    lands on them (`mass`); with whether the answer is exact, teacher-forced in the
+    reference forward as `knockout` scores it. By length: the means, and per layer the
+    exact answers among questions where it selected some definition entry (`found`,
+    [exact, questions]) and where it selected none (`missed`); and every question's
+    figures (`questions`)."""
+    if model.config.arch == "dense":
+        raise ValueError("the dense control has no top-k selection to probe")
+    chosen = families(forms)
+    for depth in depths:
+        check_depth(depth)
+    pickers = [s for s in model.config.layers if s.ratio and s.index_source == s.index]
+    rows = []
+    for length in lengths:
+        questions = []
+        for depth in depths:
+            g = _question_generator(length, depth, seed)
+            for _ in range(samples):
+                sample = retrieval_sample(data, tokenizer, length, depth, g, families=chosen)
+                questions.append(_selection_of(model, sample, pickers))
+        layers = []
+        for spec in pickers:
+            key = str(spec.index)
+            found = [q["exact"] for q in questions if q["selected"][key] > 0]
+            missed = [q["exact"] for q in questions if q["selected"][key] == 0]
+            layers.append({"layer": spec.index, "mode": str(spec.mode), "ratio": spec.ratio,
+                           "selected": _mean(q["selected"][key] for q in questions),
+                           "mass": _mean(q["mass"][key] for q in questions),
+                           "found": [sum(found), len(found)],
+                           "missed": [sum(missed), len(missed)]})
+        rows.append({"length": length,
+                     "exact": _mean(q["exact"] for q in questions),
+                     "layers": layers, "questions": questions})
+    return {"depths": depths, "samples": samples, "families": [f.name for f in chosen],
+            "index_topk": model.config.index_topk, "lengths": rows}
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def _selection_of(model: Model, sample: Any, pickers: list[Any]) -> dict[str, Any]:
+    """One question's figures for `selection`."""
+    out = model(torch.tensor([sample.ids]), collect=True)
+    at = sample.answer_start - 1  # the query that predicts the answer's first token
+    answer = torch.tensor(sample.ids[sample.answer_start :])
+    exact = bool((out.logits[0, at:-1].argmax(-1) == answer).all())
+    first, end = sample.defines[-1]  # the scored key's definition, [first, end) in ids
+    selected, mass = {}, {}
+    for spec in pickers:
+        r = spec.ratio
+        entries = out.index_entries[spec.index][0, at]  # [k], -1 for none
+        on_definition = (entries >= first // r) & (entries <= (end - 1) // r)
+        selected[str(spec.index)] = int(on_definition.sum()) / ((end - 1) // r - first // r + 1)
+        mass[str(spec.index)] = float(out.attention_targets[spec.index][0, at][on_definition].sum())
+    return {"depth": sample.depth, "family": sample.family, "exact": exact,
+            "selected": selected, "mass": mass}
 
 
 def _question_generator(length: int, depth: float, seed: int) -> torch.Generator:

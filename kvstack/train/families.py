@@ -4,8 +4,8 @@ value in and asks it back from.
 A family is one way code states a value (an assignment, a dict entry, a function that
 returns it, a class attribute, a comment line, a registry call, ...) and the ways it is
 asked again later. Identifiers and values are drawn at random, so no form can be learnt
-by heart. `TRAINED` and `CROSSED` are the forms the trainer may sample; `HELD_OUT` are
-forms it never samples, listed here so that a retrieval score on them measures whether the
+by heart. `TRAINED`, `CROSSED` and `INDIRECT` are the forms the trainer may sample;
+`HELD_OUT` are forms it never samples, listed here so that a retrieval score on them measures whether the
 model learnt to retrieve or only to complete the forms it saw. No trained form states a
 value the way a held-out one does (a keyword argument, an assignment to a subscript, an
 annotation), so a held-out score is not a near-copy of a trained one. `KEY` is the single
@@ -111,6 +111,29 @@ CROSSED = (
            ('\nassert parse({owner})["{name}"] == "', '\nassert parse({owner}).{name} == "')),
 )
 
+# Values stated through a call or a second name, and bare names asked as subscripted
+# strings: the definition and the question share less text still, so the model must find
+# the name wherever it stands and carry the value through whatever states it. None states
+# a value as a held-out form does: no keyword argument, no subscript assignment, no
+# annotation.
+INDIRECT = (
+    _asked_otherwise("assignment_globals", "assignment", ('\nassert globals()["{upper}"] == "',)),
+    _asked_otherwise("class_vars", "class_attribute", ('\nassert vars({camel})["{name}"] == "',)),
+    _asked_otherwise("dict_namespace", "dict_entry",
+                     ('\nassert SimpleNamespace(**{owner}).{name} == "',)),
+    Family("json_text", "\n{owner} = json.loads('{{\"{name}\": \"{value}\"}}')\n",
+           ('\nassert {owner}["{name}"] == "', '\nvalue = {owner}.get("{name}")  # "')),
+    Family("update_call", '\n{owner}.update({{"{name}": "{value}"}})\n',
+           ('\nassert {owner}["{name}"] == "', '\nassert {owner}.get("{name}") == "')),
+    Family("setdefault_call", '\n{owner}.setdefault("{name}", "{value}")\n',
+           ('\nassert {owner}["{name}"] == "',)),
+    Family("wrapped_value", '\n{name} = str("{value}").strip()\n',
+           ('\nassert {name} == "', '\nprint({name})  # "')),
+    Family("chained_assignment", '\n{owner} = {name} = "{value}"\n',
+           ('\nassert {name} == "', '\nassert {owner} == "')),
+    Family("alias", '\n{name} = "{value}"\n{owner} = {name}\n', ('\nassert {owner} == "',)),
+)
+
 HELD_OUT = (
     Family("keyword_argument", '\nsettings = dict({name}="{value}")\n',
            ('\nassert settings["{name}"] == "',)),
@@ -120,12 +143,13 @@ HELD_OUT = (
 )
 
 FAMILY_SETS = {"key": (KEY,), "six": SIX, "trained": TRAINED,
-               "crossed": (*TRAINED, *CROSSED), "held-out": HELD_OUT}
-_BY_NAME = {f.name: f for f in (KEY, *TRAINED, *CROSSED, *HELD_OUT)}
+               "crossed": (*TRAINED, *CROSSED), "indirect": (*TRAINED, *CROSSED, *INDIRECT),
+               "held-out": HELD_OUT}
+_BY_NAME = {f.name: f for f in (KEY, *TRAINED, *CROSSED, *INDIRECT, *HELD_OUT)}
 
 
 def families(spec: str) -> tuple[Family, ...]:
-    """A set by name (key, six, trained, crossed, held-out) or comma-separated family
+    """A set by name (key, six, trained, crossed, indirect, held-out) or comma-separated family
     names."""
     if spec in FAMILY_SETS:
         return FAMILY_SETS[spec]
@@ -182,7 +206,10 @@ _PLANTED = re.compile(
     rf"|(self\.)?{_NAME} = (lambda: )?[\"']{_VALUE}[\"']|{_NAME}, [a-z]+_[a-z]+ = \"{_VALUE}\""
     rf'|setattr\([a-z]+_[a-z]+, "{_NAME}", "{_VALUE}"\)|logger\.info\("{_NAME}={_VALUE}"\)'
     rf'|[a-z]+_[a-z]+ = \[\("{_NAME}", "{_VALUE}"\)\]|# \[[a-z]+_[a-z]+\]$'
-    rf'|"""The {_NAME} is {_VALUE}\."""|[a-z]+_[a-z]+ = "{_NAME}={_VALUE}")')
+    rf'|"""The {_NAME} is {_VALUE}\."""|[a-z]+_[a-z]+ = "{_NAME}={_VALUE}"'
+    rf"|[a-z]+_[a-z]+ = json\.loads\('\{{\"{_NAME}\": \"{_VALUE}\"\}}'\)"
+    rf'|[a-z]+_[a-z]+\.(update\(\{{"{_NAME}": "{_VALUE}"\}}\)|setdefault\("{_NAME}", "{_VALUE}"\))'
+    rf'|{_NAME} = str\("{_VALUE}"\)|[a-z]+_[a-z]+ = {_NAME} = "{_VALUE}")')
 
 
 def starts_with_planted_key(text: str) -> bool:
