@@ -768,16 +768,19 @@ def _cmd_eval_selection(args: argparse.Namespace) -> int:
     console.print(f"the definition's compressed entries at the query before the answer "
                   f"({len(args.depths) * args.samples} questions per length, keys written as "
                   f"{', '.join(result['families'])}; top-{result['index_topk']}): the share "
-                  "of them each picking layer selects, its compressed attention on them, and "
-                  "exact answers where it selected some (found) and none (missed)")
+                  "of them each picking layer selects and its compressed attention on them, "
+                  "for the whole definition and for the value's tokens, and exact answers "
+                  "where it selected every value entry (found) and where not (missed)")
     table = Table(box=box.SIMPLE_HEAD)
-    for name in ("tokens", "exact", "layer", "mode", "selected", "mass", "found", "missed"):
-        table.add_column(name, justify="left" if name == "mode" else "right")
+    for name in ("tokens", "exact", "layer", "whole", "mass", "value", "mass",
+                 "found", "missed"):
+        table.add_column(name, justify="right")
     for row in result["lengths"]:
         for i, layer in enumerate(row["layers"]):
             head = (str(row["length"]), f"{row['exact']:.0%}") if i == 0 else ("", "")
-            table.add_row(*head, str(layer["layer"]), layer["mode"],
-                          f"{layer['selected']:.0%}", f"{layer['mass']:.0%}",
+            table.add_row(*head, f"{layer['layer']} {layer['mode']}",
+                          *(f"{layer[k]:.0%}" for k in ("selected", "mass",
+                                                         "value_selected", "value_mass")),
                           *(f"{hit} / {n}" for hit, n in (layer["found"], layer["missed"])))
     console.print(table)
     return 0

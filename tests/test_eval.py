@@ -263,7 +263,8 @@ def test_selection_finds_the_definition_in_each_top_k(data):
     assert len(row["questions"]) == 4 and everything["families"] == ["keyword_argument",
                                                                       "environment", "annotated"]
     for layer in row["layers"]:
-        assert layer["selected"] == 1.0 and 0 < layer["mass"] < 1
+        assert layer["selected"] == layer["value_selected"] == 1.0
+        assert 0 < layer["value_mass"] < layer["mass"] < 1
         assert layer["found"][1] == 4 and layer["missed"] == [0, 0]
         assert layer["found"][0] == round(row["exact"] * 4)
     torch.manual_seed(0)
@@ -272,5 +273,6 @@ def test_selection_finds_the_definition_in_each_top_k(data):
     for question in one["lengths"][0]["questions"]:
         for share in question["selected"].values():
             assert share <= 0.5  # every definition spans more than two entries
+        assert all(question["value_mass"][k] <= question["mass"][k] for k in question["mass"])
     with pytest.raises(ValueError, match="no top-k selection"):
         selection(Model(preset("dense-tiny")), tokenizer, cache, [160], [0.5], 1)

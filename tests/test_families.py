@@ -226,3 +226,21 @@ def test_a_sample_names_the_family_of_the_key_it_scores(data):
             assert not any(m in question for m in marker.values())
         seen.add(sample.family)
     assert seen == {f.name for f in HELD_OUT}
+
+
+@pytest.mark.parametrize("forms", ["held-out", "indirect", "key"])
+def test_a_sample_locates_the_scored_definition_and_its_value(data, forms):
+    """Whichever of its keys comes first, a sample says which definition its question asks
+    for and which of its tokens carry the value: the answer's text."""
+    tokenizer, cache = data
+    g = torch.Generator().manual_seed(11)
+    for _ in range(8):
+        sample = retrieval_sample(cache, tokenizer, 400, float(torch.rand((), generator=g)),
+                                  g, extra_keys=3, families=families(forms))
+        assert sample.definition in sample.defines
+        first, end = sample.value
+        assert sample.definition[0] <= first < end <= sample.definition[1]
+        value = tokenizer.decode(sample.ids[first:end]).strip().strip("\"'")
+        answer = tokenizer.decode(sample.ids[sample.answer_start :])
+        assert len(value) >= 6 and value[-6:] == answer[:6] and value in tokenizer.decode(
+            sample.ids[slice(*sample.definition)])

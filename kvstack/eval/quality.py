@@ -290,11 +290,12 @@ def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
     `retrieval` asks: for each layer that picks its own top-k, at the query that predicts
     the answer's first token, the share of the definition's compressed entries its top-k
     holds (`selected`) and the share of its compressed attention, summed over heads, that
-    lands on them (`mass`); with whether the answer is exact, teacher-forced in the
-    reference forward as `knockout` scores it. By length: the means, and per layer the
-    exact answers among questions where it selected some definition entry (`found`,
-    [exact, questions]) and where it selected none (`missed`); and every question's
-    figures (`questions`)."""
+    lands on them (`mass`), and the same for the entries of the value's own tokens
+    (`value_selected`, `value_mass`); with whether the answer is exact, teacher-forced in
+    the reference forward as `knockout` scores it. By length: the means, and per layer the
+    exact answers among questions where its top-k held every entry of the value (`found`,
+    [exact, questions]) and where it did not (`missed`); and every question's figures
+    (`questions`)."""
     if model.config.arch == "dense":
         raise ValueError("the dense control has no top-k selection to probe")
     chosen = families(forms)
@@ -312,11 +313,12 @@ def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
         layers = []
         for spec in pickers:
             key = str(spec.index)
-            found = [q["exact"] for q in questions if q["selected"][key] > 0]
-            missed = [q["exact"] for q in questions if q["selected"][key] == 0]
+            found = [q["exact"] for q in questions if q["value_selected"][key] == 1]
+            missed = [q["exact"] for q in questions if q["value_selected"][key] < 1]
             layers.append({"layer": spec.index, "mode": str(spec.mode), "ratio": spec.ratio,
-                           "selected": _mean(q["selected"][key] for q in questions),
-                           "mass": _mean(q["mass"][key] for q in questions),
+                           **{name: _mean(q[name][key] for q in questions)
+                              for name in ("selected", "mass", "value_selected",
+                                           "value_mass")},
                            "found": [sum(found), len(found)],
                            "missed": [sum(missed), len(missed)]})
         rows.append({"length": length,
@@ -337,16 +339,18 @@ def _selection_of(model: Model, sample: Any, pickers: list[Any]) -> dict[str, An
     at = sample.answer_start - 1  # the query that predicts the answer's first token
     answer = torch.tensor(sample.ids[sample.answer_start :])
     exact = bool((out.logits[0, at:-1].argmax(-1) == answer).all())
-    first, end = sample.defines[-1]  # the scored key's definition, [first, end) in ids
-    selected, mass = {}, {}
+    figures: dict[str, dict[str, float]] = {name: {} for name in (
+        "selected", "mass", "value_selected", "value_mass")}
     for spec in pickers:
-        r = spec.ratio
         entries = out.index_entries[spec.index][0, at]  # [k], -1 for none
-        on_definition = (entries >= first // r) & (entries <= (end - 1) // r)
-        selected[str(spec.index)] = int(on_definition.sum()) / ((end - 1) // r - first // r + 1)
-        mass[str(spec.index)] = float(out.attention_targets[spec.index][0, at][on_definition].sum())
-    return {"depth": sample.depth, "family": sample.family, "exact": exact,
-            "selected": selected, "mass": mass}
+        target = out.attention_targets[spec.index][0, at]  # [k], over the entries picked
+        for prefix, (first, end) in (("", sample.definition), ("value_", sample.value)):
+            # the entries holding tokens first..end-1, whose groups are r tokens each
+            lo, hi = first // spec.ratio, (end - 1) // spec.ratio
+            on = (entries >= lo) & (entries <= hi)
+            figures[prefix + "selected"][str(spec.index)] = int(on.sum()) / (hi - lo + 1)
+            figures[prefix + "mass"][str(spec.index)] = float(target[on].sum())
+    return {"depth": sample.depth, "family": sample.family, "exact": exact, **figures}
 
 
 def _question_generator(length: int, depth: float, seed: int) -> torch.Generator:

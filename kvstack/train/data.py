@@ -137,6 +137,10 @@ class RetrievalSample:
     length: int
     defines: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in ids
     family: str = ""  # the written form of the scored key (kvstack.train.families)
+    # The scored key's definition, and the tokens in it that carry its value: [start, end)
+    # in ids.
+    definition: tuple[int, int] = (0, 0)
+    value: tuple[int, int] = (0, 0)
 
 
 def check_depth(depth: float) -> None:
@@ -162,7 +166,8 @@ def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
         forms.append(_pick(families, generator))
         keys.append(plant(forms[-1], generator))
     depths = [float(torch.rand((), generator=generator)) for _ in range(extra_keys)] + [depth]
-    defines = [tokenizer.encode(k.define).ids for k in keys]
+    encoded = [tokenizer.encode(k.define) for k in keys]
+    defines = [e.ids for e in encoded]
     questions = [tokenizer.encode(k.question).ids for k in keys]
     answers = [tokenizer.encode(k.answer).ids for k in keys]
     filler = length - sum(len(t) for t in (*defines, *questions, *answers))
@@ -173,17 +178,33 @@ def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
     ids: list[int] = []
     spans = []
     done = 0
-    for at, define in sorted(zip((round(d * filler) for d in depths), defines, strict=True),
-                             key=lambda pair: pair[0]):
+    scored = len(keys) - 1
+    for at, i in sorted(zip((round(d * filler) for d in depths), range(len(keys)),
+                            strict=True), key=lambda pair: pair[0]):
         ids += code[done:at]
-        spans.append((len(ids), len(ids) + len(define)))
-        ids += define
+        spans.append((len(ids), len(ids) + len(defines[i])))
+        if i == scored:
+            definition = spans[-1]
+        ids += defines[i]
         done = at
     ids += code[done:]
     for question, answer in zip(questions, answers, strict=True):
         ids += question + answer
+    value = _value_tokens(keys[-1].define, keys[-1].answer[: len(keys[-1].answer)
+                                                             - len(forms[-1].closing)],
+                          encoded[-1].offsets)
     return RetrievalSample(ids, len(ids) - len(answers[-1]), depth, length, spans,
-                           forms[-1].name)
+                           forms[-1].name, definition,
+                           (definition[0] + value[0], definition[0] + value[1]))
+
+
+def _value_tokens(define: str, value: str,
+                  offsets: list[tuple[int, int]]) -> tuple[int, int]:
+    """[first, end) of the definition's tokens whose text overlaps the value's."""
+    lo = define.rindex(value)
+    hi = lo + len(value)
+    touching = [i for i, (a, b) in enumerate(offsets) if a < hi and b > lo]
+    return touching[0], touching[-1] + 1
 
 
 def _pick(families: tuple[Family, ...], generator: torch.Generator) -> Family:

@@ -5,13 +5,13 @@ A family is one way code states a value (an assignment, a dict entry, a function
 returns it, a class attribute, a comment line, a registry call, ...) and the ways it is
 asked again later. Identifiers and values are drawn at random, so no form can be learnt
 by heart. `TRAINED`, `CROSSED` and `INDIRECT` are the forms the trainer may sample;
-`HELD_OUT` are forms it never samples, listed here so that a retrieval score on them measures whether the
-model learnt to retrieve or only to complete the forms it saw. No trained form states a
-value the way a held-out one does (a keyword argument, an assignment to a subscript, an
-annotation), so a held-out score is not a near-copy of a trained one. `KEY` is the single
-form of the bundled model's first stage (`KEY_0042 = "value"`) and `SIX` the six forms of
-its first long-context stages, kept so that those recipes reproduce, as is `TRAINED`
-alone (the set of its later stages).
+`HELD_OUT` are forms it never samples, listed here so that a retrieval score on them
+measures whether the model learnt to retrieve or only to complete the forms it saw. No
+trained form states a value the way a held-out one does (a keyword argument, an
+assignment to a subscript, an annotation), so a held-out score is not a near-copy of a
+trained one. `KEY` is the single form of the bundled model's first stage (`KEY_0042 =
+"value"`) and `SIX` the six forms of its first long-context stages, kept so that those
+recipes reproduce, as is `TRAINED` alone (the set of its later stages).
 """
 
 import re
