@@ -770,7 +770,7 @@ def _cmd_eval_selection(args: argparse.Namespace) -> int:
                   f"{', '.join(result['families'])}; top-{result['index_topk']}): the share "
                   "of them each picking layer selects and its compressed attention on them, "
                   "for the whole definition and for the value's tokens, and exact answers "
-                  "where it selected every value entry (found) and where not (missed)")
+                  "where it selected some value entry (found) and where none (missed)")
     table = Table(box=box.SIMPLE_HEAD)
     for name in ("tokens", "exact", "layer", "whole", "mass", "value", "mass",
                  "found", "missed"):

@@ -293,8 +293,8 @@ def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
     lands on them (`mass`), and the same for the entries of the value's own tokens
     (`value_selected`, `value_mass`); with whether the answer is exact, teacher-forced in
     the reference forward as `knockout` scores it. By length: the means, and per layer the
-    exact answers among questions where its top-k held every entry of the value (`found`,
-    [exact, questions]) and where it did not (`missed`); and every question's figures
+    exact answers among questions where its top-k held some entry of the value (`found`,
+    [exact, questions]) and where it held none (`missed`); and every question's figures
     (`questions`)."""
     if model.config.arch == "dense":
         raise ValueError("the dense control has no top-k selection to probe")
@@ -313,8 +313,8 @@ def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
         layers = []
         for spec in pickers:
             key = str(spec.index)
-            found = [q["exact"] for q in questions if q["value_selected"][key] == 1]
-            missed = [q["exact"] for q in questions if q["value_selected"][key] < 1]
+            found = [q["exact"] for q in questions if q["value_selected"][key] > 0]
+            missed = [q["exact"] for q in questions if q["value_selected"][key] == 0]
             layers.append({"layer": spec.index, "mode": str(spec.mode), "ratio": spec.ratio,
                            **{name: _mean(q[name][key] for q in questions)
                               for name in ("selected", "mass", "value_selected",
