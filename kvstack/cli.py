@@ -626,6 +626,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                      min_lr=args.min_lr,
                      warmup_steps=args.warmup_steps, dense_warmup_steps=args.dense_warmup_steps,
+                     dense_warmup_indexer_only=args.dense_warmup_indexer_only,
                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                      seed=args.seed, vocab_size=args.vocab_size, corpus=args.corpus or "",
                      heldout_percent=args.heldout_percent, retrieval_rate=args.retrieval_rate,
@@ -1064,6 +1065,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where the cosine schedule ends")
     train.add_argument("--warmup-steps", type=int, default=20)
     train.add_argument("--dense-warmup-steps", type=int, default=50)
+    train.add_argument("--dense-warmup-indexer-only", action="store_true",
+                       help="the dense warm-up trains the indexers alone on the KL to dense "
+                            "attention, every other weight frozen")
     train.add_argument("--eval-every", type=_positive_int, default=50)
     train.add_argument("--checkpoint-every", type=_positive_int, default=50)
     train.add_argument("--seed", type=int, default=0)

@@ -165,6 +165,31 @@ def test_the_indexer_loss_trains_the_indexer_alone():
     assert not reached_by_ce & indexer, sorted(reached_by_ce & indexer)
 
 
+def test_an_indexer_only_warm_up_moves_the_indexers_and_nothing_else(tmp_path):
+    """Its dense steps change the indexers' and index keys' weights alone; the steps after
+    it, and a warm-up without the setting, train every weight again."""
+    def changes(**settings) -> tuple[set[str], set[str]]:
+        trainer = Trainer(small_run(steps=settings.pop("steps"), **settings),
+                          tmp_path / str(len(list(tmp_path.iterdir()))))
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train_step()
+        after_one = {n for n, p in trainer.model.named_parameters()
+                     if not torch.equal(p, before[n])}
+        trainer.train_step()
+        after_two = {n for n, p in trainer.model.named_parameters()
+                     if not torch.equal(p, before[n])}
+        return after_one, after_two
+
+    def is_indexer(name: str) -> bool:
+        return ".indexer." in name or "wk_index" in name or "index_norm" in name
+
+    one, two = changes(steps=2, dense_warmup_steps=1, dense_warmup_indexer_only=True)
+    assert one and all(is_indexer(n) for n in one)
+    assert any(not is_indexer(n) for n in two)  # after the warm-up, the trunk trains
+    every, _ = changes(steps=2, dense_warmup_steps=1)
+    assert any(not is_indexer(n) for n in every) and one < every
+
+
 def test_resume_after_a_kill_continues_exactly(tmp_path):
     whole = Trainer(small_run(), tmp_path / "whole")
     whole.run(progress=False)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from kvstack.config import ModelConfig, preset
 from kvstack.model import Model
 from kvstack.model.checkpoint import float_state_dict
-from kvstack.model.model import Gate, ModelOutput
+from kvstack.model.model import Compressor, Gate, Indexer, ModelOutput
 from kvstack.model.params import parameter_shapes
 from kvstack.train.data import (
     MIN_VOCAB,
@@ -63,6 +63,12 @@ class TrainConfig:
     min_lr: float = 3e-4
     warmup_steps: int = 20
     dense_warmup_steps: int = 50
+    # The dense warm-up trains the indexers alone (their query, weight and index-key
+    # projections) on the KL to dense attention, every other weight frozen, as
+    # DeepSeek-V3.2's does: for a trained model whose indexer must learn to rank entries
+    # its top-k misses, which the sparse KL, over its own picks, never shows it. Off,
+    # every weight trains, attention dense (the bundled model's first stage).
+    dense_warmup_indexer_only: bool = False
     index_loss_weight: float = 1.0
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -197,6 +203,18 @@ def losses(out: ModelOutput, targets: torch.Tensor) -> tuple[torch.Tensor, torch
         kls.append(terms.sum(-1)[rows].mean())
     kl = torch.stack(kls).mean() if kls else ce.new_zeros(())
     return ce, kl
+
+
+def _indexer_parameters(model: Model) -> list[torch.nn.Parameter]:
+    """What the indexer's KL trains: each indexer's query and head-weight projections and
+    each stream's index-key projection and norm."""
+    params = []
+    for module in model.modules():
+        if isinstance(module, Indexer):
+            params += module.parameters()
+        elif isinstance(module, Compressor):
+            params += [*module.wk_index.parameters(), *module.index_norm.parameters()]
+    return params
 
 
 class Trainer:
@@ -350,6 +368,12 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         dense = self.step < tc.dense_warmup_steps
+        indexer_only = dense and tc.dense_warmup_indexer_only
+        # Frozen weights keep no graph: the dense forward of a long row then costs little
+        # more memory than the indexers' scores.
+        trained = {id(p) for p in _indexer_parameters(self.model)} if indexer_only else None
+        for p in self.model.parameters():
+            p.requires_grad_(trained is None or id(p) in trained)
         ce_sum = kl_sum = 0.0
         for micro in range(tc.grad_accum):
             rows, targets = self.batch(self.step * tc.grad_accum + micro)
@@ -358,7 +382,8 @@ class Trainer:
             with self._autocast():
                 out = self.model(rows[:, :-1], dense=dense, collect=True)
                 ce, kl = losses(out, targets)
-            ((ce + tc.index_loss_weight * kl) / tc.grad_accum).backward()
+            loss = kl if indexer_only else ce + tc.index_loss_weight * kl
+            (loss / tc.grad_accum).backward()
             ce_sum += ce.item() / tc.grad_accum
             kl_sum += kl.item() / tc.grad_accum
         if self.world > 1:
@@ -369,7 +394,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._balance_experts()
+        self._balance_experts(move=not indexer_only)
         self.step += 1
         return {"step": self.step, "lr": lr, "loss": ce_sum, "index_kl": kl_sum,
                 "grad_norm": float(norm), "dense": dense}
@@ -407,14 +432,16 @@ class Trainer:
                             targets[r, max(offset + start - 1, 0) : offset + end - 1] = IGNORE
         return rows, targets
 
-    def _balance_experts(self) -> None:
+    def _balance_experts(self, move: bool) -> None:
+        """Move each routing bias toward balance by the load since the last step (`move`;
+        not while the trunk is frozen) and start counting again."""
         with torch.no_grad():
             for gate in (m for m in self.model.modules() if isinstance(m, Gate)):
-                if gate.load is not None:
+                if gate.load is not None and move:
                     if self.world > 1:
                         dist.all_reduce(gate.load)
                     gate.bias += BIAS_STEP * torch.sign(gate.load.float().mean() - gate.load)
-                    gate.load = None
+                gate.load = None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
