@@ -18,6 +18,7 @@ definition's entries at the query before the answer, and how much attention they
 import itertools
 import math
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 import torch
@@ -316,21 +317,16 @@ def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
             found = [q["exact"] for q in questions if q["value_selected"][key] > 0]
             missed = [q["exact"] for q in questions if q["value_selected"][key] == 0]
             layers.append({"layer": spec.index, "mode": str(spec.mode), "ratio": spec.ratio,
-                           **{name: _mean(q[name][key] for q in questions)
+                           **{name: fmean(q[name][key] for q in questions)
                               for name in ("selected", "mass", "value_selected",
                                            "value_mass")},
                            "found": [sum(found), len(found)],
                            "missed": [sum(missed), len(missed)]})
         rows.append({"length": length,
-                     "exact": _mean(q["exact"] for q in questions),
+                     "exact": fmean(q["exact"] for q in questions),
                      "layers": layers, "questions": questions})
     return {"depths": depths, "samples": samples, "families": [f.name for f in chosen],
             "index_topk": model.config.index_topk, "lengths": rows}
-
-
-def _mean(values: Any) -> float:
-    values = list(values)
-    return sum(values) / len(values)
 
 
 def _selection_of(model: Model, sample: Any, pickers: list[Any]) -> dict[str, Any]:
