@@ -225,7 +225,10 @@ class Trainer:
         # global batch, and gradients are averaged over processes before each step.
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        if self.world > 1 and not dist.is_initialized():
+        # A group this trainer starts, it ends (close): a process that exits with a live
+        # gloo group can abort in its teardown.
+        self._owns_group = self.world > 1 and not dist.is_initialized()
+        if self._owns_group:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         if tc.batch_size % self.world:
             raise ValueError(f"batch_size {tc.batch_size} does not split over {self.world} "
@@ -320,10 +323,13 @@ class Trainer:
         return handle
 
     def close(self) -> None:
-        """Let another process take the run directory (run() does this when it ends)."""
+        """Let another process take the run directory, and end the process group this
+        trainer started (run() does this when it ends)."""
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
 
     # ---- checkpoints -------------------------------------------------------------------
     def _resume(self) -> None:
@@ -469,6 +475,8 @@ class Trainer:
         the first step, every evaluation and the last step (logs, pipes, CI)."""
         try:
             self._train(progress, lines)
+            if self._owns_group:  # the other ranks wait for the first one's checkpoint
+                dist.barrier()
         finally:
             self.close()
 
