@@ -609,6 +609,18 @@ def _session_dict(saved: "SavedSession") -> dict[str, Any]:
             "saved_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(saved.saved_at))}
 
 
+def _layer_factor(text: str) -> tuple[int, float]:
+    layer, sep, factor = text.partition("=")
+    try:
+        pair = int(layer), float(factor)
+    except ValueError:
+        pair = None
+    if not sep or pair is None or not pair[1] > 0:
+        raise argparse.ArgumentTypeError(f"expected LAYER=FACTOR with a positive factor, "
+                                         f"got {text!r}")
+    return pair
+
+
 def _config_setting(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -627,6 +639,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      min_lr=args.min_lr,
                      warmup_steps=args.warmup_steps, dense_warmup_steps=args.dense_warmup_steps,
                      dense_warmup_indexer_only=args.dense_warmup_indexer_only,
+                     index_target_rows=args.index_target_rows,
                      eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
                      seed=args.seed, vocab_size=args.vocab_size, corpus=args.corpus or "",
                      heldout_percent=args.heldout_percent, retrieval_rate=args.retrieval_rate,
@@ -761,14 +774,18 @@ def _cmd_eval_selection(args: argparse.Namespace) -> int:
 
     model, tokenizer, data = _eval_data(args)
     result = selection(model, tokenizer, data, args.lengths, args.depths, args.samples,
-                       forms=args.families)
+                       forms=args.families, trunk_picks=args.trunk_picks,
+                       logit_scale=dict(args.logit_scale or []))
     if args.json:
         print(json.dumps(result))
         return 0
     console = Console()
+    picks = f"top-{result['index_topk']}" + (" by each layer's own attention logits"
+                                              if args.trunk_picks else "")
+    picks += "".join(f"; layer {k}'s logits x{v}" for k, v in result["logit_scale"].items())
     console.print(f"the definition's compressed entries at the query before the answer "
                   f"({len(args.depths) * args.samples} questions per length, keys written as "
-                  f"{', '.join(result['families'])}; top-{result['index_topk']}): the share "
+                  f"{', '.join(result['families'])}; {picks}): the share "
                   "of them each picking layer selects and its compressed attention on them, "
                   "for the whole definition and for the value's tokens, and exact answers "
                   "where it selected some value entry (found) and where none (missed)")
@@ -1068,6 +1085,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dense-warmup-indexer-only", action="store_true",
                        help="the dense warm-up trains the indexers alone on the KL to dense "
                             "attention, every other weight frozen")
+    train.add_argument("--index-target-rows", type=int, default=0,
+                       help="with --dense-warmup-indexer-only: dense indexer targets at this "
+                            "many query positions per row (a retrieval row's answer first), "
+                            "attention sparse: for rows too long for dense attention "
+                            "(0: dense at every position)")
     train.add_argument("--eval-every", type=_positive_int, default=50)
     train.add_argument("--checkpoint-every", type=_positive_int, default=50)
     train.add_argument("--seed", type=int, default=0)
@@ -1180,6 +1202,12 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument("--lengths", type=_positive_int, nargs="+", default=[512, 2048, 8192])
     sel.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     sel.add_argument("--samples", type=_positive_int, default=4)
+    sel.add_argument("--trunk-picks", action="store_true",
+                     help="each picking layer selects by its own attention logits instead of "
+                          "its indexer: what a perfect indexer would buy")
+    sel.add_argument("--logit-scale", type=_layer_factor, action="append", metavar="LAYER=F",
+                     help="multiply a layer's attention logits by F (repeatable): what a "
+                          "sharper read would buy")
     sel.add_argument("--families", default="held-out",
                      help="how the keys are written, as for retrieval (default: %(default)s)")
     sel.set_defaults(run=_cmd_eval_selection)

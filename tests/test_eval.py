@@ -135,6 +135,13 @@ def test_eval_commands(trained, tmp_path, capsys):
     assert main(["eval", "selection", "--model", str(trained), "--lengths", "96",
                  "--depths", "0.2", "--samples", "1"]) == 0
     assert "reindex" in capsys.readouterr().out
+    assert main(["eval", "selection", "--model", str(trained), "--lengths", "96",
+                 "--depths", "0.2", "--samples", "1", "--trunk-picks",
+                 "--logit-scale", "4=2"]) == 0
+    assert "own attention logits; layer 4's logits x2.0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["eval", "selection", "--model", str(trained), "--logit-scale", "4"])
+    assert "expected LAYER=FACTOR" in capsys.readouterr().err
     assert main(["eval", "ppl", "--model", str(tmp_path / "missing")]) == 2
     assert "cannot read" in capsys.readouterr().err
 

@@ -131,8 +131,8 @@ def test_without_the_definitions_loss_only_the_answers_and_code_teach(tmp_path):
     with_loss = Trainer(run_config(retrieval_families="trained"), tmp_path / "a")
     without = Trainer(run_config(retrieval_families="trained", retrieval_define_loss=False),
                       tmp_path / "b")
-    rows, full = with_loss.batch(0)
-    same_rows, targets = without.batch(0)
+    rows, full, _ = with_loss.batch(0)
+    same_rows, targets, _ = without.batch(0)
     assert torch.equal(rows, same_rows) and torch.equal(full, rows[:, 1:])
     decode = without.tokenizer.decode
     for r in range(rows.shape[0]):  # every row is a retrieval sample here

@@ -12,6 +12,7 @@ from kvstack.cache.contiguous import ContiguousCache
 from kvstack.cache.layout import CacheLayout
 from kvstack.config import Mode, ModelConfig, preset
 from kvstack.model.model import (
+    Attention,
     Gate,
     Model,
     first_k_descending,
@@ -556,3 +557,32 @@ def test_selected_entries_read_in_pieces_equal_a_plain_gather(monkeypatch, share
                           atol=1e-5)
     assert torch.allclose(entries.weighted_sum(p), torch.einsum("bhqk,bqkd->bqhd", p, rows),
                           atol=1e-5)
+
+
+def test_trunk_picks_rank_entries_by_the_layers_own_attention_logits(monkeypatch):
+    """What a perfect indexer would buy: each picking layer's top-k is the entries with
+    the highest attention logits (logsumexp over heads), not its indexer's; a factor on a
+    layer's logits changes its attention, a factor of 1 nothing."""
+    config = preset("tiny").replace(index_topk=3, candidate_topk_blocks=4096)
+    model = make_model(config)
+    ids = tokens(1, 40)
+    seen = {}
+    trunk_logits = Attention._trunk_logits
+
+    def recorded(self, q, positions, store, n_entries):
+        logits = trunk_logits(self, q, positions, store, n_entries)
+        seen[self.spec.index] = logits
+        return logits
+
+    monkeypatch.setattr(Attention, "_trunk_logits", recorded)
+    picked = model(ids, collect=True, trunk_picks=True).index_entries
+    indexed = model(ids, collect=True).index_entries
+    assert set(seen) == set(picked) == {1, 3, 4, 6}
+    for layer, logits in seen.items():
+        assert torch.equal(picked[layer], select_topk(logits.logsumexp(1), 3))
+    assert any(not torch.equal(picked[k], indexed[k]) for k in picked)
+    plain = model(ids).logits
+    assert torch.equal(model(ids, logit_scale={4: 1.0}).logits, plain)
+    assert not torch.allclose(model(ids, logit_scale={4: 3.0}).logits, plain)
+    with pytest.raises(ValueError, match="logit_scale: no layer 8"):
+        model(ids, logit_scale={8: 2.0})

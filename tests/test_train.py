@@ -165,6 +165,47 @@ def test_the_indexer_loss_trains_the_indexer_alone():
     assert not reached_by_ce & indexer, sorted(reached_by_ce & indexer)
 
 
+def test_target_rows_give_dense_indexer_targets_where_asked_and_attend_sparsely():
+    """At the asked query positions each index source scores every visible entry, as the
+    dense warm-up does, against the trunk's attention over them (each head's softmax over
+    the entries, averaged); the logits are the sparse forward's, and the KL trains the
+    indexers and their keys alone."""
+    from kvstack.config import preset
+    from kvstack.model import Model
+
+    torch.manual_seed(0)
+    model = Model(preset("tiny"))
+    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+    rows = torch.tensor([[47, 30, 5], [20, 47, 0]])
+    out = model(ids, target_rows=rows)
+    sparse = model(ids, collect=True)  # the indexers' scores of the entries they picked
+    assert torch.equal(out.logits, sparse.logits)
+    at = torch.arange(2)[:, None]
+    assert set(out.index_scores) == set(sparse.index_scores)
+    for layer, scores in out.index_scores.items():
+        picked = sparse.index_entries[layer][at, rows]  # [B, R, k], -1 for none
+        on = picked >= 0
+        assert on.any()
+        torch.testing.assert_close(scores.gather(-1, picked.clamp(min=0))[on],
+                                   sparse.index_scores[layer][at, rows][on])
+        target = out.attention_targets[layer]  # [B, R, N]
+        visible = scores > float("-inf")
+        assert torch.all(target[~visible] == 0)
+        sums = target.sum(-1)
+        assert torch.allclose(sums[visible.any(-1)], torch.ones(())), layer
+        assert torch.all(sums[~visible.any(-1)] == 0)  # position 0 sees no entry yet
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    _, kl = losses(out, ids.roll(-1, 1))
+    grads = torch.autograd.grad(kl, list(named.values()), allow_unused=True)
+    reached = {n for n, g in zip(named, grads, strict=True) if g is not None and g.any()}
+    assert kl.item() > 0 and any("wk_index" in n for n in reached)
+    assert all(".indexer." in n or "wk_index" in n or "index_norm" in n for n in reached)
+    with pytest.raises(ValueError, match="target_rows must be"):
+        model(ids, target_rows=torch.tensor([[48], [0]]))
+    with pytest.raises(ValueError, match="collect and dense"):
+        model(ids, collect=True, target_rows=rows)
+
+
 def test_an_indexer_only_warm_up_moves_the_indexers_and_nothing_else(tmp_path):
     """Its dense steps change the indexers' and index keys' weights alone; the steps after
     it, and a warm-up without the setting, train every weight again."""
@@ -312,7 +353,7 @@ def test_kvstack_train_refuses_a_bad_model_setting(tmp_path, capsys, setting, er
 
 def test_retrieval_samples_are_mixed_in_at_the_configured_rate(tmp_path):
     trainer = Trainer(small_run(retrieval_rate=1.0, seq_len=256), tmp_path)
-    rows, targets = trainer.batch(0)
+    rows, targets, _ = trainer.batch(0)
     assert rows.shape == (4, 257) and torch.equal(targets, rows[:, 1:])
     for row in rows:
         assert "assert KEY_" in trainer.tokenizer.decode(row.tolist())
@@ -412,3 +453,33 @@ def test_a_corrupt_saved_config_is_named(tmp_path):
     (tmp_path / "train_config.json").write_text("")  # as a kill mid-write once left it
     with pytest.raises(ValueError, match=r"train_config\.json is not a training config"):
         Trainer(small_run(steps=1), tmp_path)
+
+
+def test_an_indexer_warm_up_on_target_rows_trains_the_indexers_where_the_answers_are(tmp_path):
+    """With index_target_rows the indexer-only warm-up takes its dense targets half at
+    a retrieval row's answer queries and half at random positions past the window, a pure
+    function of the step; it moves the indexers alone and refuses settings it cannot
+    run."""
+    tc = small_run(steps=1, dense_warmup_steps=1, dense_warmup_indexer_only=True,
+                   index_target_rows=6, retrieval_rate=1.0, seq_len=192)
+    trainer = Trainer(tc, tmp_path / "run")
+    _, targets, answers = trainer.batch(0)
+    assert answers.any(-1).all()
+    chosen = trainer.target_rows(0, answers)
+    assert chosen.shape == (tc.batch_size, 6)
+    assert torch.equal(chosen, trainer.target_rows(0, answers))
+    window = trainer.config.window_size
+    for row, picked, asked in zip(targets, chosen, answers, strict=True):
+        assert len(set(picked.tolist())) == 6
+        assert int(asked[picked].sum()) >= 3  # half at answer queries, and the rest
+        assert all(p >= window for p in picked[~asked[picked]].tolist())  # past the window
+        assert asked[-1] and not asked[: len(row) // 2].any()  # the scored answer ends the row
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    record = trainer.train_step()
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert record["index_kl"] > 0 and any("wk_index" in n for n in moved)
+    assert all(".indexer." in n or "wk_index" in n or "index_norm" in n for n in moved)
+    with pytest.raises(ValueError, match="needs dense_warmup_indexer_only"):
+        small_run(index_target_rows=4).check()
+    with pytest.raises(ValueError, match="past its first window"):
+        small_run(dense_warmup_indexer_only=True, index_target_rows=200, seq_len=192).check()

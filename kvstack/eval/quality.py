@@ -286,7 +286,8 @@ def knockout(model: Model, tokenizer: Any, data: TokenCache, length: int,
 @torch.no_grad()
 def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int],
               depths: list[float], samples: int, seed: int = 0,
-              forms: str = "held-out") -> dict[str, Any]:
+              forms: str = "held-out", trunk_picks: bool = False,
+              logit_scale: dict[int, float] | None = None) -> dict[str, Any]:
     """Whether a wrong answer is the indexer's choice or the read, on the questions
     `retrieval` asks: for each layer that picks its own top-k, at the query that predicts
     the answer's first token, the share of the definition's compressed entries its top-k
@@ -296,7 +297,9 @@ def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
     the reference forward as `knockout` scores it. By length: the means, and per layer the
     exact answers among questions where its top-k held some entry of the value (`found`,
     [exact, questions]) and where it held none (`missed`); and every question's figures
-    (`questions`)."""
+    (`questions`). `trunk_picks`: each picking layer ranks entries by its own attention
+    logits instead of its indexer's scores (what a perfect indexer would buy);
+    `logit_scale`: layer -> a factor on its attention logits (what a sharper read would)."""
     if model.config.arch == "dense":
         raise ValueError("the dense control has no top-k selection to probe")
     chosen = families(forms)
@@ -310,7 +313,8 @@ def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
             g = _question_generator(length, depth, seed)
             for _ in range(samples):
                 sample = retrieval_sample(data, tokenizer, length, depth, g, families=chosen)
-                questions.append(_selection_of(model, sample, pickers))
+                questions.append(_selection_of(model, sample, pickers, trunk_picks,
+                                               logit_scale))
         layers = []
         for spec in pickers:
             key = str(spec.index)
@@ -326,12 +330,15 @@ def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
                      "exact": fmean(q["exact"] for q in questions),
                      "layers": layers, "questions": questions})
     return {"depths": depths, "samples": samples, "families": [f.name for f in chosen],
-            "index_topk": model.config.index_topk, "lengths": rows}
+            "index_topk": model.config.index_topk, "trunk_picks": trunk_picks,
+            "logit_scale": {str(k): v for k, v in (logit_scale or {}).items()}, "lengths": rows}
 
 
-def _selection_of(model: Model, sample: Any, pickers: list[Any]) -> dict[str, Any]:
+def _selection_of(model: Model, sample: Any, pickers: list[Any], trunk_picks: bool = False,
+                  logit_scale: dict[int, float] | None = None) -> dict[str, Any]:
     """One question's figures for `selection`."""
-    out = model(torch.tensor([sample.ids]), collect=True)
+    out = model(torch.tensor([sample.ids]), collect=True, trunk_picks=trunk_picks,
+                logit_scale=logit_scale)
     at = sample.answer_start - 1  # the query that predicts the answer's first token
     answer = torch.tensor(sample.ids[sample.answer_start :])
     exact = bool((out.logits[0, at:-1].argmax(-1) == answer).all())

@@ -374,6 +374,16 @@ class StepContext:
     # (their streams, indexers and top-k still serve later layers): what each layer's
     # compressed attention is needed for (`kvstack eval knockout`).
     window_only: frozenset[int] = frozenset()
+    # [B, R] query positions at which each index source also scores every visible entry
+    # and keeps the trunk's attention over them as its target (index_scores,
+    # attention_targets [B, R, N]), while attention stays sparse: dense indexer targets
+    # for rows too long for a [T, N] matrix.
+    target_rows: torch.Tensor | None = None
+    # What a perfect indexer would buy (`kvstack eval selection`): each picking layer
+    # ranks entries by its own attention logits (logsumexp over heads) instead of its
+    # indexer's scores; and layer -> a factor on its attention logits (sharper or flatter).
+    trunk_picks: bool = False
+    logit_scale: dict[int, float] = field(default_factory=dict)
 
 
 class Compressor(nn.Module):
@@ -703,7 +713,8 @@ class Attention(nn.Module):
                    self.freqs)
         window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
         # A kernel backend reads the ring itself, once the new entry is in it.
-        kernel = store.kernels and not (ctx.probe or ctx.collect or ctx.dense)
+        kernel = store.kernels and not (ctx.probe or ctx.collect or ctx.dense
+                                        or ctx.trunk_picks or ctx.logit_scale)
         if kernel:
             store.write_window(spec.index, window, start)
         else:
@@ -717,7 +728,8 @@ class Attention(nn.Module):
         # A Reindex layer scores only its candidate pools where a query block's pools
         # hold fewer keys than the stream (a decode step, once the stream outgrows one
         # pool); decided once per call, so every block's top-k has one width.
-        score_pools = (spec.uses_candidates and not ctx.collect and n_entries > 0
+        score_pools = (spec.uses_candidates and not (ctx.collect or ctx.trunk_picks)
+                       and n_entries > 0
                        and min(n, QUERY_BLOCK) * c.candidate_topk_blocks
                        * c.candidate_block_size < n_entries)
         # Query blocks end to end (score, pool, top-k, attend), so no [n, N] matrix is
@@ -742,8 +754,11 @@ class Attention(nn.Module):
                     # whole stream need none: a [block, N] graph kept for every block
                     # made a 16K-token training row outgrow 24 GB.
                     with torch.set_grad_enabled(torch.is_grad_enabled() and ctx.dense):
-                        s = self.indexer.scores(xi, qri, positions[:, block], store,
-                                                n_entries)
+                        s = (self._trunk_logits(q[:, block], positions[:, block], store,
+                                                n_entries).logsumexp(1)
+                             if ctx.trunk_picks else
+                             self.indexer.scores(xi, qri, positions[:, block], store,
+                                                 n_entries))
                     if ctx.collect and ctx.dense:  # every visible entry is attended
                         scores.append(s)
                     if spec.is_candidate_source:
@@ -765,6 +780,8 @@ class Attention(nn.Module):
                 outs.append(self._attend(q[:, block], positions[:, block], window,
                                          window_positions, store, all_kv, selected, ctx,
                                          n_entries))
+        if ctx.target_rows is not None and self.indexer is not None and n_entries:
+            self._collect_rows(x, qr, q, positions, store, ctx, n_entries)
         if topks:
             ctx.topk[spec.index] = torch.cat(topks, dim=1)
             if ctx.collect:
@@ -787,7 +804,7 @@ class Attention(nn.Module):
         """One softmax, with the sink, over the window and the chosen compressed entries
         for queries q [B, q, H, D] at `positions`."""
         c, spec = self.config, self.spec
-        scale = c.head_dim**-0.5
+        scale = c.head_dim**-0.5 * ctx.logit_scale.get(spec.index, 1.0)
         t, s = positions[:, :, None], window_positions[:, None, :]
         in_window = (s <= t) & (s > t - c.window_size)  # [P, q, m]
         if window.shape[1] > c.window_size + q.shape[1]:
@@ -823,6 +840,35 @@ class Attention(nn.Module):
             if ctx.collect and self.indexer is not None:
                 self._collect_target(p, ctx)
         return out.type_as(q)
+
+    def _collect_rows(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor,
+                      positions: torch.Tensor, store: KVStore, ctx: StepContext,
+                      n_entries: int) -> None:
+        """At ctx.target_rows [B, R]: the indexer's scores of every visible entry (with
+        its gradient) and, without gradient, the trunk's attention over them -- each
+        head's softmax over the compressed entries alone, averaged over heads -- into
+        ctx.index_scores and ctx.attention_targets, [B, R, N]."""
+        rows = ctx.target_rows
+        at = torch.arange(rows.shape[0], device=rows.device)[:, None]
+        pos = positions.expand(rows.shape[0], -1).gather(1, rows)  # [B, R]
+        with torch.no_grad():
+            logits = self._trunk_logits(q[at, rows], pos, store, n_entries)
+            # A row with no visible entry gets an all-zero target, which the loss skips.
+            seen = logits.isfinite().any(-1, keepdim=True)
+            target = torch.where(seen, logits.softmax(-1), 0.0)
+        ctx.attention_targets[self.spec.index] = target.mean(1)
+        ctx.index_scores[self.spec.index] = self.indexer.scores(
+            x[at, rows].detach(), qr[at, rows].detach(), pos, store, n_entries)
+
+    def _trunk_logits(self, q: torch.Tensor, positions: torch.Tensor, store: KVStore,
+                      n_entries: int) -> torch.Tensor:
+        """Attention logits of queries q [B, q, H, D] at `positions` over every entry of
+        the stream, -inf where not yet visible: [B, H, q, N]."""
+        kv = store.read_stream(self.spec.kv_source, "kv", 0, n_entries)  # [B, N, D]
+        logits = torch.einsum("bqhd,bnd->bhqn", q.float(), kv.float())
+        visible = torch.arange(n_entries, device=q.device) < _visible(positions, self.spec)
+        return (logits * self.config.head_dim**-0.5).masked_fill(~visible[:, None],
+                                                                 float("-inf"))
 
     def _record_mass(self, probs: torch.Tensor, m: int, positions: torch.Tensor,
                      selected: torch.Tensor | None, ctx: StepContext) -> None:
@@ -1205,20 +1251,41 @@ class Model(nn.Module):
     # ---- reference forward -------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, dense: bool = False,
                 collect: bool = False, probe: bool = False,
-                window_only: frozenset[int] = frozenset()) -> ModelOutput:
+                window_only: frozenset[int] = frozenset(),
+                target_rows: torch.Tensor | None = None, trunk_picks: bool = False,
+                logit_scale: dict[int, float] | None = None) -> ModelOutput:
         """Every layer over every token. `dense`: attend to all visible compressed
         entries (the warm-up); `collect`: also return indexer scores and targets; `probe`:
         also return where each layer's attention went; `window_only`: layers whose
-        attention leaves their compressed entries out."""
+        attention leaves their compressed entries out; `target_rows` [B, R]: indexer
+        scores and attention targets over every visible entry at these query positions
+        alone, attention staying sparse; `trunk_picks`, `logit_scale`: what a perfect
+        indexer and sharper attention would buy (StepContext)."""
         ids = self._check_ids(input_ids)
-        if self.shard is not None and (collect or probe):
+        if target_rows is not None:
+            if collect or dense:
+                raise ValueError("target_rows collects at some positions; collect and "
+                                 "dense at every one")
+            if (target_rows.dim() != 2 or target_rows.shape[0] != ids.shape[0]
+                    or int(target_rows.min()) < 0 or int(target_rows.max()) >= ids.shape[1]):
+                raise ValueError(f"target_rows must be [{ids.shape[0]}, R] positions in "
+                                 f"0..{ids.shape[1] - 1}, got {tuple(target_rows.shape)}")
+            target_rows = target_rows.long().to(ids.device)
+        unknown = sorted(set(logit_scale or {}) - set(range(self.config.n_layers)))
+        if unknown:
+            raise ValueError(f"logit_scale: no layer {unknown[0]} (the model has "
+                             f"{self.config.n_layers})")
+        if self.shard is not None and (collect or probe or trunk_picks
+                                       or target_rows is not None):
             raise ValueError("collect and probe read every head's attention, and this rank "
                              "holds a shard of them")
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"{ids.shape[1]} tokens exceed max_seq_len "
                              f"{self.config.max_seq_len}")
         store = ReferenceStore(self.config, ids.shape[0], ids.device)
-        ctx = StepContext(dense=dense, collect=collect, probe=probe, window_only=window_only)
+        ctx = StepContext(dense=dense, collect=collect, probe=probe, window_only=window_only,
+                          target_rows=target_rows, trunk_picks=trunk_picks,
+                          logit_scale=dict(logit_scale or {}))
         s = self._run(self._states(ids, 0, store), 0, store, range(self.config.n_layers), ctx)
         return ModelOutput(self._logits(s), ctx.index_scores, ctx.attention_targets,
                            ctx.attention_mass, ctx.index_entries)

@@ -141,6 +141,9 @@ class RetrievalSample:
     # in ids.
     definition: tuple[int, int] = (0, 0)
     value: tuple[int, int] = (0, 0)
+    # Every key's answer tokens, asked in turn at the end, the scored one last: [start,
+    # end) in ids.
+    answers: list[tuple[int, int]] = field(default_factory=list)
 
 
 def check_depth(depth: float) -> None:
@@ -188,14 +191,17 @@ def retrieval_sample(cache: TokenCache, tokenizer, length: int, depth: float,
         ids += defines[i]
         done = at
     ids += code[done:]
+    asked = []
     for question, answer in zip(questions, answers, strict=True):
-        ids += question + answer
+        ids += question
+        asked.append((len(ids), len(ids) + len(answer)))
+        ids += answer
     value = _value_tokens(keys[-1].define, keys[-1].answer[: len(keys[-1].answer)
                                                              - len(forms[-1].closing)],
                           encoded[-1].offsets)
     return RetrievalSample(ids, len(ids) - len(answers[-1]), depth, length, spans,
                            forms[-1].name, definition,
-                           (definition[0] + value[0], definition[0] + value[1]))
+                           (definition[0] + value[0], definition[0] + value[1]), asked)
 
 
 def _value_tokens(define: str, value: str,

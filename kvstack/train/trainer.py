@@ -69,6 +69,12 @@ class TrainConfig:
     # its top-k misses, which the sparse KL, over its own picks, never shows it. Off,
     # every weight trains, attention dense (the bundled model's first stage).
     dense_warmup_indexer_only: bool = False
+    # With the indexer-only warm-up: score every visible entry at this many query
+    # positions per row (a retrieval row's answer queries first, the rest at random) and
+    # attend sparsely, as served, everywhere; 0: attention dense at every position. The
+    # [T, N] matrices of the dense warm-up outgrow memory on rows as long as the questions
+    # (16K-32K), where the indexer must learn to rank among that many entries.
+    index_target_rows: int = 0
     index_loss_weight: float = 1.0
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -109,7 +115,8 @@ class TrainConfig:
         at_least = {"steps": 1, "seq_len": 2, "batch_size": 1, "grad_accum": 1,
                     "warmup_steps": 0, "dense_warmup_steps": 0, "eval_every": 1,
                     "eval_batches": 1, "checkpoint_every": 1, "retrieval_keys": 1,
-                    "vocab_size": 0, "index_loss_weight": 0, "weight_decay": 0}
+                    "vocab_size": 0, "index_loss_weight": 0, "weight_decay": 0,
+                    "index_target_rows": 0}
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
@@ -118,6 +125,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr {self.min_lr} must lie between 0 and lr {self.lr}")
+        if self.index_target_rows and not self.dense_warmup_indexer_only:
+            raise ValueError("index_target_rows needs dense_warmup_indexer_only: it trains "
+                             "the indexers alone, on a sparse forward")
         if not 0 <= self.retrieval_rate <= 1:
             raise ValueError(f"retrieval_rate {self.retrieval_rate} must lie in [0, 1] (a "
                              "share of the rows)")
@@ -126,7 +136,12 @@ class TrainConfig:
             raise ValueError(f"retrieval_families: {', '.join(held_out)} are held out from "
                              "training (kvstack.train.families.HELD_OUT), so that retrieval "
                              "on them measures generalisation")
-        vocab = self.model_config().vocab_size
+        model = self.model_config()
+        past_window = self.seq_len - min(model.window_size, self.seq_len - 1)
+        if self.index_target_rows > past_window:
+            raise ValueError(f"index_target_rows {self.index_target_rows} exceeds the "
+                             f"{past_window} positions of a row past its first window")
+        vocab = model.vocab_size
         if vocab < MIN_VOCAB:
             raise ValueError(f"vocab_size {vocab} cannot hold the byte-level BPE alphabet "
                              f"and its special tokens ({MIN_VOCAB})")
@@ -382,11 +397,16 @@ class Trainer:
             p.requires_grad_(trained is None or id(p) in trained)
         ce_sum = kl_sum = 0.0
         for micro in range(tc.grad_accum):
-            rows, targets = self.batch(self.step * tc.grad_accum + micro)
-            rows = rows[self.rank :: self.world].to(self.device)
-            targets = targets[self.rank :: self.world].to(self.device)
+            index = self.step * tc.grad_accum + micro
+            rows, targets, answers = self.batch(index)
+            mine = slice(self.rank, None, self.world)
+            rows, targets = rows[mine].to(self.device), targets[mine].to(self.device)
             with self._autocast():
-                out = self.model(rows[:, :-1], dense=dense, collect=True)
+                if indexer_only and tc.index_target_rows:
+                    out = self.model(rows[:, :-1],
+                                     target_rows=self.target_rows(index, answers)[mine])
+                else:
+                    out = self.model(rows[:, :-1], dense=dense, collect=True)
                 ce, kl = losses(out, targets)
             loss = kl if indexer_only else ce + tc.index_loss_weight * kl
             (loss / tc.grad_accum).backward()
@@ -411,15 +431,17 @@ class Trainer:
         enabled = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Training rows [batch_size, seq_len + 1] for micro-batch `index` -- windows of the
-        corpus, some replaced by retrieval samples (depth uniform) -- and their targets
+        corpus, some replaced by retrieval samples (depth uniform) -- their targets
         [batch_size, seq_len], each position's next token, IGNORE where the loss leaves it
-        out (the planted definitions, with retrieval_define_loss off); all a pure function
-        of (seed, index)."""
+        out (the planted definitions, with retrieval_define_loss off), and which positions
+        predict an answer token [batch_size, seq_len] (none in a row of code); all a pure
+        function of (seed, index)."""
         tc = self.tc
         rows = self.train_data.batch(tc.batch_size, tc.seq_len, tc.seed, index)
         targets = rows[:, 1:].clone()
+        answers = torch.zeros(targets.shape, dtype=torch.bool)
         if tc.retrieval_rate > 0:
             g = torch.Generator().manual_seed(tc.seed * 7_919 + index)
             forms = families(tc.retrieval_families)
@@ -432,11 +454,34 @@ class Trainer:
                     ids = sample.ids[: tc.seq_len + 1]
                     rows[r, -len(ids):] = torch.tensor(ids)
                     targets[r] = rows[r, 1:]
+                    offset = rows.shape[1] - len(ids)
+                    for start, end in sample.answers:  # target t predicts token t + 1
+                        answers[r, max(offset + start - 1, 0) : offset + end - 1] = True
                     if not tc.retrieval_define_loss:
-                        offset = rows.shape[1] - len(ids)
                         for start, end in sample.defines:  # target t predicts token t + 1
                             targets[r, max(offset + start - 1, 0) : offset + end - 1] = IGNORE
-        return rows, targets
+        return rows, targets, answers
+
+    def target_rows(self, index: int, answers: torch.Tensor) -> torch.Tensor:
+        """The query positions [batch_size, index_target_rows] where micro-batch `index`
+        takes dense indexer targets: up to half of them among the positions that predict
+        an answer token (`answers`, [batch_size, seq_len]), the rest past the first window,
+        all drawn at random and sorted; a pure function of (seed, index)."""
+        tc = self.tc
+        first = min(self.config.window_size, tc.seq_len - 1)
+        g = torch.Generator().manual_seed(tc.seed * 104_729 + index)
+        out = []
+        for row in answers:
+            asked = row.nonzero().flatten()
+            asked = asked[torch.randperm(len(asked), generator=g)][: tc.index_target_rows // 2]
+            # Past the window, where the compressed entries hold what the window does not.
+            rest = torch.ones(tc.seq_len, dtype=torch.bool)
+            rest[:first] = False
+            rest[asked] = False
+            rest = rest.nonzero().flatten()
+            rest = rest[torch.randperm(len(rest), generator=g)]
+            out.append(torch.cat((asked, rest[: tc.index_target_rows - len(asked)])).sort().values)
+        return torch.stack(out)
 
     def _balance_experts(self, move: bool) -> None:
         """Move each routing bias toward balance by the load since the last step (`move`;
