@@ -202,6 +202,8 @@ def test_target_rows_give_dense_indexer_targets_where_asked_and_attend_sparsely(
     assert all(".indexer." in n or "wk_index" in n or "index_norm" in n for n in reached)
     with pytest.raises(ValueError, match="target_rows must be"):
         model(ids, target_rows=torch.tensor([[48], [0]]))
+    with pytest.raises(ValueError, match="target_rows must be"):
+        model(ids, target_rows=torch.zeros(2, 0, dtype=torch.long))
     with pytest.raises(ValueError, match="collect and dense"):
         model(ids, collect=True, target_rows=rows)
 

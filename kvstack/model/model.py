@@ -1267,7 +1267,8 @@ class Model(nn.Module):
                 raise ValueError("target_rows collects at some positions; collect and "
                                  "dense at every one")
             if (target_rows.dim() != 2 or target_rows.shape[0] != ids.shape[0]
-                    or int(target_rows.min()) < 0 or int(target_rows.max()) >= ids.shape[1]):
+                    or not target_rows.numel() or int(target_rows.min()) < 0
+                    or int(target_rows.max()) >= ids.shape[1]):
                 raise ValueError(f"target_rows must be [{ids.shape[0]}, R] positions in "
                                  f"0..{ids.shape[1] - 1}, got {tuple(target_rows.shape)}")
             target_rows = target_rows.long().to(ids.device)
@@ -1277,8 +1278,8 @@ class Model(nn.Module):
                              f"{self.config.n_layers})")
         if self.shard is not None and (collect or probe or trunk_picks
                                        or target_rows is not None):
-            raise ValueError("collect and probe read every head's attention, and this rank "
-                             "holds a shard of them")
+            raise ValueError("collect, probe, trunk_picks and target_rows read every head's "
+                             "attention, and this rank holds a shard of them")
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"{ids.shape[1]} tokens exceed max_seq_len "
                              f"{self.config.max_seq_len}")
