@@ -1087,8 +1087,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "attention, every other weight frozen")
     train.add_argument("--index-target-rows", type=int, default=0,
                        help="with --dense-warmup-indexer-only: dense indexer targets at this "
-                            "many query positions per row (a retrieval row's answer first), "
-                            "attention sparse: for rows too long for dense attention "
+                            "many query positions per row (up to half where an answer is "
+                            "predicted), attention sparse: for rows too long for dense attention "
                             "(0: dense at every position)")
     train.add_argument("--eval-every", type=_positive_int, default=50)
     train.add_argument("--checkpoint-every", type=_positive_int, default=50)

@@ -70,8 +70,9 @@ class TrainConfig:
     # every weight trains, attention dense (the bundled model's first stage).
     dense_warmup_indexer_only: bool = False
     # With the indexer-only warm-up: score every visible entry at this many query
-    # positions per row (a retrieval row's answer queries first, the rest at random) and
-    # attend sparsely, as served, everywhere; 0: attention dense at every position. The
+    # positions per row (up to half where an answer token is predicted, the rest at
+    # random past the first window) and attend sparsely, as served, everywhere; 0:
+    # attention dense at every position. The
     # [T, N] matrices of the dense warm-up outgrow memory on rows as long as the questions
     # (16K-32K), where the indexer must learn to rank among that many entries.
     index_target_rows: int = 0
