@@ -646,6 +646,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                      retrieval_keys=args.retrieval_keys,
                      retrieval_families=args.retrieval_families,
                      retrieval_define_loss=not args.no_define_loss,
+                     answer_loss_weight=args.answer_loss_weight,
                      model_overrides=dict(args.set or []), init_from=args.init_from or "")
     import torch
 
@@ -1111,6 +1112,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     train.add_argument("--no-define-loss", action="store_true",
                        help="no loss on the planted definitions: only the answers teach")
+    train.add_argument("--answer-loss-weight", type=_positive_float, default=1.0,
+                       help="weigh the loss where a retrieval answer token is predicted by "
+                            "this factor, every other position 1 (default: %(default)s)")
     train.add_argument("--set", action="append", type=_config_setting, metavar="KEY=VALUE",
                        help="change one key of the preset's model config (a JSON value: "
                             "--set window_size=128 --set 'compress_ratios=[0,2,2,2,1,1,1,1]'); "

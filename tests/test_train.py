@@ -1,6 +1,7 @@
 """Training: the corpus split, the token cache, retrieval samples, the trainer."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from kvstack.train.data import (
     stdlib_root,
     train_tokenizer,
 )
-from kvstack.train.trainer import TrainConfig, Trainer, losses
+from kvstack.train.trainer import IGNORE, TrainConfig, Trainer, losses
 
 CORPUS = str(stdlib_root() / "json")  # five real modules: seconds to tokenize and train on
 
@@ -333,12 +334,13 @@ def test_kvstack_train_command(tmp_path):
                  "--seq-len", "32", "--batch-size", "2", "--vocab-size", "512",
                  "--corpus", CORPUS, "--heldout-percent", "40", "--eval-every", "2",
                  "--checkpoint-every", "2", "--set", "window_size=4",
-                 "--set", "kv_format=bf16"]) == 0
+                 "--set", "kv_format=bf16", "--answer-loss-weight", "4"]) == 0
     assert (out / "checkpoint" / "model" / "model.safetensors").exists()
     assert (out / "checkpoint" / "model" / "tokenizer.json").exists()
     assert len((out / "log.jsonl").read_text().splitlines()) == 2
     saved = json.loads((out / "checkpoint" / "model" / "config.json").read_text())
     assert (saved["window_size"], saved["kv_format"]) == (4, "bf16")
+    assert json.loads((out / "train_config.json").read_text())["answer_loss_weight"] == 4.0
 
 
 @pytest.mark.parametrize("setting, error", [
@@ -485,3 +487,32 @@ def test_an_indexer_warm_up_on_target_rows_trains_the_indexers_where_the_answers
         small_run(index_target_rows=4).check()
     with pytest.raises(ValueError, match="past its first window"):
         small_run(dense_warmup_indexer_only=True, index_target_rows=200, seq_len=192).check()
+
+
+def test_the_answer_loss_weight_weighs_the_positions_that_predict_an_answer(tmp_path):
+    """answer_loss_weight W: the cross-entropy is the mean over weights W at the positions
+    predicting an answer token and 1 elsewhere; ignored targets weigh nothing; 1 is the
+    plain mean; W trains toward the answers harder."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    targets = torch.tensor([[1, 2, 3, IGNORE, 4], [5, 6, IGNORE, 0, 1]])
+    out = SimpleNamespace(logits=logits, index_scores={}, attention_targets={})
+    each = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                             ignore_index=IGNORE, reduction="none")
+    asked = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)
+    plain, _ = losses(out, targets)
+    assert losses(out, targets, torch.ones(2, 5))[0] == pytest.approx(float(plain))
+    weighted, _ = losses(out, targets, 1 + 3 * asked)
+    kept = targets.flatten() != IGNORE
+    w = (1 + 3 * asked).flatten()[kept].float()
+    assert float(weighted) == pytest.approx(float((each[kept] * w).sum() / w.sum()))
+
+    runs = {}
+    for weight in (1.0, 8.0):
+        trainer = Trainer(small_run(steps=1, dense_warmup_steps=0, retrieval_rate=1.0,
+                                    seq_len=192, answer_loss_weight=weight),
+                          tmp_path / str(weight))
+        runs[weight] = trainer.train_step()["loss"]
+    assert runs[8.0] != pytest.approx(runs[1.0])
+    with pytest.raises(ValueError, match="answer_loss_weight must be positive"):
+        small_run(answer_loss_weight=0.0).check()

@@ -93,6 +93,11 @@ class TrainConfig:
     # Train on the tokens of the planted definitions too: off, only the answers (and the
     # code) teach, so free generation does not learn to open with a definition.
     retrieval_define_loss: bool = True
+    # Weigh the cross-entropy where a retrieval answer token is predicted by this factor
+    # (every other position 1, the mean taken over the weights): an 8K row with 48 keys
+    # holds a few hundred answer tokens among 8,192, so at 1 reading a far definition is
+    # a sliver of the loss. The held-out loss stays unweighted.
+    answer_loss_weight: float = 1.0
     vocab_size: int = 0  # 0: the preset's
     heldout_percent: float = 2.0
     corpus: str = ""  # a directory of .py files; "" = the standard library
@@ -121,7 +126,7 @@ class TrainConfig:
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
-        for name in ("lr", "grad_clip"):
+        for name in ("lr", "grad_clip", "answer_loss_weight"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.min_lr <= self.lr:
@@ -200,10 +205,18 @@ def lr_at(tc: TrainConfig, step: int) -> float:
 IGNORE = -100  # a target the loss leaves out (cross_entropy's ignore_index)
 
 
-def losses(out: ModelOutput, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def losses(out: ModelOutput, targets: torch.Tensor, weights: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy over the targets not IGNORE, indexer KL) of one forward with
-    collect=True."""
-    ce = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    collect=True; `weights` [B, T], if given, weigh each position's cross-entropy (a
+    weighted mean)."""
+    if weights is None:
+        ce = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    else:
+        each = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(),
+                               ignore_index=IGNORE, reduction="none")
+        weights = torch.where(targets.flatten() == IGNORE, 0.0, weights.flatten().to(each))
+        ce = (each * weights).sum() / weights.sum()
     kls = []
     for layer, scores in out.index_scores.items():
         # Over the entries attention weighed: every visible one in the dense warm-up, the
@@ -408,7 +421,10 @@ class Trainer:
                                      target_rows=self.target_rows(index, answers)[mine])
                 else:
                     out = self.model(rows[:, :-1], dense=dense, collect=True)
-                ce, kl = losses(out, targets)
+                weights = None
+                if tc.answer_loss_weight != 1:
+                    weights = 1 + (tc.answer_loss_weight - 1) * answers[mine].to(self.device)
+                ce, kl = losses(out, targets, weights)
             loss = kl if indexer_only else ce + tc.index_loss_weight * kl
             (loss / tc.grad_accum).backward()
             ce_sum += ce.item() / tc.grad_accum
