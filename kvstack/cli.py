@@ -700,7 +700,7 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
 
     model, tokenizer, data = _eval_data(args)
     result = retrieval(model, tokenizer, data, args.lengths, args.depths, args.samples,
-                       replay=args.replay, forms=args.families)
+                       replay=args.replay, seed=args.seed, forms=args.families)
     if args.plot:
         heat_map(result, args.plot)
         result["plot"] = args.plot
@@ -727,6 +727,14 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
         for n, tally in zip(args.lengths, result["by_family"], strict=True):
             by_family.add_row(str(n), *(f"{hit} / {asked}" for hit, asked in tally.values()))
         console.print(by_family)
+    for n, missed in zip(args.lengths, result["misses"], strict=True):
+        if missed:
+            first = sum(m["at"] == 0 for m in missed)
+            shown = "; ".join(f"{m['answer']!r}: {m['chose']!r} for {m['expected']!r}"
+                              for m in missed[:3])
+            console.print(f"{n} tokens: {len(missed)} wrong, {first} from the answer's "
+                          f"first token, {len(missed) - first} later; chosen for expected: "
+                          f"{shown}")
     return 0
 
 
@@ -1163,6 +1171,8 @@ def build_parser() -> argparse.ArgumentParser:
     ret.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     ret.add_argument("--samples", type=_positive_int, default=8)
     ret.add_argument("--replay", choices=("bounded", "exact"), default="exact")
+    ret.add_argument("--seed", type=int, default=0,
+                     help="draws the questions: another seed, another set (default: 0)")
     ret.add_argument("--plot", help="write the heat map to this PNG")
     ret.add_argument("--families", default="key",
                      help="how the keys are written: key (KEY_0042 = \"...\", the bundled "

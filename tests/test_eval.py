@@ -110,10 +110,34 @@ def test_retrieval_scores_the_greedy_answer(monkeypatch, data):
         hook = model.head.register_forward_hook(
             lambda module, args, out, q=queue: out.index_fill(-1, torch.tensor([q.pop(0)]), 1e4)
             if q else out)
-        exact, nll, n = _answers(model, ids, answer_start, "exact")
+        answered = _answers(model, ids, answer_start, "exact")
         hook.remove()
-        assert exact is expected and n == len(ids) - answer_start and not queue
-        assert nll < 1e-3 if expected else nll > 100
+        assert answered.exact is expected and answered.tokens == len(ids) - answer_start
+        assert not queue
+        assert answered.nll < 1e-3 if expected else answered.nll > 100
+        # the first wrong token and what was chosen there name the miss
+        assert answered.first_wrong == wrong_at
+        assert answered.chose == (None if expected else ids[answer_start + 2] + 1)
+
+
+def test_retrieval_names_each_wrong_answer_and_draws_questions_by_seed(data):
+    from kvstack.config import preset
+    from kvstack.model import Model
+
+    tokenizer, cache = data
+    torch.manual_seed(0)
+    model = Model(preset("tiny")).eval()  # untrained: nearly every answer is wrong
+    result = retrieval(model, tokenizer, cache, lengths=[64], depths=[0.5], samples=3)
+    missed = result["misses"][0]
+    assert len(missed) == round(3 * (1 - result["accuracy"][0][0])) > 0
+    for miss in missed:
+        answer = tokenizer.encode(miss["answer"]).ids
+        assert 0 <= miss["at"] < len(answer) and miss["chose"] != miss["expected"]
+        assert miss["answer"].startswith(tokenizer.decode(answer[: miss["at"]]))
+    again = retrieval(model, tokenizer, cache, lengths=[64], depths=[0.5], samples=3)
+    other = retrieval(model, tokenizer, cache, lengths=[64], depths=[0.5], samples=3, seed=1)
+    assert again["misses"] == result["misses"] and other["seed"] == 1
+    assert {m["answer"] for m in other["misses"][0]} != {m["answer"] for m in missed}
 
 
 def test_eval_commands(trained, tmp_path, capsys):
@@ -126,6 +150,10 @@ def test_eval_commands(trained, tmp_path, capsys):
                  "--depths", "0.5", "--samples", "1", "--plot", str(plot)]) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "retrieval accuracy" in capsys.readouterr().out
+    assert main(["eval", "retrieval", "--model", str(trained), "--lengths", "64",
+                 "--depths", "0.5", "--samples", "2", "--seed", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seed"] == 3 and len(out["misses"][0]) == round(2 * (1 - out["accuracy"][0][0]))
     assert main(["eval", "attention", "--model", str(trained), "--seq-len", "64",
                  "--windows", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["from_position"] == 32

@@ -19,7 +19,7 @@ import itertools
 import math
 from pathlib import Path
 from statistics import fmean
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -171,33 +171,47 @@ def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
     keys written in the families `forms` names (kvstack.train.families: "key", the
     bundled model's one form; "held-out", those no training run samples; ...); and by
     length and family, {family: [answered, asked]} per length, since the questions of
-    a cell are drawn from every family; and by length the answers' mean negative
-    log-likelihood per token (nats, `answer_nll`)."""
+    a cell are drawn from every family; by length the answers' mean negative
+    log-likelihood per token (nats, `answer_nll`); and by length each wrong answer's
+    first wrong token (`misses`: the answer, which of its tokens, what was expected and
+    what greedy decoding chose): an answer right at its first token has found the value
+    and lost it copying, one wrong from the start may never have found it. `seed` draws
+    another set of questions."""
     chosen = families(forms)
     for depth in depths:  # before any sample is scored
         check_depth(depth)
-    accuracy, by_family, answer_nll = [], [], []
+    accuracy, by_family, answer_nll, misses = [], [], [], []
     for length in lengths:
         row = []
         tally = {f.name: [0, 0] for f in chosen}
         nats, answer_tokens = 0.0, 0
+        missed = []
         for depth in depths:
             g = _question_generator(length, depth, seed)
             hits = 0
             for _ in range(samples):
                 sample = retrieval_sample(data, tokenizer, length, depth, g, families=chosen)
-                hit, nll, n = _answers(model, sample.ids, sample.answer_start, replay)
-                nats, answer_tokens = nats + nll, answer_tokens + n
-                hits += hit
-                tally[sample.family][0] += hit
+                answered = _answers(model, sample.ids, sample.answer_start, replay)
+                nats += answered.nll
+                answer_tokens += answered.tokens
+                hits += answered.exact
+                tally[sample.family][0] += answered.exact
                 tally[sample.family][1] += 1
+                if not answered.exact:
+                    answer = sample.ids[sample.answer_start :]
+                    at = answered.first_wrong
+                    missed.append({"depth": depth, "family": sample.family,
+                                   "answer": tokenizer.decode(answer), "at": at,
+                                   "expected": tokenizer.decode([answer[at]]),
+                                   "chose": tokenizer.decode([answered.chose])})
             row.append(hits / samples)
         accuracy.append(row)
         by_family.append(tally)
         answer_nll.append(nats / answer_tokens)
-    return {"lengths": lengths, "depths": depths, "samples": samples, "replay": replay,
-            "families": [f.name for f in chosen], "accuracy": accuracy,
-            "by_family": by_family, "answer_nll": answer_nll}
+        misses.append(missed)
+    return {"lengths": lengths, "depths": depths, "samples": samples, "seed": seed,
+            "replay": replay, "families": [f.name for f in chosen], "accuracy": accuracy,
+            "by_family": by_family, "answer_nll": answer_nll, "misses": misses}
 
 
 # Requests a user types into `kvstack chat`: a reply to prose, where a model that learnt
@@ -362,22 +376,30 @@ def _question_generator(length: int, depth: float, seed: int) -> torch.Generator
     return torch.Generator().manual_seed(seed * 1_000_003 + length * 101 + round(depth * 100))
 
 
-def _answers(model: Model, ids: list[int], answer_start: int,
-             replay: str) -> tuple[bool, float, int]:
+class Answered(NamedTuple):
+    exact: bool  # greedy decoding reproduces every answer token
+    nll: float  # nats, summed over the answer's tokens
+    tokens: int  # the answer's tokens
+    first_wrong: int | None  # the first answer token greedy decoding gets wrong
+    chose: int | None  # the token it chose there
+
+
+def _answers(model: Model, ids: list[int], answer_start: int, replay: str) -> Answered:
     """Whether greedy decoding after the question reproduces the answer's tokens, and the
-    answer's negative log-likelihood (nats, summed over its tokens) with each answer token
-    fed back whatever the model chose: a measure that moves before the greedy answer is
-    exact."""
+    answer's negative log-likelihood with each answer token fed back whatever the model
+    chose: a measure that moves before the greedy answer is exact."""
     answer = ids[answer_start:]
     cache = ContiguousCache(model.config, max_tokens=len(ids) + 1)
     logits = model.prefill(torch.tensor([ids[:answer_start]]), cache, replay=replay)
-    exact, nll = True, 0.0
+    first_wrong, chose, nll = None, None, 0.0
     for i, expected in enumerate(answer):
-        exact = exact and int(logits.argmax(-1)) == expected
+        top = int(logits.argmax(-1))
+        if top != expected and first_wrong is None:
+            first_wrong, chose = i, top
         nll -= float(torch.log_softmax(logits.float().reshape(-1), -1)[expected])
         if i + 1 < len(answer):
             logits = model.decode(torch.tensor([expected]), cache)
-    return exact, nll, len(answer)
+    return Answered(first_wrong is None, nll, len(answer), first_wrong, chose)
 
 
 def heat_map(result: dict[str, Any], path: str | Path) -> None:
