@@ -1,18 +1,24 @@
-"""CPU kernels in C for the decode step's three costliest torch sequences: reading packed
-rows, scoring packed index keys through the block table, and the experts' grouped matmul.
+"""CPU kernels in C: the decode step's costliest torch sequences over the packed cache
+(`kernels.c`), and matmuls on weights as DeepSeek's V4.1 checkpoint stores them
+(`weights.c`).
 
-Torch runs each of them as tens of ops over float copies (a batch-32 step of the decode
-benchmark's model made 4,500 of its 5,400 aten ops there); these read the packed bytes once
-and write only their result. They are built on first use from `kernels.c` by the
+Torch runs the cache's reads, index scoring and the float experts' grouped matmul as tens
+of ops over float copies (a batch-32 step of the decode benchmark's model made 4,500 of its
+5,400 aten ops there); and a packed FP8/FP4 weight it can only multiply after expanding the
+whole of it to float32, on every call (~75x the memory floor). These read the packed bytes
+once and write only their result. They are built on first use from the C sources by the
 system's C compiler (`cc`, or $CC) into a per-user cache ($XDG_CACHE_HOME or ~/.cache,
-`kvstack/native/`), keyed by the source, the compiler and this CPU's flags, and loaded
-with ctypes; no torch headers, so a build takes about a second.
+`kvstack/native/`), keyed by the sources, the compiler and this CPU's flags
+(`-march=native`: the build is this CPU's dispatch), and loaded with ctypes; no torch
+headers, so a build takes a few seconds.
 
 `resolve(choice)` says whether they run for an engine setting (kvstack.config.CPU_KERNELS:
 "auto" where they build, saying in the log when they do not; "c" or raise
 `NativeUnavailable` naming why; "torch" never), and an engine runs each step inside
-`active(on)`; the ops ask `enabled()` and keep their torch code beside, which runs
-everywhere else (GPUs, training, a model used without an engine).
+`active(on)`. The cache ops ask `enabled()` (on inside an engine's step) and keep their
+torch code beside, which runs everywhere else (GPUs, training, a model used without an
+engine). The packed-weight matmuls ask `packed_enabled()`: on wherever they build, engine
+or not (their torch path is the 75x one), unless the engine's step says "torch".
 """
 
 import ctypes
@@ -34,7 +40,7 @@ from kvstack.formats import decode_tables, get_format
 
 log = logging.getLogger("kvstack")
 
-SOURCE = Path(__file__).with_name("kernels.c")
+SOURCES = (Path(__file__).with_name("kernels.c"), Path(__file__).with_name("weights.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 
@@ -44,7 +50,11 @@ class NativeUnavailable(RuntimeError):
 
 _library: ctypes.CDLL | None = None
 _why_not: str | None = None
-_on = False
+_on: bool | None = None  # an engine step's choice; None outside one
+# The packed-weight kernels' paths (weights.c's ISA_*): the best one built, or the one
+# `portable()` forces.
+ISAS = ("portable", "avx2")
+_force_portable = False
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -52,7 +62,12 @@ _SIGNATURES = {
     "kv_index_scores": [_P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int, _P, _P,
                         _I, _I, _P, ctypes.c_int],
     "kv_grouped_mm": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
+    "kv_packed_linear": [_P, _I, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, _P, ctypes.c_int,
+                         ctypes.c_int],
+    "kv_fp4_grouped": [_P, _I, _P, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int, ctypes.c_int],
+    "kv_weights_isa": [],
 }
+_RESTYPES = {"kv_weights_isa": ctypes.c_int}
 
 
 def _cpu_flags() -> str:
@@ -81,8 +96,8 @@ def _build() -> Path:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"the C compiler {cc} does not run: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, " ".join(FLAGS),
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, version,
+                                    " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"kvstack-native-{os.getuid()}"):
         target = folder / f"kernels-{key}.so"
         if target.exists():
@@ -96,15 +111,15 @@ def _build() -> Path:
         except OSError:
             continue
         try:
-            run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", partial, "-lm"],
+            run = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", partial, "-lm"],
                                  capture_output=True, text=True, timeout=300)
             if run.returncode != 0:
-                raise NativeUnavailable(f"{cc} failed on {SOURCE.name}: "
+                raise NativeUnavailable(f"{cc} failed on {', '.join(p.name for p in SOURCES)}: "
                                         f"{run.stderr.strip()[-2000:]}")
             os.replace(partial, target)
             return target
         except (OSError, subprocess.SubprocessError) as e:
-            raise NativeUnavailable(f"building {SOURCE.name} with {cc}: {e}") from e
+            raise NativeUnavailable(f"building the C kernels with {cc}: {e}") from e
         finally:
             if os.path.exists(partial):
                 os.remove(partial)
@@ -127,7 +142,7 @@ def _load() -> ctypes.CDLL:
             raise
         for name, argtypes in _SIGNATURES.items():
             getattr(library, name).argtypes = argtypes
-            getattr(library, name).restype = None
+            getattr(library, name).restype = _RESTYPES.get(name)
         _library = library
     return _library
 
@@ -160,7 +175,40 @@ def active(on: bool) -> Iterator[None]:
 
 
 def enabled() -> bool:
-    return _on
+    """Whether the cache ops run in C: inside an engine step that chose them."""
+    return _on is True
+
+
+def packed_enabled() -> bool:
+    """Whether packed weights are multiplied by the C kernels: wherever they build (the
+    first call builds them, and logs once why not where they don't), unless an engine
+    step chose torch."""
+    if _on is False or _why_not is not None:
+        return False
+    if _library is None:
+        try:
+            _load()
+        except NativeUnavailable as e:
+            log.warning("kvstack: packed weights are dequantised per call (%s)", e)
+            return False
+    return True
+
+
+def weights_isa() -> str:
+    """The path the packed-weight kernels take now: "avx2" or "portable" (ISAS)."""
+    return ISAS[0 if _force_portable else _load().kv_weights_isa()]
+
+
+@contextmanager
+def portable() -> Iterator[None]:
+    """The packed-weight kernels on their portable C path inside (what a CPU without
+    AVX2 runs), for tests that check it on a CPU that has more."""
+    global _force_portable
+    before, _force_portable = _force_portable, True
+    try:
+        yield
+    finally:
+        _force_portable = before
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -225,4 +273,58 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     out = torch.zeros(x.shape[0], n, dtype=torch.float32)  # rows past ends[-1] stay 0
     _load().kv_grouped_mm(_ptr(x), k, _ptr(w), g, n, *w.stride(), _ptr(ends),
                           _ptr(out), _threads())
+    return out
+
+
+# Packed weights (weights.c): its format numbers, and the decode tables of each.
+_WEIGHT_FORMATS = {"fp8": 0, "fp4": 1, "bf16": 2}
+
+
+def _weight_tables(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    tables = decode_tables("fp4_ue8m0_32" if fmt == "fp4" else "fp8_ue8m0_32")
+    assert tables is not None
+    return tables
+
+
+def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
+                  scales: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+    """x [N, groups * K] times W^T for W [O, K] held packed: "fp8" (E4M3 codes uint8 [O, K],
+    UE8M0 scales uint8 [ceil(O/32), ceil(K/32)]) or "bf16" (codes bf16 [O, K]); [N, O]
+    float32, equal to dequantise-then-matmul within float32 rounding. groups > 1: W is
+    block-diagonal, output rows of group g (O / groups each) reading x's columns
+    g*K .. g*K + K - 1 (V4.1's wo_a)."""
+    o, k = codes.shape
+    if o % groups:
+        raise ValueError(f"a weight of {o} rows does not split into {groups} groups")
+    x = x.float().contiguous()
+    n = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != groups * k:
+        raise ValueError(f"packed_linear: x must be [N, {groups * k}], got {list(x.shape)}")
+    elem, scale = _weight_tables(fmt)
+    codes = codes.contiguous()
+    scale_ptr = 0 if scales is None else _ptr(scales.contiguous())
+    out = torch.empty(n, o, dtype=torch.float32)
+    if n:
+        _load().kv_packed_linear(_ptr(x), n, _WEIGHT_FORMATS[fmt], _ptr(codes), scale_ptr, o,
+                                 k, groups, _ptr(elem), _ptr(scale), _ptr(out),
+                                 ISAS.index(weights_isa()), _threads())
+    return out
+
+
+def fp4_grouped(x: torch.Tensor, pointers: torch.Tensor, experts: torch.Tensor,
+                ends: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Rows ends[g-1]:ends[g] of x [M, K] times the FP4 weight [out_features, K] of expert
+    experts[g] (E2M1 codes uint8 [O, K/2], UE8M0 scales [O, K/32]), whose addresses are
+    row experts[g] of pointers [E, 2] (int64: codes, scales): [M, O] float32, rows past
+    ends[-1] zero. One call for every expert a step routes to; the caller keeps the
+    tensors behind `pointers` alive."""
+    x = x.float().contiguous()
+    experts = experts.to(torch.int32).contiguous()
+    ends = ends.to(torch.int32).contiguous()
+    elem, scale = _weight_tables("fp4")
+    out = torch.zeros(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        _load().kv_fp4_grouped(_ptr(x), x.shape[1], _ptr(pointers), _ptr(experts), _ptr(ends),
+                               experts.numel(), out_features, _ptr(elem), _ptr(scale),
+                               _ptr(out), ISAS.index(weights_isa()), _threads())
     return out

@@ -1,0 +1,447 @@
+/* Matmuls on weights as DeepSeek's V4.1 checkpoint stores them: y = x W^T, reading W's
+ * packed bytes once and decoding them in registers, never into a float copy of W.
+ *
+ * Formats (kvstack.formats.weights):
+ *   FMT_FP8  E4M3 codes [O, K], one UE8M0 scale per 32x32 block: scales [ceil(O/32), ceil(K/32)]
+ *   FMT_FP4  E2M1 codes two a byte [O, K/2] (element 2i in the low nibble), one UE8M0 scale
+ *            per row per 32: scales [O, K/32]
+ *   FMT_BF16 raw bf16 [O, K]
+ *
+ * x and y are float32 and the products add in float32. A weight value is what the torch
+ * codecs give (elem[code] * scale[byte], tables passed in by the caller), so the results
+ * equal dequantise-then-matmul within float32 rounding (the sums add in another order).
+ * Two paths, chosen per call: ISA_PORTABLE, plain C every compiler builds, and ISA_AVX2
+ * (AVX2 + FMA + F16C, compiled in where -march=native provides them):
+ *   - an E4M3 byte b becomes the fp16 number with bits s0eeeemmm0000000, exactly b's value
+ *     times 2^-8 (the exponent biases differ by 8; subnormals map to subnormals), converted
+ *     by F16C; the 2^8 and the block's power-of-two scale are folded into x once per
+ *     32-row block, so a weight costs a shift, a mask, a conversion and a multiply-add.
+ *     Exact while x * scale stays within float32's normal range (checkpoint scales are
+ *     about 2^-9 .. 2^-12). The two NaN codes (s1111111) are found by a compare and make
+ *     their row's outputs NaN, as the NaN weight does in torch.
+ *   - an E2M1 nibble indexes a table of its eight magnitudes times the row's scale (one
+ *     permute), its top bit is the sign.
+ *   - bf16 widens by a 16-bit shift.
+ *
+ * Work: output rows in tiles of at most 32 (an FP8 scale block; never across a group of
+ * the block-diagonal wo_a), threads over tiles. Within a tile, rows four at a time are
+ * decoded chunk by chunk into a small float buffer in L1, and each decoded chunk serves up
+ * to TOKENS tokens two at a time (a 4 x 2 register tile of accumulators), so a batch
+ * decodes each weight once per TOKENS tokens.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+
+enum { FMT_FP8 = 0, FMT_FP4 = 1, FMT_BF16 = 2 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1 };
+enum { TILE = 32, QUAD = 4, TOKENS = 8, CHUNK = 256 };
+
+/* The best path this build has. */
+int kv_weights_isa(void) { return HAVE_AVX2 ? ISA_AVX2 : ISA_PORTABLE; }
+
+typedef struct {
+    int fmt;
+    const uint8_t *codes, *scales;
+    int64_t O, K;
+    const float *elem, *scale; /* decode tables: value by code, scale by byte */
+} weight_t;
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* ---- decoding one row's columns [k0, k0 + n) into float32 ---------------------------- */
+
+/* Portable: exactly the codecs' products. For FP8, `fold` multiplies instead by 2^-8 and
+ * no scale (the AVX2 path's convention, where the scale is folded into x). */
+static int decode_portable(const weight_t *w, int64_t row, int64_t k0, int64_t n, int fold,
+                           float *out) {
+    int nan = 0;
+    if (w->fmt == FMT_FP8) {
+        const uint8_t *c = w->codes + row * w->K;
+        const uint8_t *s = w->scales + (row / TILE) * ((w->K + TILE - 1) / TILE);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t k = k0 + i;
+            out[i] = fold ? w->elem[c[k]] * 0.00390625f : w->elem[c[k]] * w->scale[s[k / TILE]];
+            nan |= (c[k] & 0x7F) == 0x7F;
+        }
+    } else if (w->fmt == FMT_FP4) {
+        const uint8_t *c = w->codes + row * (w->K / 2);
+        const uint8_t *s = w->scales + row * (w->K / 32);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t k = k0 + i;
+            const uint8_t byte = c[k / 2];
+            out[i] = w->elem[k % 2 ? byte >> 4 : byte & 15] * w->scale[s[k / 32]];
+        }
+    } else {
+        const uint16_t *c = (const uint16_t *)w->codes + row * w->K;
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t bits = (uint32_t)c[k0 + i] << 16;
+            memcpy(out + i, &bits, 4);
+        }
+    }
+    return nan;
+}
+
+#if HAVE_AVX2
+/* Sixteen weights decoded, in order: lo holds the first eight. */
+typedef struct {
+    __m256 lo, hi;
+} v16;
+
+/* Sixteen FP8 codes -> their values times 2^-8; `seen` keeps the largest code & 0x7F, so
+ * that 0x7F there says a NaN code went by. */
+static inline v16 fp8_16(const uint8_t *c, __m128i *seen) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)c), zero = _mm_setzero_si128();
+    const __m128i keep = _mm_set1_epi16((short)0xBFFF);
+    *seen = _mm_max_epu8(*seen, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
+    const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, b), 1), keep);
+    const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, b), 1), keep);
+    return (v16){_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi)};
+}
+
+/* Sixteen E2M1 codes (eight bytes) times `scale`: an E2M1 nibble s.ee.m is the fp16 number
+ * with high byte s000eem0 and low byte 0, exactly its value times 2^-14 (the caller's
+ * scale carries the 2^14). */
+static inline v16 fp4_16(const uint8_t *c, __m256 scale) {
+    const __m128i high = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, (char)0x80, (char)0x82,
+                                       (char)0x84, (char)0x86, (char)0x88, (char)0x8A,
+                                       (char)0x8C, (char)0x8E);
+    const __m128i nibble = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
+    const __m128i b = _mm_loadl_epi64((const __m128i *)c);
+    const __m128i even = _mm_shuffle_epi8(high, _mm_and_si128(b, nibble));
+    const __m128i odd = _mm_shuffle_epi8(high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+    const __m128i bytes = _mm_unpacklo_epi8(even, odd);
+    return (v16){_mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, bytes)), scale),
+                 _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, bytes)), scale)};
+}
+
+static inline v16 bf16_16(const uint8_t *c) {
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)c));
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(c + 16)));
+    return (v16){_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+                 _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
+
+/* Where weights [k, k + 16) of a row start. */
+static inline const uint8_t *at(int fmt, const uint8_t *row, int64_t k) {
+    return row + (fmt == FMT_FP8 ? k : fmt == FMT_FP4 ? k / 2 : 2 * k);
+}
+
+static inline v16 decode16(const weight_t *w, int fmt, const uint8_t *row,
+                           const uint8_t *scales, int64_t k, __m128i *seen) {
+    if (fmt == FMT_FP8) return fp8_16(at(fmt, row, k), seen);
+    if (fmt == FMT_FP4)
+        return fp4_16(at(fmt, row, k), _mm256_set1_ps(w->scale[scales[k / 32]] * 16384.0f));
+    return bf16_16(at(fmt, row, k));
+}
+
+static inline const uint8_t *row_codes(const weight_t *w, int64_t row) {
+    return w->codes + row * (w->fmt == FMT_FP8 ? w->K : w->fmt == FMT_FP4 ? w->K / 2 : 2 * w->K);
+}
+
+/* Columns [k0, k0 + n) of a row (n a multiple of 16, k0 of 32). */
+static inline int decode_avx2(const weight_t *w, int fmt, int64_t row, int64_t k0, int64_t n,
+                              float *out) {
+    const uint8_t *codes = row_codes(w, row), *scales = w->scales + row * (w->K / 32);
+    __m128i seen = _mm_setzero_si128();
+    for (int64_t i = 0; i < n; i += 16) {
+        const v16 v = decode16(w, fmt, codes, scales, k0 + i, &seen);
+        _mm256_storeu_ps(out + i, v.lo);
+        _mm256_storeu_ps(out + i + 8, v.hi);
+    }
+    return fmt == FMT_FP8 && _mm_movemask_epi8(_mm_cmpeq_epi8(seen, _mm_set1_epi8(0x7F)));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* Rows rows[0..3] times one or two tokens (x1 NULL: one), decoding in registers, columns
+ * [0, kv) with kv a multiple of 16: sums[i][t]. Four rows' chains of multiply-adds (eight
+ * with one token, its halves apart) keep the adders busy while the next codes decode. */
+static inline __attribute__((always_inline)) void direct(const weight_t *w, int fmt,
+                                                         const int64_t rows[QUAD], int64_t kv,
+                                                         const float *x0, const float *x1,
+                                                         float sums[QUAD][TOKENS],
+                                                         int nan[QUAD]) {
+    const uint8_t *codes[QUAD], *scales[QUAD];
+    __m128i seen[QUAD];
+    __m256 a[QUAD][2];
+    for (int i = 0; i < QUAD; i++) {
+        codes[i] = row_codes(w, rows[i]);
+        scales[i] = w->scales + rows[i] * (w->K / 32);
+        seen[i] = _mm_setzero_si128();
+        a[i][0] = a[i][1] = _mm256_setzero_ps();
+    }
+    if (x1 == NULL) {
+        for (int64_t k = 0; k < kv; k += 16) {
+            const __m256 xl = _mm256_loadu_ps(x0 + k), xh = _mm256_loadu_ps(x0 + k + 8);
+            for (int i = 0; i < QUAD; i++) {
+                const v16 v = decode16(w, fmt, codes[i], scales[i], k, &seen[i]);
+                a[i][0] = _mm256_fmadd_ps(xl, v.lo, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(xh, v.hi, a[i][1]);
+            }
+        }
+        for (int i = 0; i < QUAD; i++) sums[i][0] += hsum(_mm256_add_ps(a[i][0], a[i][1]));
+    } else {
+        for (int64_t k = 0; k < kv; k += 16) {
+            const __m256 xl = _mm256_loadu_ps(x0 + k), xh = _mm256_loadu_ps(x0 + k + 8);
+            const __m256 yl = _mm256_loadu_ps(x1 + k), yh = _mm256_loadu_ps(x1 + k + 8);
+            for (int i = 0; i < QUAD; i++) {
+                const v16 v = decode16(w, fmt, codes[i], scales[i], k, &seen[i]);
+                a[i][0] = _mm256_fmadd_ps(xh, v.hi, _mm256_fmadd_ps(xl, v.lo, a[i][0]));
+                a[i][1] = _mm256_fmadd_ps(yh, v.hi, _mm256_fmadd_ps(yl, v.lo, a[i][1]));
+            }
+        }
+        for (int i = 0; i < QUAD; i++) {
+            sums[i][0] += hsum(a[i][0]);
+            sums[i][1] += hsum(a[i][1]);
+        }
+    }
+    if (fmt == FMT_FP8)
+        for (int i = 0; i < QUAD; i++)
+            nan[i] |= _mm_movemask_epi8(_mm_cmpeq_epi8(seen[i], _mm_set1_epi8(0x7F))) != 0;
+}
+
+static void direct_fp8(const weight_t *w, const int64_t rows[QUAD], int64_t kv, const float *x0,
+                       const float *x1, float sums[QUAD][TOKENS], int nan[QUAD]) {
+    direct(w, FMT_FP8, rows, kv, x0, x1, sums, nan);
+}
+static void direct_fp4(const weight_t *w, const int64_t rows[QUAD], int64_t kv, const float *x0,
+                       const float *x1, float sums[QUAD][TOKENS], int nan[QUAD]) {
+    direct(w, FMT_FP4, rows, kv, x0, x1, sums, nan);
+}
+static void direct_bf16(const weight_t *w, const int64_t rows[QUAD], int64_t kv,
+                        const float *x0, const float *x1, float sums[QUAD][TOKENS],
+                        int nan[QUAD]) {
+    direct(w, FMT_BF16, rows, kv, x0, x1, sums, nan);
+}
+#endif
+
+
+/* ---- one tile: rows [r0, r0 + nr) of W times nt token rows of x ----------------------- */
+
+/* Whether the AVX2 path's power-of-two shortcuts are exact for this tile: its scales
+ * (NaN aside) within 2^-100 .. 2^100, so folding them into x (FP8) or multiplying them by
+ * 2^14 (FP4) neither overflows nor leaves float32's normal range. */
+static int scales_in_range(const weight_t *w, int64_t r0, int64_t nr) {
+    const int64_t per_row = (w->K + TILE - 1) / TILE;
+    const uint8_t *s;
+    int64_t n;
+    if (w->fmt == FMT_FP8) {
+        s = w->scales + (r0 / TILE) * per_row, n = per_row;
+    } else if (w->fmt == FMT_FP4) {
+        s = w->scales + r0 * (w->K / 32), n = nr * (w->K / 32);
+    } else {
+        return 1;
+    }
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) ok &= (s[i] >= 27 && s[i] <= 227) || s[i] == 255;
+    return ok;
+}
+
+/* y[t * y_stride + r] = sum_k x[t * x_stride + x_col + k] * W[r, k] for the tile's rows
+ * (nr <= TILE, one FP8 scale block and one group) and tokens t < nt.
+ * scratch: TOKENS * K floats (FP8 only) then QUAD * CHUNK floats. */
+static void tile_rows(const weight_t *w, int isa, int64_t r0, int64_t nr, const float *x,
+                      int64_t x_stride, int64_t x_col, int64_t nt, float *y, int64_t y_stride,
+                      float *scratch) {
+    const int64_t K = w->K;
+#if HAVE_AVX2
+    const int vector = isa == ISA_AVX2 && !(w->fmt == FMT_FP4 && K % 32) &&
+                       scales_in_range(w, r0, nr);
+#else
+    const int vector = 0;
+    (void)isa;
+#endif
+    const int fold = w->fmt == FMT_FP8 && vector;
+    float *folded = scratch, *decoded = scratch + (w->fmt == FMT_FP8 ? TOKENS * K : 0);
+    const int64_t kv = vector ? K & ~(int64_t)15 : 0; /* columns the vectors take */
+    for (int64_t t0 = 0; t0 < nt; t0 += TOKENS) {
+        const int64_t tn = min64(TOKENS, nt - t0);
+        /* The tokens' inputs: on the AVX2 path for FP8, x times the tile's scale per 32
+         * columns and 2^8; else x as it is. */
+        const float *xin[TOKENS];
+        for (int64_t t = 0; t < tn; t++) {
+            const float *xt = x + (t0 + t) * x_stride + x_col;
+            xin[t] = xt;
+            if (fold) {
+                const uint8_t *s = w->scales + (r0 / TILE) * ((K + TILE - 1) / TILE);
+                float *ft = folded + t * K;
+                for (int64_t k = 0; k < K; k += TILE) {
+                    const float m = w->scale[s[k / TILE]] * 256.0f;
+                    const int64_t end = min64(K, k + TILE);
+                    for (int64_t j = k; j < end; j++) ft[j] = xt[j] * m;
+                }
+                xin[t] = ft;
+            }
+        }
+        for (int64_t q = 0; q < nr; q += QUAD) {
+            const int64_t qn = min64(QUAD, nr - q);
+            int64_t rows[QUAD]; /* a short quad repeats its last row; repeats are not stored */
+            for (int i = 0; i < QUAD; i++) rows[i] = r0 + q + min64(i, qn - 1);
+            int nan[QUAD] = {0, 0, 0, 0};
+            float sums[QUAD][TOKENS] = {{0}};
+            int64_t done = 0; /* columns summed so far */
+#if HAVE_AVX2
+            if (vector && tn <= 2) {
+                const float *x1 = tn == 2 ? xin[1] : NULL;
+                if (w->fmt == FMT_FP8) direct_fp8(w, rows, kv, xin[0], x1, sums, nan);
+                else if (w->fmt == FMT_FP4) direct_fp4(w, rows, kv, xin[0], x1, sums, nan);
+                else direct_bf16(w, rows, kv, xin[0], x1, sums, nan);
+                done = kv;
+            } else if (vector) {
+                /* Each chunk of four rows decoded once into L1, then multiplied by every
+                 * token of the chunk, two at a time. */
+                __m256 acc[QUAD][TOKENS];
+                for (int i = 0; i < QUAD; i++)
+                    for (int t = 0; t < TOKENS; t++) acc[i][t] = _mm256_setzero_ps();
+                for (int64_t k0 = 0; k0 < kv; k0 += CHUNK) {
+                    const int64_t kn = min64(CHUNK, kv - k0);
+                    for (int i = 0; i < QUAD; i++)
+                        nan[i] |= decode_avx2(w, w->fmt, rows[i], k0, kn, decoded + i * CHUNK);
+                    const float *d0 = decoded, *d1 = decoded + CHUNK, *d2 = decoded + 2 * CHUNK,
+                                *d3 = decoded + 3 * CHUNK;
+                    int64_t t = 0;
+                    for (; t + 2 <= tn; t += 2) {
+                        const float *a = xin[t] + k0, *b = xin[t + 1] + k0;
+                        __m256 a0 = acc[0][t], a1 = acc[1][t], a2 = acc[2][t], a3 = acc[3][t];
+                        __m256 b0 = acc[0][t + 1], b1 = acc[1][t + 1], b2 = acc[2][t + 1],
+                               b3 = acc[3][t + 1];
+                        for (int64_t k = 0; k < kn; k += 8) {
+                            const __m256 xa = _mm256_loadu_ps(a + k), xb = _mm256_loadu_ps(b + k);
+                            const __m256 w0 = _mm256_loadu_ps(d0 + k), w1 = _mm256_loadu_ps(d1 + k);
+                            const __m256 w2 = _mm256_loadu_ps(d2 + k), w3 = _mm256_loadu_ps(d3 + k);
+                            a0 = _mm256_fmadd_ps(xa, w0, a0);
+                            a1 = _mm256_fmadd_ps(xa, w1, a1);
+                            a2 = _mm256_fmadd_ps(xa, w2, a2);
+                            a3 = _mm256_fmadd_ps(xa, w3, a3);
+                            b0 = _mm256_fmadd_ps(xb, w0, b0);
+                            b1 = _mm256_fmadd_ps(xb, w1, b1);
+                            b2 = _mm256_fmadd_ps(xb, w2, b2);
+                            b3 = _mm256_fmadd_ps(xb, w3, b3);
+                        }
+                        acc[0][t] = a0, acc[1][t] = a1, acc[2][t] = a2, acc[3][t] = a3;
+                        acc[0][t + 1] = b0, acc[1][t + 1] = b1, acc[2][t + 1] = b2,
+                        acc[3][t + 1] = b3;
+                    }
+                    for (; t < tn; t++) {
+                        const float *a = xin[t] + k0;
+                        __m256 a0 = acc[0][t], a1 = acc[1][t], a2 = acc[2][t], a3 = acc[3][t];
+                        for (int64_t k = 0; k < kn; k += 8) {
+                            const __m256 xa = _mm256_loadu_ps(a + k);
+                            a0 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(d0 + k), a0);
+                            a1 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(d1 + k), a1);
+                            a2 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(d2 + k), a2);
+                            a3 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(d3 + k), a3);
+                        }
+                        acc[0][t] = a0, acc[1][t] = a1, acc[2][t] = a2, acc[3][t] = a3;
+                    }
+                }
+                for (int i = 0; i < QUAD; i++)
+                    for (int64_t t = 0; t < tn; t++) sums[i][t] += hsum(acc[i][t]);
+                done = kv;
+            }
+#endif
+            /* What the vectors left (all of it on the portable path), a chunk at a time. */
+            for (int64_t k0 = done; k0 < K; k0 += CHUNK) {
+                const int64_t kn = min64(CHUNK, K - k0);
+                for (int i = 0; i < QUAD; i++)
+                    nan[i] |= decode_portable(w, rows[i], k0, kn, fold, decoded + i * CHUNK);
+                for (int64_t u = 0; u < tn; u++) {
+                    const float *a = xin[u] + k0;
+                    for (int i = 0; i < QUAD; i++) {
+                        const float *d = decoded + i * CHUNK;
+                        float s = 0.0f;
+                        for (int64_t k = 0; k < kn; k++) s += a[k] * d[k];
+                        sums[i][u] += s;
+                    }
+                }
+            }
+            for (int64_t i = 0; i < qn; i++)
+                for (int64_t u = 0; u < tn; u++)
+                    y[(t0 + u) * y_stride + r0 + q + i] = nan[i] ? NAN : sums[i][u];
+        }
+    }
+}
+
+static size_t scratch_floats(const weight_t *w) {
+    return (w->fmt == FMT_FP8 ? (size_t)TOKENS * w->K : 0) + (size_t)QUAD * CHUNK;
+}
+
+/* The tiles of O rows: 32-row blocks, cut where a group of `group_rows` rows ends. */
+static void tile_bounds(int64_t block, int64_t O, int64_t group_rows, int64_t *starts,
+                        int64_t *count) {
+    int64_t n = 0, r = block * TILE;
+    const int64_t end = min64(O, r + TILE);
+    while (r < end) {
+        starts[n++] = r;
+        r = min64(end, (r / group_rows + 1) * group_rows);
+    }
+    starts[n] = end;
+    *count = n;
+}
+
+/* y [N, O] = x W^T for a dense FP8 or bf16 weight W [O, K]; with groups > 1, W is
+ * block-diagonal (V4.1's wo_a): output rows of group g = o / (O / groups) read columns
+ * g*K .. g*K + K - 1 of x [N, groups * K]. */
+void kv_packed_linear(const float *x, int64_t N, int fmt, const uint8_t *codes,
+                      const uint8_t *scales, int64_t O, int64_t K, int64_t groups,
+                      const float *elem, const float *scale, float *y, int isa, int threads) {
+    const weight_t w = {fmt, codes, scales, O, K, elem, scale};
+    const int64_t group_rows = O / groups, blocks = (O + TILE - 1) / TILE;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = malloc(scratch_floats(&w) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t starts[TILE + 1], count;
+            tile_bounds(b, O, group_rows, starts, &count);
+            for (int64_t i = 0; i < count; i++) {
+                const int64_t r0 = starts[i], group = r0 / group_rows;
+                tile_rows(&w, isa, r0, starts[i + 1] - r0, x, groups * K, group * K, N, y, O,
+                          scratch);
+            }
+        }
+        free(scratch);
+    }
+}
+
+/* Routed experts in one call: rows ends[g-1] .. ends[g]-1 of x [M, K] times expert
+ * experts[g]'s FP4 weight [O, K] -> the same rows of y [M, O]. pointers [E, 2] holds every
+ * expert's code and scale addresses (this projection), so only the experts a step routes
+ * to are read. */
+void kv_fp4_grouped(const float *x, int64_t K, const int64_t *pointers, const int32_t *experts,
+                    const int32_t *ends, int64_t G, int64_t O, const float *elem,
+                    const float *scale, float *y, int isa, int threads) {
+    const int64_t blocks = (O + TILE - 1) / TILE;
+    const weight_t shape = {FMT_FP4, 0, 0, O, K, elem, scale};
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = malloc(scratch_floats(&shape) * sizeof(float));
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t g = 0; g < G; g++) {
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t start = g ? ends[g - 1] : 0, rows = ends[g] - start;
+                if (rows <= 0) continue;
+                const int64_t *p = pointers + 2 * experts[g];
+                weight_t w = shape;
+                w.codes = (const uint8_t *)(intptr_t)p[0];
+                w.scales = (const uint8_t *)(intptr_t)p[1];
+                const int64_t r0 = b * TILE;
+                tile_rows(&w, isa, r0, min64(TILE, O - r0), x + start * K, K, 0, rows,
+                          y + start * O, O, scratch);
+            }
+        }
+        free(scratch);
+    }
+}
