@@ -211,12 +211,14 @@ class MoE(nn.Module):
             chosen = chosen - self.first_expert
             mine = (chosen >= 0) & (chosen < held)
             chosen, weights = torch.where(mine, chosen, held - 1), weights * mine
-        if isinstance(self.experts, Experts) and not torch.is_grad_enabled():
+        if isinstance(self.experts, PackedExperts) and self.experts.runs_packed(x):
+            out = self.experts.swiglu(x, weights, chosen, self.limit)
+        elif isinstance(self.experts, Experts) and not torch.is_grad_enabled():
             # Up to half as many (token, expert) pairs as experts, gathering the weights of
             # each pair beats a grouped call that walks every expert (measured on a CPU).
             few = 2 * chosen.numel() <= held
             out = (self._gathered if few else self._grouped)(x, weights, chosen)
-        else:  # each chosen expert on its tokens (packed experts; training's autograd)
+        else:  # each chosen expert on its tokens (packed experts off the CPU; autograd)
             out = torch.zeros_like(x, dtype=torch.float32)
             for e in torch.unique(chosen).tolist():
                 token, slot = torch.nonzero(chosen == e, as_tuple=True)
@@ -793,9 +795,12 @@ class Attention(nn.Module):
         out = torch.cat(outs, dim=1)  # [B, n, H, D]
         out = rotate(out, positions, self.freqs, inverse=True)
         groups = out.reshape(b, n, self.local_groups, -1)
-        wo_a = self.wo_a.weight.unflatten(0, (self.local_groups, c.o_lora_rank))
-        return all_reduce(self.wo_b(torch.einsum("bngd,grd->bngr", groups, wo_a).flatten(2)),
-                          self.shard)
+        if isinstance(self.wo_a, PackedLinear):
+            low_rank = self.wo_a.block_diagonal(groups)  # [B, n, G, o_lora_rank]
+        else:
+            wo_a = self.wo_a.weight.unflatten(0, (self.local_groups, c.o_lora_rank))
+            low_rank = torch.einsum("bngd,grd->bngr", groups, wo_a)
+        return all_reduce(self.wo_b(low_rank.flatten(2)), self.shard)
 
     def _attend(self, q: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
                 window_positions: torch.Tensor, store: KVStore, all_kv: torch.Tensor | None,

@@ -1,11 +1,14 @@
-"""Projections whose weights stay in their checkpoint format and are dequantised per use.
+"""Projections whose weights stay in their checkpoint format and are multiplied packed.
 
 DeepSeek's V4.1 checkpoint holds its dense projections in FP8 (E4M3, one UE8M0 scale per
 32x32 block) and its routed experts in FP4 (E2M1 packed two per byte, one UE8M0 scale per
 row per 32): ~510 GB that expand to ~1.1 TB as bf16. The loader swaps these modules in
 for `nn.Linear` and the float experts, so resident memory stays close to the checkpoint's
-bytes: a weight is dequantised when a call uses it (one projection, or one selected
-expert, at a time) and dropped after.
+bytes. On a CPU the C kernels (`kvstack.native.packed_linear`, `fp4_grouped`) read the
+packed bytes once per call and decode them in registers: a decode step reads the
+checkpoint's bytes, not a float copy. Elsewhere (a GPU, autograd, a CPU without a C
+compiler) a weight is dequantised to float32 when a call uses it (one projection, or one
+selected expert, at a time) and dropped after.
 
 `round_inputs`: DeepSeek's kernels multiply FP8 activations (UE8M0 per 32) by these
 weights; with `numerics="reference"` the input is rounded the same way first. kvstack's
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstack import native
 from kvstack.formats import Quantized, dequantize, fake_quantize
 from kvstack.formats.weights import EXPERT_FORMAT, dequantize_fp8_blocks
 
@@ -31,6 +35,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, round_inputs: bool = False) ->
     if round_inputs:
         x = fake_quantize(x, ACTIVATION_FORMAT)
     return F.linear(x, weight)
+
+
+def runs_packed(x: torch.Tensor, stored: torch.Tensor) -> bool:
+    """Whether a packed weight meets x in the C kernels: both in host memory, no gradient
+    asked of x, not inside a traced graph, and the kernels built here."""
+    return (x.device.type == "cpu" and stored.device.type == "cpu"
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and not torch.compiler.is_compiling() and native.packed_enabled())
 
 
 class PackedLinear(nn.Module):
@@ -59,7 +71,25 @@ class PackedLinear(nn.Module):
         return dequantize_fp8_blocks(self.stored, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x.float(), self.weight, self.round_inputs)
+        x = x.float()
+        if not runs_packed(x, self.stored):
+            return linear(x, self.weight, self.round_inputs)
+        if self.round_inputs:
+            x = fake_quantize(x, ACTIVATION_FORMAT)
+        y = native.packed_linear(x.reshape(-1, self.in_features), self.fmt, self.stored,
+                                 self.scales)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def block_diagonal(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., G, in] times this weight [G * R, in] as G blocks (V4.1's wo_a: group g
+        of the heads meets rows g*R .. g*R + R - 1): [..., G, R]."""
+        groups = x.shape[-2]
+        if not runs_packed(x, self.stored):
+            return torch.einsum("...gd,grd->...gr", x.float(),
+                                self.weight.unflatten(0, (groups, -1)))
+        y = native.packed_linear(x.float().reshape(-1, groups * self.in_features), self.fmt,
+                                 self.stored, self.scales, groups)
+        return y.view(*x.shape[:-1], self.out_features // groups)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
@@ -100,12 +130,52 @@ class PackedExpert(nn.Module):
 class PackedExperts(nn.ModuleList):
     """The routed experts, each held packed as read (one tensor per expert and
     projection, as the checkpoint holds them: a loader maps them, never copies them into
-    one stack). Only a selected expert is dequantised, when a token is routed to it."""
+    one stack). On a CPU, `swiglu` runs every expert a step routes to in three calls of
+    the C kernels; elsewhere only a selected expert is dequantised, when a token is routed
+    to it."""
 
     def __init__(self, experts: list[PackedExpert]) -> None:
         super().__init__(experts)
         self.quantized_matmul = True
         self.round_inputs = False
+        self._addresses: torch.Tensor | None = None
+
+    def addresses(self) -> torch.Tensor:
+        """int64 [3 (w1, w2, w3), E, 2]: where each expert's codes and scales lie, for the
+        kernels (the experts' tensors never move once loaded; made on first use)."""
+        if self._addresses is None:
+            self._addresses = torch.tensor(
+                [[[getattr(e, f"{name}_codes").data_ptr(), getattr(e, f"{name}_scales").data_ptr()]
+                  for e in self] for name in PackedExpert.NAMES], dtype=torch.int64)
+        return self._addresses
+
+    def runs_packed(self, x: torch.Tensor) -> bool:
+        return runs_packed(x, self[0].w1_codes)
+
+    def swiglu(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+               limit: float) -> torch.Tensor:
+        """The routed experts' weighted sum [T, dim] for tokens x [T, dim] routed to
+        chosen [T, k] with weights [T, k], in the C kernels: the (token, expert) pairs
+        sorted by expert, then one grouped call per projection over the experts used."""
+        from kvstack.model.model import swiglu  # the model's SwiGLU, clamps and all
+
+        pairs = chosen.flatten()
+        order = pairs.argsort(stable=True)
+        used, counts = torch.unique_consecutive(pairs[order], return_counts=True)
+        ends, token = counts.cumsum(0), order // chosen.shape[1]
+        addresses = self.addresses()
+        inter, dim = self[0].w1_codes.shape[0], self[0].w2_codes.shape[0]
+
+        def projection(index: int, out_features: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            def run(v: torch.Tensor) -> torch.Tensor:
+                if self.round_inputs:
+                    v = fake_quantize(v.float(), ACTIVATION_FORMAT)
+                return native.fp4_grouped(v, addresses[index], used, ends, out_features)
+            return run
+
+        y = swiglu(x.float().index_select(0, token), projection(0, inter), projection(1, dim),
+                   projection(2, inter), limit, weights.flatten()[order, None])
+        return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, token, y)
 
     def projections(self, e: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
         expert = self[e]
