@@ -247,6 +247,13 @@ def test_engine_equals_the_reference_on_a_packed_v41_model(v41_dir):
         for token in out.token_ids:
             assert token == int(model(torch.tensor([ids])).logits[0, -1].argmax())
             ids.append(token)
+    # What runs by default is named; the same greedy tokens as dequantise-then-matmul.
+    assert llm.memory_report()["backend"]["packed_weights"].startswith("C kernels")
+    dequantising = LLM(v41_dir, kv_budget="2MiB", replay="exact", block_tokens=16,
+                       cpu_kernels="torch")
+    assert dequantising.memory_report()["backend"]["packed_weights"].startswith("torch")
+    assert [o.token_ids for o in dequantising.generate(prompts, greedy)] == \
+        [o.token_ids for o in outs]
 
 
 def test_a_session_of_a_packed_v41_model_resumes_token_for_token(tmp_path, v41_dir):

@@ -14,6 +14,7 @@ from kvstack.cache.paged import PagedSequenceStore
 from kvstack.engine.sampling import Sample, sample_batch
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
+from kvstack.model.packed import PackedExperts, PackedLinear
 
 log = logging.getLogger("kvstack")
 
@@ -34,6 +35,9 @@ class ModelRunner:
         self.cpu_kernels = _cpu_kernels(cpu_kernels, self.device)
         if compile_decode:
             model.compile_decode()
+        self.packed_weights = _packed_weights_backend(model, self.device, self.cpu_kernels)
+        if self.packed_weights is not None:
+            log.info("kvstack packed weights: %s", self.packed_weights)
         log.info("kvstack decode: %s, attention by %s, packed reads, index scoring and expert "
                  "matmuls by %s", "torch.compile (inductor, one graph "
                  f"per batch-size bucket {self.buckets}, each compiled on its "
@@ -103,12 +107,14 @@ class ModelRunner:
     def backend(self) -> dict[str, Any]:
         """What runs a decode step, and what compiling it has cost so far."""
         cpu_kernels = "c" if self.cpu_kernels else "torch"
+        report: dict[str, Any] = {"decode": "eager", "attention": self.attention,
+                                  "cpu_kernels": cpu_kernels}
+        if self.packed_weights is not None:
+            report["packed_weights"] = self.packed_weights
         if not self.compiled:
-            return {"decode": "eager", "attention": self.attention, "cpu_kernels": cpu_kernels}
-        return {"decode": "torch.compile", "attention": self.attention,
-                "cpu_kernels": cpu_kernels,
-                "graphs": self.compiled_graphs, "compile_seconds": round(self.compile_seconds, 3),
-                "batch_buckets": self.buckets}
+            return report
+        return {**report, "decode": "torch.compile", "graphs": self.compiled_graphs,
+                "compile_seconds": round(self.compile_seconds, 3), "batch_buckets": self.buckets}
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -154,6 +160,15 @@ def _cpu_kernels(choice: str, device: torch.device) -> bool:
                              "kernels run on a CPU")
         return False
     return native.resolve(choice)
+
+
+def _packed_weights_backend(model: Model, device: torch.device, cpu_kernels: bool) -> str | None:
+    """What multiplies the model's packed checkpoint weights (None: it has none)."""
+    if not any(isinstance(m, PackedLinear | PackedExperts) for m in model.modules()):
+        return None
+    if device.type == "cpu" and cpu_kernels:
+        return f"C kernels ({native.weights_isa()}), decoded in registers"
+    return "torch, dequantised to float32 per call"
 
 
 def _graphs() -> int:
