@@ -171,3 +171,19 @@ def test_a_packed_linear_runs_the_kernels_by_default_and_keeps_no_float_copy(mon
     with native.active(False):
         assert torch.equal(linear(x), want) and calls
     assert native.weights_isa() in native.ISAS
+
+
+@pytest.mark.parametrize("path_name", PATHS)
+def test_a_nan_code_written_after_a_first_call_is_still_seen(path_name):
+    """The kernel skips looking for NaN codes in weights found to hold none; a weight
+    changed in place is looked at again."""
+    g = torch.Generator().manual_seed(4)
+    codes, scales = quantize_fp8_blocks(torch.randn(40, 64, generator=g))
+    linear = PackedLinear("fp8", codes, scales)
+    x = torch.randn(3, 64, generator=g)
+    with path(path_name):
+        assert torch.isfinite(linear(x)).all()
+        linear.stored[7, 9] = 0xFF
+        got = linear(x)
+    assert torch.isnan(got[:, 7]).all() and torch.isfinite(got[:, :7]).all()
+    assert native.fp8_has_nan(linear.stored) and not native.fp8_has_nan(codes[8:])

@@ -62,6 +62,16 @@ class PackedLinear(nn.Module):
         # FP8 weights to bf16 at load), and whether to mimic that now (set_numerics).
         self.quantized_matmul = round_inputs
         self.round_inputs = False
+        # Whether the FP8 codes hold a NaN, asked once for each version of them: the kernel
+        # skips looking for NaN codes where there are none (a checkpoint's weights).
+        self._nan_codes: tuple[tuple[int, int], bool] | None = None
+
+    def _packed(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+        version = (self.stored.data_ptr(), self.stored._version)
+        if self._nan_codes is None or self._nan_codes[0] != version:
+            self._nan_codes = version, self.fmt == "fp8" and native.fp8_has_nan(self.stored)
+        return native.packed_linear(x, self.fmt, self.stored, self.scales, groups,
+                                    self._nan_codes[1])
 
     @property
     def weight(self) -> torch.Tensor:
@@ -76,8 +86,7 @@ class PackedLinear(nn.Module):
             return linear(x, self.weight, self.round_inputs)
         if self.round_inputs:
             x = fake_quantize(x, ACTIVATION_FORMAT)
-        y = native.packed_linear(x.reshape(-1, self.in_features), self.fmt, self.stored,
-                                 self.scales)
+        y = self._packed(x.reshape(-1, self.in_features))
         return y.view(*x.shape[:-1], self.out_features)
 
     def block_diagonal(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,8 +96,7 @@ class PackedLinear(nn.Module):
         if not runs_packed(x, self.stored):
             return torch.einsum("...gd,grd->...gr", x.float(),
                                 self.weight.unflatten(0, (groups, -1)))
-        y = native.packed_linear(x.float().reshape(-1, groups * self.in_features), self.fmt,
-                                 self.stored, self.scales, groups)
+        y = self._packed(x.float().reshape(-1, groups * self.in_features), groups)
         return y.view(*x.shape[:-1], self.out_features // groups)
 
     def extra_repr(self) -> str:

@@ -62,12 +62,13 @@ _SIGNATURES = {
     "kv_index_scores": [_P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int, _P, _P,
                         _I, _I, _P, ctypes.c_int],
     "kv_grouped_mm": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
-    "kv_packed_linear": [_P, _I, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, _P, ctypes.c_int,
-                         ctypes.c_int],
+    "kv_packed_linear": [_P, _I, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int, _P,
+                         ctypes.c_int, ctypes.c_int],
+    "kv_fp8_has_nan": [_P, _I],
     "kv_fp4_grouped": [_P, _I, _P, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int, ctypes.c_int],
     "kv_weights_isa": [],
 }
-_RESTYPES = {"kv_weights_isa": ctypes.c_int}
+_RESTYPES = {"kv_weights_isa": ctypes.c_int, "kv_fp8_has_nan": ctypes.c_int}
 
 
 def _cpu_flags() -> str:
@@ -286,13 +287,21 @@ def _weight_tables(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return tables
 
 
+def fp8_has_nan(codes: torch.Tensor) -> bool:
+    """Whether E4M3 codes (uint8) hold a NaN (0x7F or 0xFF) anywhere: one pass."""
+    codes = codes.contiguous()
+    return bool(_load().kv_fp8_has_nan(_ptr(codes), codes.numel()))
+
+
 def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
-                  scales: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+                  scales: torch.Tensor | None = None, groups: int = 1,
+                  nan_codes: bool = True) -> torch.Tensor:
     """x [N, groups * K] times W^T for W [O, K] held packed: "fp8" (E4M3 codes uint8 [O, K],
     UE8M0 scales uint8 [ceil(O/32), ceil(K/32)]) or "bf16" (codes bf16 [O, K]); [N, O]
     float32, equal to dequantise-then-matmul within float32 rounding. groups > 1: W is
     block-diagonal, output rows of group g (O / groups each) reading x's columns
-    g*K .. g*K + K - 1 (V4.1's wo_a)."""
+    g*K .. g*K + K - 1 (V4.1's wo_a). nan_codes=False: the codes are known to hold no NaN
+    (`fp8_has_nan`), and the kernel does not look for them."""
     o, k = codes.shape
     if o % groups:
         raise ValueError(f"a weight of {o} rows does not split into {groups} groups")
@@ -306,7 +315,7 @@ def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
     out = torch.empty(n, o, dtype=torch.float32)
     if n:
         _load().kv_packed_linear(_ptr(x), n, _WEIGHT_FORMATS[fmt], _ptr(codes), scale_ptr, o,
-                                 k, groups, _ptr(elem), _ptr(scale), _ptr(out),
+                                 k, groups, _ptr(elem), _ptr(scale), int(nan_codes), _ptr(out),
                                  ISAS.index(weights_isa()), _threads())
     return out
 

@@ -11,23 +11,27 @@
  * codecs give (elem[code] * scale[byte], tables passed in by the caller), so the results
  * equal dequantise-then-matmul within float32 rounding (the sums add in another order).
  * Two paths, chosen per call: ISA_PORTABLE, plain C every compiler builds, and ISA_AVX2
- * (AVX2 + FMA + F16C, compiled in where -march=native provides them):
+ * (AVX2 + FMA + F16C, compiled in where -march=native provides them), which decodes
+ * sixteen weights at a time in registers:
  *   - an E4M3 byte b becomes the fp16 number with bits s0eeeemmm0000000, exactly b's value
  *     times 2^-8 (the exponent biases differ by 8; subnormals map to subnormals), converted
  *     by F16C; the 2^8 and the block's power-of-two scale are folded into x once per
- *     32-row block, so a weight costs a shift, a mask, a conversion and a multiply-add.
- *     Exact while x * scale stays within float32's normal range (checkpoint scales are
- *     about 2^-9 .. 2^-12). The two NaN codes (s1111111) are found by a compare and make
- *     their row's outputs NaN, as the NaN weight does in torch.
- *   - an E2M1 nibble indexes a table of its eight magnitudes times the row's scale (one
- *     permute), its top bit is the sign.
+ *     32-row block, so a weight costs an unpack, a shift, a mask, a conversion and a
+ *     multiply-add. The two NaN codes (s1111111) are caught by a running byte maximum and
+ *     make their row's outputs NaN, as the NaN weight does in torch.
+ *   - an E2M1 nibble s.ee.m becomes the fp16 number with high byte s000eem0 by one byte
+ *     shuffle: its value times 2^-14, multiplied by the row's scale times 2^14.
  *   - bf16 widens by a 16-bit shift.
+ * The power-of-two shortcuts are exact while the scales lie within 2^-100 .. 2^100
+ * (checkpoint scales are about 2^-9 .. 2^-12); a tile with a scale outside takes the
+ * portable path.
  *
  * Work: output rows in tiles of at most 32 (an FP8 scale block; never across a group of
- * the block-diagonal wo_a), threads over tiles. Within a tile, rows four at a time are
- * decoded chunk by chunk into a small float buffer in L1, and each decoded chunk serves up
- * to TOKENS tokens two at a time (a 4 x 2 register tile of accumulators), so a batch
- * decodes each weight once per TOKENS tokens.
+ * the block-diagonal wo_a), threads over tiles. Within a tile, one or two tokens meet
+ * four rows at a time (eight chains of multiply-adds hide their latency while the next
+ * codes decode); more tokens meet two rows at a time, four tokens a pass, so each decoded
+ * weight serves four multiply-adds. Decoding is the cost at batch 1, the multiply-adds at
+ * larger batches.
  */
 #include <math.h>
 #include <stdint.h>
@@ -97,19 +101,18 @@ typedef struct {
 
 /* Sixteen FP8 codes -> their values times 2^-8; `seen` keeps the largest code & 0x7F, so
  * that 0x7F there says a NaN code went by. */
-static inline v16 fp8_16(const uint8_t *c, __m128i *seen) {
+static inline v16 fp8_16(const uint8_t *c, __m128i *seen, int check) {
     const __m128i b = _mm_loadu_si128((const __m128i *)c), zero = _mm_setzero_si128();
     const __m128i keep = _mm_set1_epi16((short)0xBFFF);
-    *seen = _mm_max_epu8(*seen, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
+    if (check) *seen = _mm_max_epu8(*seen, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
     const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, b), 1), keep);
     const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, b), 1), keep);
     return (v16){_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi)};
 }
 
-/* Sixteen E2M1 codes (eight bytes) times `scale`: an E2M1 nibble s.ee.m is the fp16 number
- * with high byte s000eem0 and low byte 0, exactly its value times 2^-14 (the caller's
- * scale carries the 2^14). */
-static inline v16 fp4_16(const uint8_t *c, __m256 scale) {
+/* Sixteen E2M1 codes (eight bytes) -> their values times 2^-14: an E2M1 nibble s.ee.m is
+ * the fp16 number with high byte s000eem0 and low byte 0. */
+static inline v16 fp4_16_raw(const uint8_t *c) {
     const __m128i high = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, (char)0x80, (char)0x82,
                                        (char)0x84, (char)0x86, (char)0x88, (char)0x8A,
                                        (char)0x8C, (char)0x8E);
@@ -118,8 +121,14 @@ static inline v16 fp4_16(const uint8_t *c, __m256 scale) {
     const __m128i even = _mm_shuffle_epi8(high, _mm_and_si128(b, nibble));
     const __m128i odd = _mm_shuffle_epi8(high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
     const __m128i bytes = _mm_unpacklo_epi8(even, odd);
-    return (v16){_mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, bytes)), scale),
-                 _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, bytes)), scale)};
+    return (v16){_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, bytes)),
+                 _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, bytes))};
+}
+
+/* Sixteen E2M1 codes times `scale` (the row's scale times 2^14). */
+static inline v16 fp4_16(const uint8_t *c, __m256 scale) {
+    const v16 v = fp4_16_raw(c);
+    return (v16){_mm256_mul_ps(v.lo, scale), _mm256_mul_ps(v.hi, scale)};
 }
 
 static inline v16 bf16_16(const uint8_t *c) {
@@ -135,8 +144,8 @@ static inline const uint8_t *at(int fmt, const uint8_t *row, int64_t k) {
 }
 
 static inline v16 decode16(const weight_t *w, int fmt, const uint8_t *row,
-                           const uint8_t *scales, int64_t k, __m128i *seen) {
-    if (fmt == FMT_FP8) return fp8_16(at(fmt, row, k), seen);
+                           const uint8_t *scales, int64_t k, __m128i *seen, int check) {
+    if (fmt == FMT_FP8) return fp8_16(at(fmt, row, k), seen, check);
     if (fmt == FMT_FP4)
         return fp4_16(at(fmt, row, k), _mm256_set1_ps(w->scale[scales[k / 32]] * 16384.0f));
     return bf16_16(at(fmt, row, k));
@@ -144,19 +153,6 @@ static inline v16 decode16(const weight_t *w, int fmt, const uint8_t *row,
 
 static inline const uint8_t *row_codes(const weight_t *w, int64_t row) {
     return w->codes + row * (w->fmt == FMT_FP8 ? w->K : w->fmt == FMT_FP4 ? w->K / 2 : 2 * w->K);
-}
-
-/* Columns [k0, k0 + n) of a row (n a multiple of 16, k0 of 32). */
-static inline int decode_avx2(const weight_t *w, int fmt, int64_t row, int64_t k0, int64_t n,
-                              float *out) {
-    const uint8_t *codes = row_codes(w, row), *scales = w->scales + row * (w->K / 32);
-    __m128i seen = _mm_setzero_si128();
-    for (int64_t i = 0; i < n; i += 16) {
-        const v16 v = decode16(w, fmt, codes, scales, k0 + i, &seen);
-        _mm256_storeu_ps(out + i, v.lo);
-        _mm256_storeu_ps(out + i + 8, v.hi);
-    }
-    return fmt == FMT_FP8 && _mm_movemask_epi8(_mm_cmpeq_epi8(seen, _mm_set1_epi8(0x7F)));
 }
 
 static inline float hsum(__m256 v) {
@@ -168,7 +164,7 @@ static inline float hsum(__m256 v) {
 /* Rows rows[0..3] times one or two tokens (x1 NULL: one), decoding in registers, columns
  * [0, kv) with kv a multiple of 16: sums[i][t]. Four rows' chains of multiply-adds (eight
  * with one token, its halves apart) keep the adders busy while the next codes decode. */
-static inline __attribute__((always_inline)) void direct(const weight_t *w, int fmt,
+static inline __attribute__((always_inline)) void direct(const weight_t *w, int fmt, int check,
                                                          const int64_t rows[QUAD], int64_t kv,
                                                          const float *x0, const float *x1,
                                                          float sums[QUAD][TOKENS],
@@ -182,11 +178,28 @@ static inline __attribute__((always_inline)) void direct(const weight_t *w, int 
         seen[i] = _mm_setzero_si128();
         a[i][0] = a[i][1] = _mm256_setzero_ps();
     }
-    if (x1 == NULL) {
+    if (fmt == FMT_FP4 && x1 == NULL) {
+        /* One token: each 32 weights' products add up unscaled, then meet their scale in
+         * one multiply-add (five vector ops where scaling the weights takes eight). */
+        for (int64_t k = 0; k < kv; k += 32) {
+            const __m256 x0a = _mm256_loadu_ps(x0 + k), x0b = _mm256_loadu_ps(x0 + k + 8);
+            const __m256 x0c = _mm256_loadu_ps(x0 + k + 16), x0d = _mm256_loadu_ps(x0 + k + 24);
+            for (int i = 0; i < QUAD; i++) {
+                const v16 v = fp4_16_raw(codes[i] + k / 2), u = fp4_16_raw(codes[i] + k / 2 + 8);
+                __m256 block = _mm256_mul_ps(x0a, v.lo);
+                block = _mm256_fmadd_ps(x0b, v.hi, block);
+                block = _mm256_fmadd_ps(x0c, u.lo, block);
+                block = _mm256_fmadd_ps(x0d, u.hi, block);
+                const __m256 scale = _mm256_set1_ps(w->scale[scales[i][k / 32]] * 16384.0f);
+                a[i][k & 32 ? 1 : 0] = _mm256_fmadd_ps(block, scale, a[i][k & 32 ? 1 : 0]);
+            }
+        }
+        for (int i = 0; i < QUAD; i++) sums[i][0] += hsum(_mm256_add_ps(a[i][0], a[i][1]));
+    } else if (x1 == NULL) {
         for (int64_t k = 0; k < kv; k += 16) {
             const __m256 xl = _mm256_loadu_ps(x0 + k), xh = _mm256_loadu_ps(x0 + k + 8);
             for (int i = 0; i < QUAD; i++) {
-                const v16 v = decode16(w, fmt, codes[i], scales[i], k, &seen[i]);
+                const v16 v = decode16(w, fmt, codes[i], scales[i], k, &seen[i], check);
                 a[i][0] = _mm256_fmadd_ps(xl, v.lo, a[i][0]);
                 a[i][1] = _mm256_fmadd_ps(xh, v.hi, a[i][1]);
             }
@@ -197,7 +210,7 @@ static inline __attribute__((always_inline)) void direct(const weight_t *w, int 
             const __m256 xl = _mm256_loadu_ps(x0 + k), xh = _mm256_loadu_ps(x0 + k + 8);
             const __m256 yl = _mm256_loadu_ps(x1 + k), yh = _mm256_loadu_ps(x1 + k + 8);
             for (int i = 0; i < QUAD; i++) {
-                const v16 v = decode16(w, fmt, codes[i], scales[i], k, &seen[i]);
+                const v16 v = decode16(w, fmt, codes[i], scales[i], k, &seen[i], check);
                 a[i][0] = _mm256_fmadd_ps(xh, v.hi, _mm256_fmadd_ps(xl, v.lo, a[i][0]));
                 a[i][1] = _mm256_fmadd_ps(yh, v.hi, _mm256_fmadd_ps(yl, v.lo, a[i][1]));
             }
@@ -207,23 +220,61 @@ static inline __attribute__((always_inline)) void direct(const weight_t *w, int 
             sums[i][1] += hsum(a[i][1]);
         }
     }
-    if (fmt == FMT_FP8)
+    if (fmt == FMT_FP8 && check)
         for (int i = 0; i < QUAD; i++)
             nan[i] |= _mm_movemask_epi8(_mm_cmpeq_epi8(seen[i], _mm_set1_epi8(0x7F))) != 0;
 }
 
-static void direct_fp8(const weight_t *w, const int64_t rows[QUAD], int64_t kv, const float *x0,
-                       const float *x1, float sums[QUAD][TOKENS], int nan[QUAD]) {
-    direct(w, FMT_FP8, rows, kv, x0, x1, sums, nan);
+/* Two rows times four tokens (x[2], x[3] may repeat x[1]; their sums are the caller's to
+ * drop), decoding in registers, columns [0, kv): sums[i][t] for rows i < 2. Each decoded
+ * vector serves four multiply-adds, which take x straight from memory. */
+static inline __attribute__((always_inline)) void direct4(const weight_t *w, int fmt, int check,
+                                                          const int64_t rows[2], int64_t kv,
+                                                          const float *const x[4],
+                                                          float sums[QUAD][TOKENS],
+                                                          int nan[QUAD]) {
+    const uint8_t *codes[2], *scales[2];
+    __m128i seen[2];
+    __m256 a[2][4];
+    for (int i = 0; i < 2; i++) {
+        codes[i] = row_codes(w, rows[i]);
+        scales[i] = w->scales + rows[i] * (w->K / 32);
+        seen[i] = _mm_setzero_si128();
+        for (int t = 0; t < 4; t++) a[i][t] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < kv; k += 16) {
+        const v16 v0 = decode16(w, fmt, codes[0], scales[0], k, &seen[0], check);
+        const v16 v1 = decode16(w, fmt, codes[1], scales[1], k, &seen[1], check);
+        for (int t = 0; t < 4; t++) {
+            const __m256 xl = _mm256_loadu_ps(x[t] + k), xh = _mm256_loadu_ps(x[t] + k + 8);
+            a[0][t] = _mm256_fmadd_ps(xh, v0.hi, _mm256_fmadd_ps(xl, v0.lo, a[0][t]));
+            a[1][t] = _mm256_fmadd_ps(xh, v1.hi, _mm256_fmadd_ps(xl, v1.lo, a[1][t]));
+        }
+    }
+    for (int i = 0; i < 2; i++) {
+        for (int t = 0; t < 4; t++) sums[i][t] += hsum(a[i][t]);
+        if (fmt == FMT_FP8 && check)
+            nan[i] |= _mm_movemask_epi8(_mm_cmpeq_epi8(seen[i], _mm_set1_epi8(0x7F))) != 0;
+    }
 }
-static void direct_fp4(const weight_t *w, const int64_t rows[QUAD], int64_t kv, const float *x0,
-                       const float *x1, float sums[QUAD][TOKENS], int nan[QUAD]) {
-    direct(w, FMT_FP4, rows, kv, x0, x1, sums, nan);
+
+/* The register kernels, specialised by format and by whether NaN codes are looked for
+ * (FP8 weights whose codes are known to hold none skip the compare). */
+static void direct_any(const weight_t *w, int check, const int64_t rows[QUAD], int64_t kv,
+                       const float *x0, const float *x1, float sums[QUAD][TOKENS],
+                       int nan[QUAD]) {
+    if (w->fmt == FMT_FP8 && check) direct(w, FMT_FP8, 1, rows, kv, x0, x1, sums, nan);
+    else if (w->fmt == FMT_FP8) direct(w, FMT_FP8, 0, rows, kv, x0, x1, sums, nan);
+    else if (w->fmt == FMT_FP4) direct(w, FMT_FP4, 0, rows, kv, x0, x1, sums, nan);
+    else direct(w, FMT_BF16, 0, rows, kv, x0, x1, sums, nan);
 }
-static void direct_bf16(const weight_t *w, const int64_t rows[QUAD], int64_t kv,
-                        const float *x0, const float *x1, float sums[QUAD][TOKENS],
-                        int nan[QUAD]) {
-    direct(w, FMT_BF16, rows, kv, x0, x1, sums, nan);
+
+static void direct4_any(const weight_t *w, int check, const int64_t rows[2], int64_t kv,
+                        const float *const x[4], float sums[QUAD][TOKENS], int nan[QUAD]) {
+    if (w->fmt == FMT_FP8 && check) direct4(w, FMT_FP8, 1, rows, kv, x, sums, nan);
+    else if (w->fmt == FMT_FP8) direct4(w, FMT_FP8, 0, rows, kv, x, sums, nan);
+    else if (w->fmt == FMT_FP4) direct4(w, FMT_FP4, 0, rows, kv, x, sums, nan);
+    else direct4(w, FMT_BF16, 0, rows, kv, x, sums, nan);
 }
 #endif
 
@@ -250,9 +301,10 @@ static int scales_in_range(const weight_t *w, int64_t r0, int64_t nr) {
 }
 
 /* y[t * y_stride + r] = sum_k x[t * x_stride + x_col + k] * W[r, k] for the tile's rows
- * (nr <= TILE, one FP8 scale block and one group) and tokens t < nt.
- * scratch: TOKENS * K floats (FP8 only) then QUAD * CHUNK floats. */
-static void tile_rows(const weight_t *w, int isa, int64_t r0, int64_t nr, const float *x,
+ * (nr <= TILE, one FP8 scale block and one group) and tokens t < nt; `check`: whether
+ * the FP8 codes may hold NaNs. scratch: TOKENS * K floats (FP8 only) then QUAD * CHUNK floats. */
+static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t nr,
+                      const float *x,
                       int64_t x_stride, int64_t x_col, int64_t nt, float *y, int64_t y_stride,
                       float *scratch) {
     const int64_t K = w->K;
@@ -294,61 +346,20 @@ static void tile_rows(const weight_t *w, int isa, int64_t r0, int64_t nr, const 
             int64_t done = 0; /* columns summed so far */
 #if HAVE_AVX2
             if (vector && tn <= 2) {
-                const float *x1 = tn == 2 ? xin[1] : NULL;
-                if (w->fmt == FMT_FP8) direct_fp8(w, rows, kv, xin[0], x1, sums, nan);
-                else if (w->fmt == FMT_FP4) direct_fp4(w, rows, kv, xin[0], x1, sums, nan);
-                else direct_bf16(w, rows, kv, xin[0], x1, sums, nan);
+                direct_any(w, check, rows, kv, xin[0], tn == 2 ? xin[1] : NULL, sums, nan);
                 done = kv;
             } else if (vector) {
-                /* Each chunk of four rows decoded once into L1, then multiplied by every
-                 * token of the chunk, two at a time. */
-                __m256 acc[QUAD][TOKENS];
-                for (int i = 0; i < QUAD; i++)
-                    for (int t = 0; t < TOKENS; t++) acc[i][t] = _mm256_setzero_ps();
-                for (int64_t k0 = 0; k0 < kv; k0 += CHUNK) {
-                    const int64_t kn = min64(CHUNK, kv - k0);
-                    for (int i = 0; i < QUAD; i++)
-                        nan[i] |= decode_avx2(w, w->fmt, rows[i], k0, kn, decoded + i * CHUNK);
-                    const float *d0 = decoded, *d1 = decoded + CHUNK, *d2 = decoded + 2 * CHUNK,
-                                *d3 = decoded + 3 * CHUNK;
-                    int64_t t = 0;
-                    for (; t + 2 <= tn; t += 2) {
-                        const float *a = xin[t] + k0, *b = xin[t + 1] + k0;
-                        __m256 a0 = acc[0][t], a1 = acc[1][t], a2 = acc[2][t], a3 = acc[3][t];
-                        __m256 b0 = acc[0][t + 1], b1 = acc[1][t + 1], b2 = acc[2][t + 1],
-                               b3 = acc[3][t + 1];
-                        for (int64_t k = 0; k < kn; k += 8) {
-                            const __m256 xa = _mm256_loadu_ps(a + k), xb = _mm256_loadu_ps(b + k);
-                            const __m256 w0 = _mm256_loadu_ps(d0 + k), w1 = _mm256_loadu_ps(d1 + k);
-                            const __m256 w2 = _mm256_loadu_ps(d2 + k), w3 = _mm256_loadu_ps(d3 + k);
-                            a0 = _mm256_fmadd_ps(xa, w0, a0);
-                            a1 = _mm256_fmadd_ps(xa, w1, a1);
-                            a2 = _mm256_fmadd_ps(xa, w2, a2);
-                            a3 = _mm256_fmadd_ps(xa, w3, a3);
-                            b0 = _mm256_fmadd_ps(xb, w0, b0);
-                            b1 = _mm256_fmadd_ps(xb, w1, b1);
-                            b2 = _mm256_fmadd_ps(xb, w2, b2);
-                            b3 = _mm256_fmadd_ps(xb, w3, b3);
-                        }
-                        acc[0][t] = a0, acc[1][t] = a1, acc[2][t] = a2, acc[3][t] = a3;
-                        acc[0][t + 1] = b0, acc[1][t + 1] = b1, acc[2][t + 1] = b2,
-                        acc[3][t + 1] = b3;
-                    }
-                    for (; t < tn; t++) {
-                        const float *a = xin[t] + k0;
-                        __m256 a0 = acc[0][t], a1 = acc[1][t], a2 = acc[2][t], a3 = acc[3][t];
-                        for (int64_t k = 0; k < kn; k += 8) {
-                            const __m256 xa = _mm256_loadu_ps(a + k);
-                            a0 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(d0 + k), a0);
-                            a1 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(d1 + k), a1);
-                            a2 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(d2 + k), a2);
-                            a3 = _mm256_fmadd_ps(xa, _mm256_loadu_ps(d3 + k), a3);
-                        }
-                        acc[0][t] = a0, acc[1][t] = a1, acc[2][t] = a2, acc[3][t] = a3;
+                for (int64_t t = 0; t < tn; t += 4) {
+                    const float *x4[4];
+                    for (int u = 0; u < 4; u++) x4[u] = xin[min64(t + u, tn - 1)];
+                    for (int p = 0; p < QUAD; p += 2) {
+                        float part[QUAD][TOKENS] = {{0}};
+                        direct4_any(w, check, rows + p, kv, x4, part, nan + p);
+                        for (int i = 0; i < 2; i++)
+                            for (int64_t u = 0; u < min64(4, tn - t); u++)
+                                sums[p + i][t + u] += part[i][u];
                     }
                 }
-                for (int i = 0; i < QUAD; i++)
-                    for (int64_t t = 0; t < tn; t++) sums[i][t] += hsum(acc[i][t]);
                 done = kv;
             }
 #endif
@@ -391,12 +402,30 @@ static void tile_bounds(int64_t block, int64_t O, int64_t group_rows, int64_t *s
     *count = n;
 }
 
+/* Whether FP8 codes hold a NaN (s1111111) anywhere: asked once per weight, so that the
+ * matmuls of one that holds none skip looking. */
+int kv_fp8_has_nan(const uint8_t *codes, int64_t n) {
+    int64_t i = 0;
+    int found = 0;
+#if HAVE_AVX2
+    __m128i seen = _mm_setzero_si128();
+    for (; i + 16 <= n; i += 16)
+        seen = _mm_max_epu8(seen, _mm_and_si128(_mm_loadu_si128((const __m128i *)(codes + i)),
+                                                _mm_set1_epi8(0x7F)));
+    found = _mm_movemask_epi8(_mm_cmpeq_epi8(seen, _mm_set1_epi8(0x7F))) != 0;
+#endif
+    for (; i < n; i++) found |= (codes[i] & 0x7F) == 0x7F;
+    return found;
+}
+
 /* y [N, O] = x W^T for a dense FP8 or bf16 weight W [O, K]; with groups > 1, W is
  * block-diagonal (V4.1's wo_a): output rows of group g = o / (O / groups) read columns
- * g*K .. g*K + K - 1 of x [N, groups * K]. */
+ * g*K .. g*K + K - 1 of x [N, groups * K]. nan_codes: whether FP8 codes may be NaN
+ * (kv_fp8_has_nan); 0 for one known to hold none. */
 void kv_packed_linear(const float *x, int64_t N, int fmt, const uint8_t *codes,
                       const uint8_t *scales, int64_t O, int64_t K, int64_t groups,
-                      const float *elem, const float *scale, float *y, int isa, int threads) {
+                      const float *elem, const float *scale, int nan_codes, float *y, int isa,
+                      int threads) {
     const weight_t w = {fmt, codes, scales, O, K, elem, scale};
     const int64_t group_rows = O / groups, blocks = (O + TILE - 1) / TILE;
 #pragma omp parallel num_threads(threads)
@@ -408,8 +437,8 @@ void kv_packed_linear(const float *x, int64_t N, int fmt, const uint8_t *codes,
             tile_bounds(b, O, group_rows, starts, &count);
             for (int64_t i = 0; i < count; i++) {
                 const int64_t r0 = starts[i], group = r0 / group_rows;
-                tile_rows(&w, isa, r0, starts[i + 1] - r0, x, groups * K, group * K, N, y, O,
-                          scratch);
+                tile_rows(&w, isa, nan_codes, r0, starts[i + 1] - r0, x, groups * K, group * K,
+                          N, y, O, scratch);
             }
         }
         free(scratch);
@@ -438,7 +467,7 @@ void kv_fp4_grouped(const float *x, int64_t K, const int64_t *pointers, const in
                 w.codes = (const uint8_t *)(intptr_t)p[0];
                 w.scales = (const uint8_t *)(intptr_t)p[1];
                 const int64_t r0 = b * TILE;
-                tile_rows(&w, isa, r0, min64(TILE, O - r0), x + start * K, K, 0, rows,
+                tile_rows(&w, isa, 0, r0, min64(TILE, O - r0), x + start * K, K, 0, rows,
                           y + start * O, O, scratch);
             }
         }
