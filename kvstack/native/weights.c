@@ -94,61 +94,57 @@ static int decode_portable(const weight_t *w, int64_t row, int64_t k0, int64_t n
 }
 
 #if HAVE_AVX2
-/* Sixteen weights decoded, in order: lo holds the first eight. */
+/* Thirty-two weights of a row decoded into four vectors, in the layout x is given in:
+ * column order for FP8 and bf16; for FP4, the even columns then the odd ones (x is
+ * permuted to match once per tile, `fp4_permute`), which saves the shuffles that would
+ * interleave the two nibbles of each byte. */
 typedef struct {
-    __m256 lo, hi;
-} v16;
+    __m256 v[4];
+} v32;
 
-/* Sixteen FP8 codes -> their values times 2^-8; `seen` keeps the largest code & 0x7F, so
- * that 0x7F there says a NaN code went by. */
-static inline v16 fp8_16(const uint8_t *c, __m128i *seen, int check) {
+/* Sixteen FP8 codes -> their values times 2^-8; with `check`, `seen` keeps the largest
+ * code & 0x7F, so that 0x7F there says a NaN code went by. */
+static inline void fp8_16(const uint8_t *c, __m128i *seen, int check, __m256 *out) {
     const __m128i b = _mm_loadu_si128((const __m128i *)c), zero = _mm_setzero_si128();
     const __m128i keep = _mm_set1_epi16((short)0xBFFF);
     if (check) *seen = _mm_max_epu8(*seen, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
-    const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, b), 1), keep);
-    const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, b), 1), keep);
-    return (v16){_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi)};
+    out[0] = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, b), 1), keep));
+    out[1] = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, b), 1), keep));
 }
 
-/* Sixteen E2M1 codes (eight bytes) -> their values times 2^-14: an E2M1 nibble s.ee.m is
- * the fp16 number with high byte s000eem0 and low byte 0. */
-static inline v16 fp4_16_raw(const uint8_t *c) {
+/* Thirty-two E2M1 codes (sixteen bytes) -> their values times 2^-14, even columns first:
+ * an E2M1 nibble s.ee.m is the fp16 number with high byte s000eem0 and low byte 0. */
+static inline v32 fp4_32(const uint8_t *c) {
     const __m128i high = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, (char)0x80, (char)0x82,
                                        (char)0x84, (char)0x86, (char)0x88, (char)0x8A,
                                        (char)0x8C, (char)0x8E);
     const __m128i nibble = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
-    const __m128i b = _mm_loadl_epi64((const __m128i *)c);
+    const __m128i b = _mm_loadu_si128((const __m128i *)c);
     const __m128i even = _mm_shuffle_epi8(high, _mm_and_si128(b, nibble));
     const __m128i odd = _mm_shuffle_epi8(high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
-    const __m128i bytes = _mm_unpacklo_epi8(even, odd);
-    return (v16){_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, bytes)),
-                 _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, bytes))};
+    return (v32){{_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even)),
+                  _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, even)),
+                  _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd)),
+                  _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, odd))}};
 }
 
-/* Sixteen E2M1 codes times `scale` (the row's scale times 2^14). */
-static inline v16 fp4_16(const uint8_t *c, __m256 scale) {
-    const v16 v = fp4_16_raw(c);
-    return (v16){_mm256_mul_ps(v.lo, scale), _mm256_mul_ps(v.hi, scale)};
+static inline __m256 bf16_8(const uint8_t *c) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-static inline v16 bf16_16(const uint8_t *c) {
-    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)c));
-    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(c + 16)));
-    return (v16){_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
-                 _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
-}
-
-/* Where weights [k, k + 16) of a row start. */
-static inline const uint8_t *at(int fmt, const uint8_t *row, int64_t k) {
-    return row + (fmt == FMT_FP8 ? k : fmt == FMT_FP4 ? k / 2 : 2 * k);
-}
-
-static inline v16 decode16(const weight_t *w, int fmt, const uint8_t *row,
-                           const uint8_t *scales, int64_t k, __m128i *seen, int check) {
-    if (fmt == FMT_FP8) return fp8_16(at(fmt, row, k), seen, check);
-    if (fmt == FMT_FP4)
-        return fp4_16(at(fmt, row, k), _mm256_set1_ps(w->scale[scales[k / 32]] * 16384.0f));
-    return bf16_16(at(fmt, row, k));
+/* Weights [k, k + 32) of a row whose codes start at `row` (k a multiple of 32). */
+static inline v32 decode32(int fmt, const uint8_t *row, int64_t k, __m128i *seen, int check) {
+    v32 out;
+    if (fmt == FMT_FP8) {
+        fp8_16(row + k, seen, check, out.v);
+        fp8_16(row + k + 16, seen, check, out.v + 2);
+    } else if (fmt == FMT_FP4) {
+        out = fp4_32(row + k / 2);
+    } else {
+        for (int j = 0; j < 4; j++) out.v[j] = bf16_8(row + 2 * (k + 8 * j));
+    }
+    return out;
 }
 
 static inline const uint8_t *row_codes(const weight_t *w, int64_t row) {
@@ -161,123 +157,84 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* Rows rows[0..3] times one or two tokens (x1 NULL: one), decoding in registers, columns
- * [0, kv) with kv a multiple of 16: sums[i][t]. Four rows' chains of multiply-adds (eight
- * with one token, its halves apart) keep the adders busy while the next codes decode. */
-static inline __attribute__((always_inline)) void direct(const weight_t *w, int fmt, int check,
-                                                         const int64_t rows[QUAD], int64_t kv,
-                                                         const float *x0, const float *x1,
-                                                         float sums[QUAD][TOKENS],
-                                                         int nan[QUAD]) {
-    const uint8_t *codes[QUAD], *scales[QUAD];
-    __m128i seen[QUAD];
-    __m256 a[QUAD][2];
-    for (int i = 0; i < QUAD; i++) {
-        codes[i] = row_codes(w, rows[i]);
-        scales[i] = w->scales + rows[i] * (w->K / 32);
-        seen[i] = _mm_setzero_si128();
-        a[i][0] = a[i][1] = _mm256_setzero_ps();
-    }
-    if (fmt == FMT_FP4 && x1 == NULL) {
-        /* One token: each 32 weights' products add up unscaled, then meet their scale in
-         * one multiply-add (five vector ops where scaling the weights takes eight). */
-        for (int64_t k = 0; k < kv; k += 32) {
-            const __m256 x0a = _mm256_loadu_ps(x0 + k), x0b = _mm256_loadu_ps(x0 + k + 8);
-            const __m256 x0c = _mm256_loadu_ps(x0 + k + 16), x0d = _mm256_loadu_ps(x0 + k + 24);
-            for (int i = 0; i < QUAD; i++) {
-                const v16 v = fp4_16_raw(codes[i] + k / 2), u = fp4_16_raw(codes[i] + k / 2 + 8);
-                __m256 block = _mm256_mul_ps(x0a, v.lo);
-                block = _mm256_fmadd_ps(x0b, v.hi, block);
-                block = _mm256_fmadd_ps(x0c, u.lo, block);
-                block = _mm256_fmadd_ps(x0d, u.hi, block);
-                const __m256 scale = _mm256_set1_ps(w->scale[scales[i][k / 32]] * 16384.0f);
-                a[i][k & 32 ? 1 : 0] = _mm256_fmadd_ps(block, scale, a[i][k & 32 ? 1 : 0]);
-            }
-        }
-        for (int i = 0; i < QUAD; i++) sums[i][0] += hsum(_mm256_add_ps(a[i][0], a[i][1]));
-    } else if (x1 == NULL) {
-        for (int64_t k = 0; k < kv; k += 16) {
-            const __m256 xl = _mm256_loadu_ps(x0 + k), xh = _mm256_loadu_ps(x0 + k + 8);
-            for (int i = 0; i < QUAD; i++) {
-                const v16 v = decode16(w, fmt, codes[i], scales[i], k, &seen[i], check);
-                a[i][0] = _mm256_fmadd_ps(xl, v.lo, a[i][0]);
-                a[i][1] = _mm256_fmadd_ps(xh, v.hi, a[i][1]);
-            }
-        }
-        for (int i = 0; i < QUAD; i++) sums[i][0] += hsum(_mm256_add_ps(a[i][0], a[i][1]));
-    } else {
-        for (int64_t k = 0; k < kv; k += 16) {
-            const __m256 xl = _mm256_loadu_ps(x0 + k), xh = _mm256_loadu_ps(x0 + k + 8);
-            const __m256 yl = _mm256_loadu_ps(x1 + k), yh = _mm256_loadu_ps(x1 + k + 8);
-            for (int i = 0; i < QUAD; i++) {
-                const v16 v = decode16(w, fmt, codes[i], scales[i], k, &seen[i], check);
-                a[i][0] = _mm256_fmadd_ps(xh, v.hi, _mm256_fmadd_ps(xl, v.lo, a[i][0]));
-                a[i][1] = _mm256_fmadd_ps(yh, v.hi, _mm256_fmadd_ps(yl, v.lo, a[i][1]));
-            }
-        }
-        for (int i = 0; i < QUAD; i++) {
-            sums[i][0] += hsum(a[i][0]);
-            sums[i][1] += hsum(a[i][1]);
-        }
-    }
-    if (fmt == FMT_FP8 && check)
-        for (int i = 0; i < QUAD; i++)
-            nan[i] |= _mm_movemask_epi8(_mm_cmpeq_epi8(seen[i], _mm_set1_epi8(0x7F))) != 0;
+/* sum_j x[j] * v.v[j] over the 32 columns at x. */
+static inline __m256 dot32(const float *x, v32 v) {
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(x), v.v[0]);
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), v.v[1], s);
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), v.v[2], s);
+    return _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), v.v[3], s);
 }
 
-/* Two rows times four tokens (x[2], x[3] may repeat x[1]; their sums are the caller's to
- * drop), decoding in registers, columns [0, kv): sums[i][t] for rows i < 2. Each decoded
- * vector serves four multiply-adds, which take x straight from memory. */
-static inline __attribute__((always_inline)) void direct4(const weight_t *w, int fmt, int check,
-                                                          const int64_t rows[2], int64_t kv,
-                                                          const float *const x[4],
-                                                          float sums[QUAD][TOKENS],
-                                                          int nan[QUAD]) {
-    const uint8_t *codes[2], *scales[2];
-    __m128i seen[2];
-    __m256 a[2][4];
-    for (int i = 0; i < 2; i++) {
+/* R rows times T tokens (R * T <= 8 accumulators), decoding each 32 weights once in
+ * registers for all T tokens, columns [0, kv) with kv a multiple of 32: sums[i][t]. FP4:
+ * each 32 columns' products add up apart, then join the row's sum times the row's scale
+ * for them (times 2^14): one multiply-add where scaling each weight takes four. FP8 and
+ * bf16 multiply-add straight into the sums, a lone token's in two chains; at least eight
+ * independent chains hide the multiply-adds' latency. x[t] may repeat (a short batch);
+ * the caller drops those sums. */
+static inline __attribute__((always_inline)) void rows_times_tokens(
+    const weight_t *w, int fmt, int check, int R, int T, const int64_t *rows, int64_t kv,
+    const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
+    const uint8_t *codes[QUAD], *scales[QUAD];
+    __m128i seen[QUAD];
+    __m256 acc[QUAD][4];
+    for (int i = 0; i < R; i++) {
         codes[i] = row_codes(w, rows[i]);
         scales[i] = w->scales + rows[i] * (w->K / 32);
         seen[i] = _mm_setzero_si128();
-        for (int t = 0; t < 4; t++) a[i][t] = _mm256_setzero_ps();
+        for (int t = 0; t < 4; t++) acc[i][t] = _mm256_setzero_ps();
     }
-    for (int64_t k = 0; k < kv; k += 16) {
-        const v16 v0 = decode16(w, fmt, codes[0], scales[0], k, &seen[0], check);
-        const v16 v1 = decode16(w, fmt, codes[1], scales[1], k, &seen[1], check);
-        for (int t = 0; t < 4; t++) {
-            const __m256 xl = _mm256_loadu_ps(x[t] + k), xh = _mm256_loadu_ps(x[t] + k + 8);
-            a[0][t] = _mm256_fmadd_ps(xh, v0.hi, _mm256_fmadd_ps(xl, v0.lo, a[0][t]));
-            a[1][t] = _mm256_fmadd_ps(xh, v1.hi, _mm256_fmadd_ps(xl, v1.lo, a[1][t]));
+    for (int64_t k = 0; k < kv; k += 32) {
+        for (int i = 0; i < R; i++) {
+            const v32 v = decode32(fmt, codes[i], k, &seen[i], check);
+            if (fmt == FMT_FP4) {
+                const __m256 scale = _mm256_set1_ps(w->scale[scales[i][k / 32]] * 16384.0f);
+                for (int t = 0; t < T; t++)
+                    acc[i][t] = _mm256_fmadd_ps(dot32(x[t] + k, v), scale, acc[i][t]);
+            } else if (T == 1) { /* two chains, so that a row's adds overlap */
+                const float *x0 = x[0] + k;
+                acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x0), v.v[0], acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + 8), v.v[1], acc[i][1]);
+                acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + 16), v.v[2], acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + 24), v.v[3], acc[i][1]);
+            } else {
+                for (int t = 0; t < T; t++)
+                    for (int j = 0; j < 4; j++)
+                        acc[i][t] = _mm256_fmadd_ps(_mm256_loadu_ps(x[t] + k + 8 * j), v.v[j],
+                                                    acc[i][t]);
+            }
         }
     }
-    for (int i = 0; i < 2; i++) {
-        for (int t = 0; t < 4; t++) sums[i][t] += hsum(a[i][t]);
+    for (int i = 0; i < R; i++) {
+        if (T == 1 && fmt != FMT_FP4) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][1]);
+        for (int t = 0; t < T; t++) sums[i][t] += hsum(acc[i][t]);
         if (fmt == FMT_FP8 && check)
             nan[i] |= _mm_movemask_epi8(_mm_cmpeq_epi8(seen[i], _mm_set1_epi8(0x7F))) != 0;
     }
 }
 
-/* The register kernels, specialised by format and by whether NaN codes are looked for
- * (FP8 weights whose codes are known to hold none skip the compare). */
-static void direct_any(const weight_t *w, int check, const int64_t rows[QUAD], int64_t kv,
-                       const float *x0, const float *x1, float sums[QUAD][TOKENS],
-                       int nan[QUAD]) {
-    if (w->fmt == FMT_FP8 && check) direct(w, FMT_FP8, 1, rows, kv, x0, x1, sums, nan);
-    else if (w->fmt == FMT_FP8) direct(w, FMT_FP8, 0, rows, kv, x0, x1, sums, nan);
-    else if (w->fmt == FMT_FP4) direct(w, FMT_FP4, 0, rows, kv, x0, x1, sums, nan);
-    else direct(w, FMT_BF16, 0, rows, kv, x0, x1, sums, nan);
-}
+/* The register kernel specialised by format, by whether NaN codes are looked for (FP8
+ * weights whose codes are known to hold none skip the compare) and by shape: four rows
+ * for one or two tokens, two rows for four. */
+#define SHAPES(FMT, CHECK)                                                                 \
+    if (T == 1) rows_times_tokens(w, FMT, CHECK, 4, 1, rows, kv, x, sums, nan);            \
+    else if (T == 2) rows_times_tokens(w, FMT, CHECK, 4, 2, rows, kv, x, sums, nan);       \
+    else rows_times_tokens(w, FMT, CHECK, 2, 4, rows, kv, x, sums, nan);
 
-static void direct4_any(const weight_t *w, int check, const int64_t rows[2], int64_t kv,
-                        const float *const x[4], float sums[QUAD][TOKENS], int nan[QUAD]) {
-    if (w->fmt == FMT_FP8 && check) direct4(w, FMT_FP8, 1, rows, kv, x, sums, nan);
-    else if (w->fmt == FMT_FP8) direct4(w, FMT_FP8, 0, rows, kv, x, sums, nan);
-    else if (w->fmt == FMT_FP4) direct4(w, FMT_FP4, 0, rows, kv, x, sums, nan);
-    else direct4(w, FMT_BF16, 0, rows, kv, x, sums, nan);
+static void registers(const weight_t *w, int check, int T, const int64_t *rows, int64_t kv,
+                      const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
+    if (w->fmt == FMT_FP8 && check) {
+        SHAPES(FMT_FP8, 1)
+    } else if (w->fmt == FMT_FP8) {
+        SHAPES(FMT_FP8, 0)
+    } else if (w->fmt == FMT_FP4) {
+        SHAPES(FMT_FP4, 0)
+    } else {
+        SHAPES(FMT_BF16, 0)
+    }
 }
+#undef SHAPES
 #endif
-
 
 /* ---- one tile: rows [r0, r0 + nr) of W times nt token rows of x ----------------------- */
 
@@ -304,9 +261,8 @@ static int scales_in_range(const weight_t *w, int64_t r0, int64_t nr) {
  * (nr <= TILE, one FP8 scale block and one group) and tokens t < nt; `check`: whether
  * the FP8 codes may hold NaNs. scratch: TOKENS * K floats (FP8 only) then QUAD * CHUNK floats. */
 static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t nr,
-                      const float *x,
-                      int64_t x_stride, int64_t x_col, int64_t nt, float *y, int64_t y_stride,
-                      float *scratch) {
+                      const float *x, int64_t x_stride, int64_t x_col, int64_t nt, float *y,
+                      int64_t y_stride, float *scratch) {
     const int64_t K = w->K;
 #if HAVE_AVX2
     const int vector = isa == ISA_AVX2 && !(w->fmt == FMT_FP4 && K % 32) &&
@@ -316,25 +272,33 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
     (void)isa;
 #endif
     const int fold = w->fmt == FMT_FP8 && vector;
-    float *folded = scratch, *decoded = scratch + (w->fmt == FMT_FP8 ? TOKENS * K : 0);
-    const int64_t kv = vector ? K & ~(int64_t)15 : 0; /* columns the vectors take */
+    float *prepared = scratch, *decoded = scratch + TOKENS * K;
+    const int64_t kv = vector ? K & ~(int64_t)31 : 0; /* columns the vectors take */
     for (int64_t t0 = 0; t0 < nt; t0 += TOKENS) {
         const int64_t tn = min64(TOKENS, nt - t0);
-        /* The tokens' inputs: on the AVX2 path for FP8, x times the tile's scale per 32
-         * columns and 2^8; else x as it is. */
+        /* The tokens' inputs as the vectors take them: for FP8, x times the tile's scale
+         * per 32 columns and 2^8; for FP4, each 32 columns' even ones, then the odd ones;
+         * else (and on the portable path) x as it is. */
         const float *xin[TOKENS];
         for (int64_t t = 0; t < tn; t++) {
             const float *xt = x + (t0 + t) * x_stride + x_col;
+            float *pt = prepared + t * K;
             xin[t] = xt;
             if (fold) {
                 const uint8_t *s = w->scales + (r0 / TILE) * ((K + TILE - 1) / TILE);
-                float *ft = folded + t * K;
                 for (int64_t k = 0; k < K; k += TILE) {
                     const float m = w->scale[s[k / TILE]] * 256.0f;
                     const int64_t end = min64(K, k + TILE);
-                    for (int64_t j = k; j < end; j++) ft[j] = xt[j] * m;
+                    for (int64_t j = k; j < end; j++) pt[j] = xt[j] * m;
                 }
-                xin[t] = ft;
+                xin[t] = pt;
+            } else if (w->fmt == FMT_FP4 && vector) {
+                for (int64_t k = 0; k < K; k += 32)
+                    for (int j = 0; j < 16; j++) {
+                        pt[k + j] = xt[k + 2 * j];
+                        pt[k + 16 + j] = xt[k + 2 * j + 1];
+                    }
+                xin[t] = pt;
             }
         }
         for (int64_t q = 0; q < nr; q += QUAD) {
@@ -343,28 +307,23 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
             for (int i = 0; i < QUAD; i++) rows[i] = r0 + q + min64(i, qn - 1);
             int nan[QUAD] = {0, 0, 0, 0};
             float sums[QUAD][TOKENS] = {{0}};
-            int64_t done = 0; /* columns summed so far */
 #if HAVE_AVX2
-            if (vector && tn <= 2) {
-                direct_any(w, check, rows, kv, xin[0], tn == 2 ? xin[1] : NULL, sums, nan);
-                done = kv;
-            } else if (vector) {
-                for (int64_t t = 0; t < tn; t += 4) {
-                    const float *x4[4];
-                    for (int u = 0; u < 4; u++) x4[u] = xin[min64(t + u, tn - 1)];
-                    for (int p = 0; p < QUAD; p += 2) {
-                        float part[QUAD][TOKENS] = {{0}};
-                        direct4_any(w, check, rows + p, kv, x4, part, nan + p);
-                        for (int i = 0; i < 2; i++)
-                            for (int64_t u = 0; u < min64(4, tn - t); u++)
-                                sums[p + i][t + u] += part[i][u];
-                    }
+            /* One or two tokens meet four rows at a time; more, two rows four tokens a
+             * pass (a short pass repeats its last token). */
+            const int T = tn <= 2 ? (int)tn : 4, R = T == 4 ? 2 : QUAD;
+            for (int64_t t = 0; vector && t < tn; t += T)
+                for (int p = 0; p < QUAD; p += R) {
+                    const float *xs[4];
+                    float part[QUAD][TOKENS] = {{0}};
+                    for (int u = 0; u < T; u++) xs[u] = xin[min64(t + u, tn - 1)];
+                    registers(w, check, T, rows + p, kv, xs, part, nan + p);
+                    for (int i = 0; i < R; i++)
+                        for (int64_t u = 0; u < min64(T, tn - t); u++)
+                            sums[p + i][t + u] += part[i][u];
                 }
-                done = kv;
-            }
 #endif
             /* What the vectors left (all of it on the portable path), a chunk at a time. */
-            for (int64_t k0 = done; k0 < K; k0 += CHUNK) {
+            for (int64_t k0 = kv; k0 < K; k0 += CHUNK) {
                 const int64_t kn = min64(CHUNK, K - k0);
                 for (int i = 0; i < QUAD; i++)
                     nan[i] |= decode_portable(w, rows[i], k0, kn, fold, decoded + i * CHUNK);
@@ -386,7 +345,7 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
 }
 
 static size_t scratch_floats(const weight_t *w) {
-    return (w->fmt == FMT_FP8 ? (size_t)TOKENS * w->K : 0) + (size_t)QUAD * CHUNK;
+    return (size_t)TOKENS * w->K + (size_t)QUAD * CHUNK;
 }
 
 /* The tiles of O rows: 32-row blocks, cut where a group of `group_rows` rows ends. */
