@@ -133,6 +133,19 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         f"At {plan['context']:,} tokens: {_bytes(plan['bytes_per_sequence'])} of cache per "
         f"sequence{fit}\n"
     )
+    if "cpu_run" in plan:
+        r = plan["cpu_run"]
+        tables = (f"; with the Engram tables memory-mapped from it "
+                  f"[bold]{_bytes(r['ram_bytes_tables_on_disk'])}[/bold]"
+                  if r["engram_table_bytes"] else "")
+        console.print(
+            f"CPU run of the published checkpoint ({_bytes(r['disk_bytes'])} on disk), one "
+            f"sequence at {plan['context']:,} tokens: RAM [bold]"
+            f"{_bytes(r['ram_bytes_tables_in_ram'])}[/bold] with every weight in RAM{tables}. "
+            f"A decoded token reads {r['decode_read_bytes_per_token'] / 1e9:.2f} GB of "
+            f"weights: at most {r['floor_tokens_per_s_per_100gb_s']:.1f} tokens/s per 100 "
+            "GB/s of memory bandwidth\n"
+        )
 
     if "parallel" in plan:
         _print_parallel(plan, console)

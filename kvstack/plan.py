@@ -101,6 +101,41 @@ def rank_weights(config: ModelConfig, sharding: ShardingPlan) -> list[RankWeight
     return out
 
 
+def decode_read_bytes(config: ModelConfig) -> int:
+    """Weight bytes one decoded token reads, packed as V4.1 is published: every tensor
+    whole but the embedding (one row), the routed experts (the n_activated a token
+    picks, of n_routed) and the Engram tables (the rows its n-grams hash to)."""
+    total = 0
+    for name, shape in parameter_shapes(config).items():
+        local = _local(name)
+        if local in _TABLES:
+            continue
+        size = stored_bytes(name, shape)
+        if name == "embed.weight":
+            size //= shape[0]
+        elif local.startswith("ffn.experts."):
+            size = size * config.n_activated_experts // config.n_routed_experts
+        total += size
+    row = config.engram_head_dim + config.engram_head_dim // 32
+    return total + len(config.engram_layer_ids) * engram_columns(config) * row
+
+
+def cpu_run(config: ModelConfig, layout: CacheLayout, context: int) -> dict[str, Any]:
+    """What a CPU run of the published checkpoint needs: RAM with the Engram tables read
+    into it or left memory-mapped from the checkpoint on disk (each token reads a few
+    rows of them), the checkpoint's disk, and the bytes a decoded token reads (the memory
+    floor of a step: those bytes over the memory bandwidth)."""
+    weights = rank_weights(config, ShardingPlan(config, 1))[0]
+    sequence = layout.sequence_bytes(context)
+    read = decode_read_bytes(config)
+    return {"checkpoint_bytes": weights.total, "engram_table_bytes": weights.tables,
+            "cache_bytes_one_sequence": sequence,
+            "ram_bytes_tables_in_ram": weights.total + sequence,
+            "ram_bytes_tables_on_disk": weights.total - weights.tables + sequence,
+            "disk_bytes": weights.total, "decode_read_bytes_per_token": read,
+            "floor_tokens_per_s_per_100gb_s": 100e9 / read}
+
+
 def _fit(usable: int, weights: int, hbm_bytes: int, per_sequence: int) -> dict[str, Any]:
     room = max(usable - weights, 0)
     return {"weight_bytes": weights, "cache_bytes": room,
@@ -281,6 +316,8 @@ def make_plan(
             "rows_read_per_token_and_layer": engram_columns(config),
             "table_bytes": sum(engram_table_bytes(config)),
         }
+    if config.arch == "v41" and config.uses_moe and config.single_pass_hc:
+        plan["cpu_run"] = cpu_run(config, layout, context)
     if tensor_parallel_size is not None:
         plan["parallel"] = _parallel(config, layout, context, hbm_gib, tensor_parallel_size,
                                      expert_parallel)

@@ -301,3 +301,38 @@ def test_plan_prints_the_parallel_section(capsys):
     assert out["bytes_per_token"] == 890
     assert main(["plan", "--preset", "tiny-v41", "--json"]) == 0
     assert "parallel" not in json.loads(capsys.readouterr().out)
+
+
+def test_a_cpu_run_counts_the_published_bytes_and_what_a_token_reads():
+    """RAM with the Engram tables in it or mapped from disk, and the weight bytes a decoded
+    token reads, counted here from the published tensor table (names, dtypes, shapes):
+    one embedding row, the experts a token picks, the table rows its n-grams hash to."""
+    from kvstack.model.checkpoint import STORED_DTYPES, v41_names
+
+    c = preset("tiny-v41")
+    plan = make_plan(c, "tiny-v41", context=256)
+    run = plan["cpu_run"]
+    read = tables = stored = 0
+    for name, entry in v41_names(c).items():
+        size = math.prod(entry.shape) * STORED_DTYPES[entry.dtype].itemsize
+        stored += size
+        if entry.kind.startswith("table"):
+            tables += size
+        elif entry.kind == "embed":
+            read += size // entry.shape[0]
+        elif entry.kind.startswith("expert"):
+            read += size * c.n_activated_experts // c.n_routed_experts
+        else:
+            read += size
+    rows = len(c.engram_layer_ids) * (c.engram_max_ngram_size - 1) * c.engram_n_heads
+    read += rows * (c.engram_head_dim + c.engram_head_dim // 32)
+    assert run["decode_read_bytes_per_token"] == read
+    assert run["disk_bytes"] == run["checkpoint_bytes"] == stored
+    assert run["engram_table_bytes"] == tables > 0
+    sequence = CacheLayout.from_config(c).sequence_bytes(256)
+    assert run["ram_bytes_tables_in_ram"] == stored + sequence
+    assert run["ram_bytes_tables_on_disk"] == stored - tables + sequence
+    flash = make_plan(preset("deepseek-v4.1-flash"), "flash", context=4096)["cpu_run"]
+    assert 12e9 < flash["decode_read_bytes_per_token"] < 14e9  # ~13 GB a token
+    # Only a model DeepSeek's layout holds has a published checkpoint to run.
+    assert "cpu_run" not in make_plan(preset("tiny"), "tiny", context=64)

@@ -168,6 +168,8 @@ def _packed_weights_backend(model: Model, device: torch.device, cpu_kernels: boo
         return None
     if device.type == "cpu" and cpu_kernels:
         return f"C kernels ({native.weights_isa()}), decoded in registers"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "Triton kernels (FP8, FP4), decoded in registers; bf16 dequantised per call"
     return "torch, dequantised to float32 per call"
 
 

@@ -211,7 +211,7 @@ class MoE(nn.Module):
             chosen = chosen - self.first_expert
             mine = (chosen >= 0) & (chosen < held)
             chosen, weights = torch.where(mine, chosen, held - 1), weights * mine
-        if isinstance(self.experts, PackedExperts) and self.experts.runs_packed(x):
+        if isinstance(self.experts, PackedExperts) and self.experts.backend(x) != "torch":
             out = self.experts.swiglu(x, weights, chosen, self.limit)
         elif isinstance(self.experts, Experts) and not torch.is_grad_enabled():
             # Up to half as many (token, expert) pairs as experts, gathering the weights of

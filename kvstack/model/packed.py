@@ -4,11 +4,13 @@ DeepSeek's V4.1 checkpoint holds its dense projections in FP8 (E4M3, one UE8M0 s
 32x32 block) and its routed experts in FP4 (E2M1 packed two per byte, one UE8M0 scale per
 row per 32): ~510 GB that expand to ~1.1 TB as bf16. The loader swaps these modules in
 for `nn.Linear` and the float experts, so resident memory stays close to the checkpoint's
-bytes. On a CPU the C kernels (`kvstack.native.packed_linear`, `fp4_grouped`) read the
-packed bytes once per call and decode them in registers: a decode step reads the
-checkpoint's bytes, not a float copy. Elsewhere (a GPU, autograd, a CPU without a C
-compiler) a weight is dequantised to float32 when a call uses it (one projection, or one
-selected expert, at a time) and dropped after.
+bytes. The kernels read the packed bytes once per call and decode them in registers, so a
+decode step reads the checkpoint's bytes, not a float copy: on a CPU the C kernels
+(`kvstack.native.packed_linear`, `fp4_grouped`), on a CUDA device the Triton ones
+(`kvstack.model.weight_kernels`, FP8 and FP4; the bf16 head is dequantised there).
+Elsewhere (autograd, a traced graph, a CPU without a C compiler) a weight is dequantised to
+float32 when a call uses it (one projection, or one selected expert, at a time) and
+dropped after. `weight_backend` makes that choice.
 
 `round_inputs`: DeepSeek's kernels multiply FP8 activations (UE8M0 per 32) by these
 weights; with `numerics="reference"` the input is rounded the same way first. kvstack's
@@ -16,6 +18,7 @@ default multiplies the float32 activations, which serves better on hardware with
 GEMMs.
 """
 
+import importlib.util
 from collections.abc import Callable
 from functools import partial
 
@@ -37,12 +40,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, round_inputs: bool = False) ->
     return F.linear(x, weight)
 
 
-def runs_packed(x: torch.Tensor, stored: torch.Tensor) -> bool:
-    """Whether a packed weight meets x in the C kernels: both in host memory, no gradient
-    asked of x, not inside a traced graph, and the kernels built here."""
-    return (x.device.type == "cpu" and stored.device.type == "cpu"
-            and not (x.requires_grad and torch.is_grad_enabled())
-            and not torch.compiler.is_compiling() and native.packed_enabled())
+def weight_backend(x: torch.Tensor, stored: torch.Tensor) -> str:
+    """What multiplies x by a packed weight: "c" (both in host memory and the C kernels
+    built here), "triton" (both on one CUDA device, Triton installed) or "torch"
+    (dequantise-then-matmul: anything else, a gradient asked of x, a traced graph)."""
+    if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return "torch"
+    if x.device.type == "cpu" and stored.device.type == "cpu":
+        return "c" if native.packed_enabled() else "torch"
+    if (x.device.type == "cuda" and stored.device == x.device
+            and importlib.util.find_spec("triton") is not None):
+        return "triton"
+    return "torch"
 
 
 class PackedLinear(nn.Module):
@@ -66,7 +75,11 @@ class PackedLinear(nn.Module):
         # skips looking for NaN codes where there are none (a checkpoint's weights).
         self._nan_codes: tuple[tuple[int, int], bool] | None = None
 
-    def _packed(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    def _packed(self, x: torch.Tensor, backend: str, groups: int = 1) -> torch.Tensor:
+        if backend == "triton":
+            from kvstack.model import weight_kernels  # Triton: the `kernels` extra
+
+            return weight_kernels.fp8_linear(x, self.stored, self.scales, groups)
         version = (self.stored.data_ptr(), self.stored._version)
         if self._nan_codes is None or self._nan_codes[0] != version:
             self._nan_codes = version, self.fmt == "fp8" and native.fp8_has_nan(self.stored)
@@ -80,23 +93,30 @@ class PackedLinear(nn.Module):
             return self.stored.float()
         return dequantize_fp8_blocks(self.stored, self.scales)
 
+    def backend(self, x: torch.Tensor) -> str:
+        backend = weight_backend(x, self.stored)
+        # Triton multiplies the FP8 format; a bf16 weight on a GPU is dequantised.
+        return "torch" if backend == "triton" and self.fmt != "fp8" else backend
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        if not runs_packed(x, self.stored):
+        backend = self.backend(x)
+        if backend == "torch":
             return linear(x, self.weight, self.round_inputs)
         if self.round_inputs:
             x = fake_quantize(x, ACTIVATION_FORMAT)
-        y = self._packed(x.reshape(-1, self.in_features))
+        y = self._packed(x.reshape(-1, self.in_features), backend)
         return y.view(*x.shape[:-1], self.out_features)
 
     def block_diagonal(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., G, in] times this weight [G * R, in] as G blocks (V4.1's wo_a: group g
         of the heads meets rows g*R .. g*R + R - 1): [..., G, R]."""
         groups = x.shape[-2]
-        if not runs_packed(x, self.stored):
+        backend = self.backend(x)
+        if backend == "torch":
             return torch.einsum("...gd,grd->...gr", x.float(),
                                 self.weight.unflatten(0, (groups, -1)))
-        y = self._packed(x.float().reshape(-1, groups * self.in_features), groups)
+        y = self._packed(x.float().reshape(-1, groups * self.in_features), backend, groups)
         return y.view(*x.shape[:-1], self.out_features // groups)
 
     def extra_repr(self) -> str:
@@ -138,52 +158,65 @@ class PackedExpert(nn.Module):
 class PackedExperts(nn.ModuleList):
     """The routed experts, each held packed as read (one tensor per expert and
     projection, as the checkpoint holds them: a loader maps them, never copies them into
-    one stack). On a CPU, `swiglu` runs every expert a step routes to in three calls of
-    the C kernels; elsewhere only a selected expert is dequantised, when a token is routed
-    to it."""
+    one stack). Where `weight_backend` picks kernels, `swiglu` runs every expert a step
+    routes to in three grouped calls; elsewhere only a selected expert is dequantised,
+    when a token is routed to it."""
 
     def __init__(self, experts: list[PackedExpert]) -> None:
         super().__init__(experts)
         self.quantized_matmul = True
         self.round_inputs = False
-        self._addresses: torch.Tensor | None = None
+        self._addresses: dict[torch.device, torch.Tensor] = {}
 
-    def addresses(self) -> torch.Tensor:
-        """int64 [3 (w1, w2, w3), E, 2]: where each expert's codes and scales lie, for the
-        kernels (the experts' tensors never move once loaded; made on first use)."""
-        if self._addresses is None:
-            self._addresses = torch.tensor(
+    def addresses(self, device: torch.device) -> torch.Tensor:
+        """int64 [3 (w1, w2, w3), E, 2] on `device`: where each expert's codes and scales
+        lie, for the kernels (the experts' tensors never move once loaded; made on first
+        use)."""
+        if device not in self._addresses:
+            self._addresses[device] = torch.tensor(
                 [[[getattr(e, f"{name}_codes").data_ptr(), getattr(e, f"{name}_scales").data_ptr()]
-                  for e in self] for name in PackedExpert.NAMES], dtype=torch.int64)
-        return self._addresses
+                  for e in self] for name in PackedExpert.NAMES], dtype=torch.int64,
+                device=device)
+        return self._addresses[device]
 
-    def runs_packed(self, x: torch.Tensor) -> bool:
-        return runs_packed(x, self[0].w1_codes)
+    def backend(self, x: torch.Tensor) -> str:
+        return weight_backend(x, self[0].w1_codes)
 
     def swiglu(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                limit: float) -> torch.Tensor:
         """The routed experts' weighted sum [T, dim] for tokens x [T, dim] routed to
-        chosen [T, k] with weights [T, k], in the C kernels: the (token, expert) pairs
-        sorted by expert, then one grouped call per projection over the experts used."""
+        chosen [T, k] with weights [T, k], in the kernels: the (token, expert) pairs sorted
+        by expert, then one grouped call per projection over the experts used (on a GPU,
+        over every expert, the unused ones with no rows: no shape depends on the routing,
+        so nothing is read back to the host)."""
         from kvstack.model.model import swiglu  # the model's SwiGLU, clamps and all
 
+        backend = self.backend(x)
         pairs = chosen.flatten()
         order = pairs.argsort(stable=True)
-        used, counts = torch.unique_consecutive(pairs[order], return_counts=True)
+        if backend == "c":
+            used, counts = torch.unique_consecutive(pairs[order], return_counts=True)
+            grouped = native.fp4_grouped
+        else:
+            from kvstack.model import weight_kernels  # Triton: the `kernels` extra
+
+            used = torch.arange(len(self), device=x.device)
+            counts = torch.bincount(pairs, minlength=len(self))
+            grouped = weight_kernels.fp4_grouped
         ends, token = counts.cumsum(0), order // chosen.shape[1]
-        addresses = self.addresses()
+        addresses = self.addresses(x.device)
         inter, dim = self[0].w1_codes.shape[0], self[0].w2_codes.shape[0]
 
         def projection(index: int, out_features: int) -> Callable[[torch.Tensor], torch.Tensor]:
             def run(v: torch.Tensor) -> torch.Tensor:
                 if self.round_inputs:
                     v = fake_quantize(v.float(), ACTIVATION_FORMAT)
-                return native.fp4_grouped(v, addresses[index], used, ends, out_features)
+                return grouped(v, addresses[index], used, ends, out_features)
             return run
 
         y = swiglu(x.float().index_select(0, token), projection(0, inter), projection(1, dim),
                    projection(2, inter), limit, weights.flatten()[order, None])
-        return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, token, y)
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y)
 
     def projections(self, e: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
         expert = self[e]

@@ -207,12 +207,15 @@ def _tiles(rows: int) -> tuple[int, int, int, bool]:
 def plan(rows: int, out_tiles_of: Callable[[int, int], int], in_features: int, sms: int,
          blocks: tuple[int, int, int] | None = None, split_k: int | None = None,
          k_step: int = 1) -> Plan:
-    """The tiles and split-K of a launch over `rows` rows of x per tile axis.
+    """The tiles and split-K of a launch: tiles of `rows` rows of x (1 for a GEMV), K of
+    `in_features` weights, on a GPU of `sms` SMs.
 
     out_tiles_of(block_o, block_n): the programs the first two grid axes make with those
-    tiles. blocks: (block_n, block_o, block_k) instead of the size rule (powers of two;
-    at least 16 each where block_n > 8, the tl.dot tiles). split_k: the programs along K
-    instead of filling twice `sms` programs. k_step: block_k must stay a multiple of it."""
+    tiles. Where they are fewer than 2 * sms, K is split until there are at least 2 * sms
+    (or one loop trip per program). blocks: (block_n, block_o, block_k) instead of the size
+    rule (powers of two; at least 16 each where block_n > 8, the tl.dot tiles). split_k: at
+    least this many programs along K (as K's trips allow) instead of the rule. k_step:
+    block_k must be a multiple of it (2 for FP4: whole code bytes)."""
     if blocks is None:
         block_n, block_o, block_k, dot = _tiles(rows)
     else:
@@ -232,7 +235,7 @@ def plan(rows: int, out_tiles_of: Callable[[int, int], int], in_features: int, s
         programs = out_tiles_of(block_o, block_n)
         split_k = triton.cdiv(2 * sms, programs) if programs < 2 * sms else 1
     split_k = max(1, min(split_k, trips))
-    k_chunk = triton.cdiv(trips, split_k) * block_k
+    k_chunk = max(1, trips // split_k) * block_k  # rounded down: at least split_k programs
     return Plan(block_n, block_o, block_k, dot, triton.cdiv(max(in_features, 1), k_chunk),
                 k_chunk, 4 if block_n * block_o * block_k <= 8192 or dot else 8)
 
