@@ -313,7 +313,7 @@ def test_a_cpu_run_counts_the_published_bytes_and_what_a_token_reads():
     plan = make_plan(c, "tiny-v41", context=256)
     run = plan["cpu_run"]
     read = tables = stored = 0
-    for name, entry in v41_names(c).items():
+    for entry in v41_names(c).values():
         size = math.prod(entry.shape) * STORED_DTYPES[entry.dtype].itemsize
         stored += size
         if entry.kind.startswith("table"):
