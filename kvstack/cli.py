@@ -962,9 +962,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a decode step's attention: the Triton kernel over the packed rows "
                         "(CUDA), torch, or auto (torch: the kernel is slower on an H200 so far)")
     p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default="auto",
-                   help="a CPU step's packed-row reads, index scoring and expert matmuls: C "
-                        "kernels built on first use (c: or fail), torch, or auto (C where "
-                        "the system's C compiler builds them)")
+                   help="a CPU step's packed-row reads, index scoring, expert matmuls and "
+                        "packed-weight matmuls: C kernels built on first use (c: or fail), "
+                        "torch, or auto (C where the system's C compiler builds them)")
     p.add_argument("--max-model-len", type=_positive_int, metavar="N",
                    help="tokens a sequence may hold, below the model's max_seq_len")
     p.add_argument("--numerics", choices=NUMERICS, default="default",

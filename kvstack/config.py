@@ -61,9 +61,9 @@ REPLAY_MODES = ("bounded", "exact")
 # Who computes a decode step's attention (EngineConfig.attention): the Triton kernel over
 # the packed rows, torch over the rows it reads, or the first that can run (auto).
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# Who runs a CPU step's packed-row reads, index scoring and expert matmuls
-# (EngineConfig.cpu_kernels, kvstack.native): C kernels built on first use ("c": or fail),
-# torch's ops, or C where a compiler builds them (auto).
+# Who runs a CPU step's packed-row reads, index scoring, expert matmuls and packed-weight
+# matmuls (EngineConfig.cpu_kernels, kvstack.native): C kernels built on first use ("c":
+# or fail), torch's ops, or C where a compiler builds them (auto).
 CPU_KERNELS = ("auto", "c", "torch")
 
 

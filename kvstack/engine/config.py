@@ -91,9 +91,10 @@ class EngineConfig:
     # ATTENTION_BACKENDS: auto is torch; "triton" (CUDA, the kernel's cache formats) runs
     # the Triton kernels of kvstack.cache.kernels, slower than torch on an H200 so far.
     attention: str = "auto"
-    # CPU_KERNELS: auto runs a CPU step's packed-row reads, index scoring and expert
-    # matmuls by C kernels (kvstack.native) where the system's C compiler builds them,
-    # and says in the log when it cannot; "c" requires them; "torch" never.
+    # CPU_KERNELS: auto runs a CPU step's packed-row reads, index scoring, expert matmuls
+    # and the matmuls on a checkpoint's packed FP8/FP4/bf16 weights by C kernels
+    # (kvstack.native) where the system's C compiler builds them, and says in the log when
+    # it cannot; "c" requires them; "torch" never (packed weights dequantised per call).
     cpu_kernels: str = "auto"
     # Ranks the model is split over (`kvstack.parallel`: heads, index heads, Engram rows
     # and vocabulary by rank), one process and one device each; with expert_parallel
