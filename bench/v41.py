@@ -9,7 +9,8 @@
    from the loaded model's weights: 2 bytes each).
 2. Running. Prefill and decode throughput of a tiny V4.1-format model (four residual
    copies, Engram, MoE) with its weights packed, beside the same weights as floats and
-   beside the bundled model: what dequantising FP8/FP4 weights per use costs on a CPU.
+   beside the bundled model: what multiplying FP8/FP4 weights packed costs at tiny widths
+   (bench/real_shapes.py measures it at V4.1-Flash's).
 
 One thread (torch.set_num_threads(1)): a shared 2-core machine is noisy, and the ratios
 measured in one run are what to compare.
