@@ -187,3 +187,25 @@ def test_a_nan_code_written_after_a_first_call_is_still_seen(path_name):
         got = linear(x)
     assert torch.isnan(got[:, 7]).all() and torch.isfinite(got[:, :7]).all()
     assert native.fp8_has_nan(linear.stored) and not native.fp8_has_nan(codes[8:])
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_a_prefill_chunk_multiplies_a_transient_float_copy_equal_to_the_codecs(groups,
+                                                                               monkeypatch):
+    """From GEMM_TOKENS tokens on an FP8 weight is decoded whole, bit for bit the codecs'
+    values (NaN codes and scales, scales out of the fast range), and multiplied by torch."""
+    g = torch.Generator().manual_seed(groups)
+    codes, scales = quantize_fp8_blocks(torch.randn(4 * 40, 72, generator=g)
+                                        * torch.logspace(-3, 3, 160)[:, None])
+    codes[3, 4], scales[2, 1], scales[0, 0] = 0x7F, 0xFF, 5
+    want = dequantize_fp8_blocks(codes, scales)
+    got = native.fp8_dequantize(codes, scales)
+    assert torch.equal(got.nan_to_num(7.0).view(torch.int32),
+                       want.nan_to_num(7.0).view(torch.int32))
+    monkeypatch.setattr(native, "GEMM_TOKENS", 5)
+    x = torch.randn(6, groups, 72, generator=g)
+    out = native.packed_linear(x.flatten(1), "fp8", codes, scales, groups=groups)
+    w = want.view(groups, -1, 72)
+    for group in range(groups):
+        rows = slice(group * w.shape[1], (group + 1) * w.shape[1])
+        assert_rounding_close(out[:, rows], x[:, group], w[group])

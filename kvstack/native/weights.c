@@ -361,6 +361,36 @@ static void tile_bounds(int64_t block, int64_t O, int64_t group_rows, int64_t *s
     *count = n;
 }
 
+/* out [O, K] float32 = the FP8 weight's values, the codecs' products bit for bit, threads
+ * over rows: for a prefill chunk of many tokens, where a float32 GEMM on a transient copy
+ * outruns decoding each weight once per few tokens. */
+void kv_fp8_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t O, int64_t K,
+                       const float *elem, const float *scale, float *out, int threads) {
+    const weight_t w = {FMT_FP8, codes, scales, O, K, elem, scale};
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < O; r++) {
+        float *row = out + r * K;
+        int64_t done = 0;
+#if HAVE_AVX2
+        /* Sixteen codes at a time, times the block's scale and 2^8 (exact for scales in
+         * range); a row holding a NaN code is decoded again below, where it is NaN. */
+        if (scales_in_range(&w, r - r % TILE, 1)) {
+            const uint8_t *c = codes + r * K, *s = scales + (r / TILE) * ((K + TILE - 1) / TILE);
+            __m128i seen = _mm_setzero_si128();
+            for (; done + 16 <= K; done += 16) {
+                const __m256 m = _mm256_set1_ps(scale[s[done / TILE]] * 256.0f);
+                __m256 v[2];
+                fp8_16(c + done, &seen, 1, v);
+                _mm256_storeu_ps(row + done, _mm256_mul_ps(v[0], m));
+                _mm256_storeu_ps(row + done + 8, _mm256_mul_ps(v[1], m));
+            }
+            if (_mm_movemask_epi8(_mm_cmpeq_epi8(seen, _mm_set1_epi8(0x7F)))) done = 0;
+        }
+#endif
+        decode_portable(&w, r, done, K - done, 0, row + done);
+    }
+}
+
 /* Whether FP8 codes hold a NaN (s1111111) anywhere: asked once per weight, so that the
  * matmuls of one that holds none skip looking. */
 int kv_fp8_has_nan(const uint8_t *codes, int64_t n) {
