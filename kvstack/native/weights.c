@@ -29,8 +29,8 @@
  * Work: output rows in tiles of at most 32 (an FP8 scale block; never across a group of
  * the block-diagonal wo_a), threads over tiles. Within a tile, one or two tokens meet
  * four rows at a time (eight chains of multiply-adds hide their latency while the next
- * codes decode); more tokens meet two rows at a time, four tokens a pass, so each decoded
- * weight serves four multiply-adds. Decoding is the cost at batch 1, the multiply-adds at
+ * codes decode); three or four tokens meet two rows at a time, so each decoded weight
+ * serves up to four multiply-adds. Decoding is the cost at batch 1, the multiply-adds at
  * larger batches.
  */
 #include <math.h>
@@ -169,9 +169,8 @@ static inline __m256 dot32(const float *x, v32 v) {
  * registers for all T tokens, columns [0, kv) with kv a multiple of 32: sums[i][t]. FP4:
  * each 32 columns' products add up apart, then join the row's sum times the row's scale
  * for them (times 2^14): one multiply-add where scaling each weight takes four. FP8 and
- * bf16 multiply-add straight into the sums, a lone token's in two chains; at least eight
- * independent chains hide the multiply-adds' latency. x[t] may repeat (a short batch);
- * the caller drops those sums. */
+ * bf16 multiply-add straight into the sums, a lone token's in two chains; six or more
+ * independent chains hide the multiply-adds' latency. */
 static inline __attribute__((always_inline)) void rows_times_tokens(
     const weight_t *w, int fmt, int check, int R, int T, const int64_t *rows, int64_t kv,
     const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
@@ -215,10 +214,11 @@ static inline __attribute__((always_inline)) void rows_times_tokens(
 
 /* The register kernel specialised by format, by whether NaN codes are looked for (FP8
  * weights whose codes are known to hold none skip the compare) and by shape: four rows
- * for one or two tokens, two rows for four. */
+ * for one or two tokens, two rows for three or four. */
 #define SHAPES(FMT, CHECK)                                                                 \
     if (T == 1) rows_times_tokens(w, FMT, CHECK, 4, 1, rows, kv, x, sums, nan);            \
     else if (T == 2) rows_times_tokens(w, FMT, CHECK, 4, 2, rows, kv, x, sums, nan);       \
+    else if (T == 3) rows_times_tokens(w, FMT, CHECK, 2, 3, rows, kv, x, sums, nan);       \
     else rows_times_tokens(w, FMT, CHECK, 2, 4, rows, kv, x, sums, nan);
 
 static void registers(const weight_t *w, int check, int T, const int64_t *rows, int64_t kv,
@@ -308,19 +308,18 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
             int nan[QUAD] = {0, 0, 0, 0};
             float sums[QUAD][TOKENS] = {{0}};
 #if HAVE_AVX2
-            /* One or two tokens meet four rows at a time; more, two rows four tokens a
-             * pass (a short pass repeats its last token). */
-            const int T = tn <= 2 ? (int)tn : 4, R = T == 4 ? 2 : QUAD;
-            for (int64_t t = 0; vector && t < tn; t += T)
+            /* Up to four tokens a pass: one or two meet four rows at a time, three or
+             * four two rows. */
+            for (int64_t t = 0; vector && t < tn;) {
+                const int T = (int)min64(4, tn - t), R = T <= 2 ? QUAD : 2;
                 for (int p = 0; p < QUAD; p += R) {
-                    const float *xs[4];
                     float part[QUAD][TOKENS] = {{0}};
-                    for (int u = 0; u < T; u++) xs[u] = xin[min64(t + u, tn - 1)];
-                    registers(w, check, T, rows + p, kv, xs, part, nan + p);
+                    registers(w, check, T, rows + p, kv, xin + t, part, nan + p);
                     for (int i = 0; i < R; i++)
-                        for (int64_t u = 0; u < min64(T, tn - t); u++)
-                            sums[p + i][t + u] += part[i][u];
+                        for (int u = 0; u < T; u++) sums[p + i][t + u] += part[i][u];
                 }
+                t += T;
+            }
 #endif
             /* What the vectors left (all of it on the portable path), a chunk at a time. */
             for (int64_t k0 = kv; k0 < K; k0 += CHUNK) {
