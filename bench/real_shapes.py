@@ -14,7 +14,8 @@ Measured, each against its floor (the bytes it reads divided by the copy bandwid
 measured in the same run): every FP8 projection of layer 0, the MoE block (6 routed + the
 shared expert), each whole layer inside `Model.decode` after a context of `--context`
 tokens (random cache rows in the stored formats), and the bf16 head; at batch 1 and 8;
-with the C kernels (what runs by default) and with dequantise-then-matmul. Then a
+with the C kernels (what runs by default) and with dequantise-then-matmul, their outputs
+compared before either is timed. Then a
 whole layer with two threads, the resident memory after loading, and the 40-layer
 estimate: tokens/s here and per 100 GB/s of bandwidth.
 """
@@ -123,11 +124,22 @@ def kernels(on: bool):
     return native.active(on)
 
 
-def measure(run: Callable[[], object], nbytes: int, bandwidth: float, repeat: int,
-            repeat_torch: int) -> dict:
+def check_equal(fast: torch.Tensor, slow: torch.Tensor, what: str, within: float = 1e-3) -> None:
+    """The kernels' output against dequantise-then-matmul's, before either is timed: equal
+    within `within` of the largest magnitude (float32 rounding, summed in another order;
+    through whole layers also an index score that rounds across a top-k boundary)."""
+    if not torch.allclose(fast, slow, rtol=within, atol=within * float(slow.abs().max())):
+        raise SystemExit(f"{what}: the kernels' output differs from dequantise-then-matmul's "
+                         f"by {float((fast - slow).abs().max()):.3g}")
+
+
+def measure(run: Callable[[], torch.Tensor], nbytes: int, bandwidth: float, repeat: int,
+            repeat_torch: int, what: str) -> dict:
     with kernels(True):
+        out = run()
         fast = best_time(run, repeat)
     with kernels(False):
+        check_equal(out, run(), what)
         slow = best_time(run, repeat_torch)
     floor = nbytes / bandwidth
     return {"bytes": nbytes, "floor_ms": 1e3 * floor, "kernel_ms": 1e3 * fast,
@@ -153,8 +165,9 @@ def projections(model: Model, batch: int, bandwidth: float, repeat: int) -> list
         else:
             x = torch.randn(batch, module.in_features, generator=g)
             run = lambda m=module, x=x: m(x)  # noqa: E731
-        rows.append({"what": f"{name} {module.out_features}x{module.in_features}",
-                     "batch": batch, **measure(run, tensor_bytes(module), bandwidth, repeat, 1)})
+        what = f"{name} {module.out_features}x{module.in_features}"
+        rows.append({"what": what, "batch": batch,
+                     **measure(run, tensor_bytes(module), bandwidth, repeat, 1, what)})
     return rows
 
 
@@ -168,8 +181,9 @@ def moe_block(model: Model, batch: int, bandwidth: float, repeat: int) -> dict:
     picked = torch.unique(chosen).tolist()
     nbytes = (tensor_bytes(moe.gate) + tensor_bytes(moe.shared)
               + sum(tensor_bytes(moe.experts[e]) for e in picked))
-    row = measure(lambda: moe(x), nbytes, bandwidth, repeat, 1)
-    return {"what": f"MoE: {len(picked)} routed + shared", "batch": batch, **row}
+    what = f"MoE: {len(picked)} routed + shared"
+    return {"what": what, "batch": batch,
+            **measure(lambda: moe(x), nbytes, bandwidth, repeat, 1, what)}
 
 
 def fill_context(model: Model, cache: ContiguousCache, n_tokens: int) -> None:
@@ -230,18 +244,21 @@ def whole_layers(model: Model, batch: int, context: int, bandwidth: float,
             lambda _m, _i, out, i=i: picked.setdefault(i, set()).update(out[1].flatten().tolist()))
     timed("head", model.head)
 
-    def run_decode(on: bool, steps: int) -> dict[str, float]:
+    def run_decode(on: bool, steps: int) -> tuple[dict[str, float], torch.Tensor]:
         spent.clear()
         cache = ContiguousCache(c, batch, context + steps + 1)
         fill_context(model, cache, context)
         ids = torch.randint(0, 256, (batch,), generator=torch.Generator().manual_seed(4))
         with kernels(on), torch.no_grad():
-            for _ in range(steps):
+            first = model.decode(ids, cache)
+            for _ in range(steps - 1):
                 model.decode(ids, cache)
-        return {name: min(times[1:] or times) for name, times in spent.items()}
+        return {name: min(times[1:] or times) for name, times in spent.items()}, first
 
-    fast = run_decode(True, repeat + 1)
-    slow = run_decode(False, 2)
+    fast, fast_logits = run_decode(True, repeat + 1)
+    slow, slow_logits = run_decode(False, 2)
+    check_equal(fast_logits, slow_logits, f"Model.decode at batch {batch}: the first logits",
+                within=2e-2)
     rows = []
     for i, spec in enumerate(c.layers):
         nbytes = layer_bytes(model, i, picked.get(i, set()), context)
