@@ -269,7 +269,7 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
                        scales_in_range(w, r0, nr);
 #else
     const int vector = 0;
-    (void)isa;
+    (void)isa, (void)check, (void)scales_in_range;
 #endif
     const int fold = w->fmt == FMT_FP8 && vector;
     float *prepared = scratch, *decoded = scratch + TOKENS * K;
