@@ -89,7 +89,7 @@ class EngineConfig:
     # compile on a bucket's first step on a small CPU, faster steps after (Model.compile_decode).
     compile_decode: bool = False
     # ATTENTION_BACKENDS: auto is torch; "triton" (CUDA, the kernel's cache formats) runs
-    # the Triton kernels of kvstack.cache.kernels, slower than torch on an H200 so far.
+    # the Triton kernels of kvstack.cache.kernels (split-K, untimed on a GPU so far).
     attention: str = "auto"
     # CPU_KERNELS: auto runs a CPU step's packed-row reads, index scoring, expert matmuls
     # and the matmuls on a checkpoint's packed FP8/FP4/bf16 weights by C kernels

@@ -147,7 +147,8 @@ def _attention_backend(choice: str, model: Model, device: torch.device) -> str:
     if choice == "triton" and why is not None:
         raise ValueError(f"attention='triton': {why}")
     # auto is torch: on an H200 (bench/sparse_kernels.py, V4.1-Flash shapes, batch 32) the
-    # sparse-attention kernel takes 5x torch's time, so the engine decodes faster without it.
+    # one-program-per-head kernel took 5x torch's time; its split-K rewrite has not been
+    # timed on a GPU yet, so the default waits for a measurement.
     return "torch" if choice == "auto" else choice
 
 
