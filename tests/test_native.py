@@ -1,5 +1,9 @@
 """The C kernels (kvstack.native) against the torch ops they stand in for."""
 
+import os
+import stat
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,3 +94,39 @@ def test_a_required_c_kernel_that_cannot_build_is_an_error_naming_why(monkeypatc
     with pytest.raises(native.NativeUnavailable, match="/nonexistent/cc"):
         native.resolve("c")
     assert native.resolve("auto") is False  # the same reason, logged, and torch runs
+
+
+def test_the_library_is_built_and_loaded_only_from_a_folder_this_user_owns(tmp_path,
+                                                                           monkeypatch):
+    """The per-user cache folder is made 0700; one that is a symlink, writable by others or
+    another user's is passed over, and a library planted there under the expected name is
+    never loaded: the build goes to a fresh private temporary folder instead."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    built = native._build()
+    folder = tmp_path / "home" / "kvstack" / "native"
+    assert built.parent == folder and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert native._build() == built  # found, not rebuilt
+
+    def plant(home: str) -> Path:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / home))
+        planted = tmp_path / home / "kvstack" / "native" / built.name
+        planted.parent.mkdir(parents=True, exist_ok=True)
+        planted.write_bytes(b"not the kernels")
+        return planted
+
+    cases = {"open": lambda p: p.parent.chmod(0o777)}
+    if os.getuid() == 0:  # only root can hand a folder to another user
+        cases["foreign"] = lambda p: os.chown(p.parent, 65534, 65534)
+    for home, spoil in cases.items():
+        planted = plant(home)
+        spoil(planted)
+        got = native._build()
+        assert got.parent != planted.parent and got.read_bytes() == built.read_bytes()
+        assert stat.S_IMODE(got.parent.stat().st_mode) == 0o700
+    # A symlink where the folder should be is passed over too.
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "linked" / "kvstack").mkdir(parents=True)
+    (tmp_path / "linked" / "kvstack" / "native").symlink_to(target)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "linked"))
+    assert native._build().parent not in (target, tmp_path / "linked" / "kvstack" / "native")

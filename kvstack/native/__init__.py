@@ -5,10 +5,12 @@
 Torch runs the cache's reads, index scoring and the float experts' grouped matmul as tens
 of ops over float copies (a batch-32 step of the decode benchmark's model made 4,500 of its
 5,400 aten ops there); and a packed FP8/FP4 weight it can only multiply after expanding the
-whole of it to float32, on every call (~75x the memory floor). These read the packed bytes
+whole of it to float32, on every call (30-65x the memory floor at V4.1-Flash's widths,
+bench/real_shapes.py). These read the packed bytes
 once and write only their result. They are built on first use from the C sources by the
 system's C compiler (`cc`, or $CC) into a per-user cache ($XDG_CACHE_HOME or ~/.cache,
-`kvstack/native/`), keyed by the sources, the compiler and this CPU's flags
+`kvstack/native/`, made 0700 and used only while it is this user's alone: else a private
+temporary folder, built into anew), keyed by the sources, the compiler and this CPU's flags
 (`-march=native`: the build is this CPU's dispatch), and loaded with ctypes; no torch
 headers, so a build takes a few seconds.
 
@@ -18,7 +20,7 @@ headers, so a build takes a few seconds.
 `active(on)`. The cache ops ask `enabled()` (on inside an engine's step) and keep their
 torch code beside, which runs everywhere else (GPUs, training, a model used without an
 engine). The packed-weight matmuls ask `packed_enabled()`: on wherever they build, engine
-or not (their torch path is the 75x one), unless the engine's step says "torch".
+or not (their torch path is 30-65x slower), unless the engine's step says "torch".
 """
 
 import ctypes
@@ -27,10 +29,11 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -87,6 +90,37 @@ def _cache_dir() -> Path:
     return Path(root) / "kvstack" / "native"
 
 
+def _private(path: Path, kind: int) -> bool:
+    """Whether path is this user's alone: of `kind` (stat.S_IFDIR, S_IFREG) and not a
+    symlink, owned by this process's user, writable by nobody else. A library is loaded
+    only from such a folder, so no one else can plant code that runs in the engine."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _folders() -> Iterator[Path]:
+    """Where to build and load the library: the per-user cache (made 0700) when it is
+    private, else a fresh private temporary folder of this process's (mkdtemp: 0700, a
+    name no one can guess), built into anew."""
+    folder = _cache_dir()
+    with suppress(OSError):  # unwritable: checked below, as is what was there before
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if _private(folder, stat.S_IFDIR):
+        yield folder
+    else:
+        log.warning("kvstack: %s is not a private folder of this user (a symlink, another "
+                    "owner, or writable by others); the C kernels are built in a private "
+                    "temporary folder instead", folder)
+    try:
+        yield Path(tempfile.mkdtemp(prefix="kvstack-native-"))
+    except OSError:
+        return
+
+
 def _build() -> Path:
     """The shared library for this source, compiler and CPU, built if not cached; raises
     NativeUnavailable naming what failed."""
@@ -100,12 +134,11 @@ def _build() -> Path:
         raise NativeUnavailable(f"the C compiler {cc} does not run: {e}") from e
     key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, version,
                                     " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"kvstack-native-{os.getuid()}"):
+    for folder in _folders():
         target = folder / f"kernels-{key}.so"
-        if target.exists():
+        if _private(target, stat.S_IFREG):
             return target
         try:
-            folder.mkdir(parents=True, exist_ok=True)
             # Built under a name of its own and renamed into place: a process that loads
             # the library while another builds it sees the whole file or none.
             fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
@@ -118,6 +151,7 @@ def _build() -> Path:
             if run.returncode != 0:
                 raise NativeUnavailable(f"{cc} failed on {', '.join(p.name for p in SOURCES)}: "
                                         f"{run.stderr.strip()[-2000:]}")
+            os.chmod(partial, 0o700)
             os.replace(partial, target)
             return target
         except (OSError, subprocess.SubprocessError) as e:
@@ -125,8 +159,8 @@ def _build() -> Path:
         finally:
             if os.path.exists(partial):
                 os.remove(partial)
-    raise NativeUnavailable(f"no writable folder for the built library ({_cache_dir()}, "
-                            f"{tempfile.gettempdir()})")
+    raise NativeUnavailable(f"no private writable folder for the built library ({_cache_dir()}, "
+                            f"or a new one under {tempfile.gettempdir()})")
 
 
 def _load() -> ctypes.CDLL:
@@ -135,7 +169,10 @@ def _load() -> ctypes.CDLL:
         if _why_not is not None:
             raise NativeUnavailable(_why_not)
         try:
-            library = ctypes.CDLL(str(_build()))
+            path = _build()
+            library = ctypes.CDLL(str(path))
+            if path.parent != _cache_dir():  # a temporary folder of this process's: the
+                shutil.rmtree(path.parent, ignore_errors=True)  # loaded mapping outlives it
         except OSError as e:
             _why_not = f"the built library does not load: {e}"
             raise NativeUnavailable(_why_not) from e
