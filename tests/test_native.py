@@ -1,6 +1,7 @@
 """The C kernels (kvstack.native) against the torch ops they stand in for."""
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -123,10 +124,13 @@ def test_the_library_is_built_and_loaded_only_from_a_folder_this_user_owns(tmp_p
         got = native._build()
         assert got.parent != planted.parent and got.read_bytes() == built.read_bytes()
         assert stat.S_IMODE(got.parent.stat().st_mode) == 0o700
+        shutil.rmtree(got.parent)
     # A symlink where the folder should be is passed over too.
     target = tmp_path / "elsewhere"
     target.mkdir(mode=0o700)
     (tmp_path / "linked" / "kvstack").mkdir(parents=True)
     (tmp_path / "linked" / "kvstack" / "native").symlink_to(target)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "linked"))
-    assert native._build().parent not in (target, tmp_path / "linked" / "kvstack" / "native")
+    got = native._build()
+    assert got.parent not in (target, tmp_path / "linked" / "kvstack" / "native")
+    shutil.rmtree(got.parent)
