@@ -141,13 +141,7 @@ def test_index_scores_equal_dequantise_then_score():
 
     out = index_scores(q, w, pool.data, block_table, positions, n, ratio)
 
-    entries = torch.arange(n)
-    for i in range(b):
-        keys = pool.read(pool.data[block_table[i, entries // per], entries % per])  # [n, di]
-        expected = ((q[i] @ keys.T).relu() * w[i, :, None]).sum(0)
-        visible = entries < (positions[i] + 1) // ratio
-        assert torch.allclose(out[i][visible], expected[visible], atol=1e-5, rtol=1e-5), i
-        assert torch.all(out[i][~visible] == float("-inf")), i
+    assert_scores_match(out, q, w, pool, block_table, positions, ratio, per)
 
 
 @pytest.mark.parametrize("run", [None, 7, 40, 1000])
@@ -166,13 +160,7 @@ def test_index_scores_in_runs_of_entries(run):
 
     out = index_scores(q, w, pool.data, block_table, positions, n, ratio, run=run)
 
-    entries = torch.arange(n)
-    for i in range(b):
-        keys = pool.read(pool.data[block_table[i, entries // per], entries % per])  # [n, di]
-        expected = ((q[i] @ keys.T).relu() * w[i, :, None]).sum(0)
-        visible = entries < (positions[i] + 1) // ratio
-        assert torch.allclose(out[i][visible], expected[visible], atol=1e-5, rtol=1e-5), i
-        assert torch.all(out[i][~visible] == float("-inf")), i
+    assert_scores_match(out, q, w, pool, block_table, positions, ratio, per)
 
 
 def test_the_plans_fill_a_gpu_and_split_under_the_interpreter():
@@ -251,3 +239,15 @@ def test_the_kernel_benchmark_counts_the_layouts_bytes_and_checks_the_kernels(mo
     with pytest.raises(SystemExit, match="sparse attention at context 200: the kernel's "
                                          "output differs"):
         kernel_bench.run(bench_args())
+
+
+def assert_scores_match(out, q, w, pool, block_table, positions, ratio, per):
+    """Each sequence's scores against the torch codecs' keys read through its table: the
+    visible entries' within float rounding, the rest -inf."""
+    entries = torch.arange(out.shape[1])
+    for i in range(out.shape[0]):
+        keys = pool.read(pool.data[block_table[i, entries // per], entries % per])  # [n, di]
+        expected = ((q[i] @ keys.T).relu() * w[i, :, None]).sum(0)
+        visible = entries < (positions[i] + 1) // ratio
+        assert torch.allclose(out[i][visible], expected[visible], atol=1e-5, rtol=1e-5), i
+        assert torch.all(out[i][~visible] == float("-inf")), i
