@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import sqlite3
 import sys
 import time
 from collections.abc import Iterator
@@ -443,7 +444,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         if command == "/reset":
             session.close()
             session = llm.session(args.session or "chat")
-            if args.session and args.session in llm.disk.names():
+            if args.session and llm.disk.has(args.session):
                 llm.disk.remove(args.session)  # a resume must not bring the old one back
                 console.print(f"[dim]new conversation; saved session {args.session!r} "
                               "removed[/dim]")
@@ -514,7 +515,7 @@ def _print_stats(report: dict[str, Any], console: Console) -> None:
 
 def _open_session(llm: "LLM", name: str | None, console: Console) -> "Session":
     """The named session, resumed if it was saved before; an unsaved one without a name."""
-    if name and name in llm.disk.names():
+    if name and llm.disk.has(name):
         session = llm.resume(name)
         tail = llm.tokenizer.decode(session.token_ids[-48:]).strip()
         console.print(f"[dim]resumed session {escape(name)!r}: {len(session.token_ids):,} "
@@ -556,31 +557,46 @@ def _shown(name: str) -> str:
 
 
 def _cmd_session(args: argparse.Namespace) -> int:
-    from kvstack.cache.disk import MANIFEST, DiskTier
+    from kvstack.cache.disk import MANIFEST, DamagedSession, DiskTier, SavedSession
     from kvstack.cache.paged import parse_bytes
 
     root = Path(args.cache_dir).expanduser()
-    if args.action in ("list", "show") and not (root / MANIFEST).is_file():
+    if args.action in ("list", "show", "recover") and not (root / MANIFEST).is_file():
         # Reading creates nothing: a mistyped --cache-dir is said, not made.
         if args.action == "show":
             raise ValueError(f"no session {args.name!r}: {root} holds no saved sessions")
+        if args.action == "recover":
+            raise ValueError(f"{root} has no {MANIFEST} to recover from: restore it from a "
+                             "backup first")
         print("[]" if args.json else f"no saved sessions in {root}")
         return 0
     disk = DiskTier(args.cache_dir, parse_bytes(args.disk_budget, "disk_budget"))
-    if args.action == "list" and not disk.names() and not args.json:
-        print(f"no saved sessions in {disk.root}")
+    if args.action == "recover":
+        report = disk.recover(discard=args.discard, resign=args.resign)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(f"{disk.root}: {report['sessions']} sessions intact, "
+                  f"{len(report['damaged_sessions'])} damaged, "
+                  f"{report['block_rows_restored']} block records rebuilt, "
+                  f"{report['files_discarded']} unnamed block files discarded; no longer "
+                  "orphaned")
         return 0
+    if disk.orphaned is not None:
+        print(f"{_shown(str(disk.root))} is orphaned ({disk.orphaned}): no block file is "
+              f"deleted until `kvstack session recover`", file=sys.stderr)
     if args.action == "list":
         # A damaged record is listed as such; every intact session still is.
-        rows, damaged = [], {}
-        for name in disk.names():
-            try:
-                rows.append(disk.show(name))
-            except ValueError as e:
-                damaged[name] = str(e)
+        listing = disk.sessions()
+        rows = [r for r in listing if isinstance(r, SavedSession)]
+        damaged = {r.name: r.reason for r in listing if isinstance(r, DamagedSession)}
         if args.json:
             print(json.dumps([_session_dict(r) for r in rows]
-                             + [{"name": n, "damaged": why} for n, why in damaged.items()]))
+                             + [{"name": n, "damaged": why} for n, why in damaged.items()],
+                             ensure_ascii=True))
+            return 0
+        if not listing:
+            print(f"no saved sessions in {disk.root}")
             return 0
         table = Table(box=box.SIMPLE_HEAD, title=f"saved sessions in {escape(str(disk.root))}")
         for column in ("name", "tokens", "disk bytes", "+ window rings", "saved"):
@@ -1083,9 +1099,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     serve.set_defaults(run=_cmd_serve)
 
-    session = sub.add_parser("session", help="saved sessions: list, show, rm")
-    session.add_argument("action", choices=["list", "show", "rm"])
+    session = sub.add_parser("session", help="saved sessions: list, show, rm, recover")
+    session.add_argument("action", choices=["list", "show", "rm", "recover"],
+                         help="recover: lift an orphaned directory's mark once its manifest "
+                              "is restored (nothing is deleted while it stands)")
     session.add_argument("name", nargs="?")
+    session.add_argument("--discard", action="store_true",
+                         help="recover: delete the block files no session names")
+    session.add_argument("--resign", action="store_true",
+                         help="recover: trust a manifest whose key was lost and sign its rows "
+                              "with the current key")
     session.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
                          help="where the disk tier lives (default: %(default)s)")
     session.add_argument("--disk-budget", default="16GiB")
@@ -1258,6 +1281,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the disk: full, unreadable, not ours
         where = f" ({e.filename})" if e.filename else ""
         print(f"kvstack {args.command}: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
+    except sqlite3.Error as e:  # a manifest damaged or locked while in use
+        print(f"kvstack {args.command}: the session manifest: {e}", file=sys.stderr)
         return 1
 
 

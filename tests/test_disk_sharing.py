@@ -358,7 +358,55 @@ def test_rows_of_a_manifest_from_before_the_key_are_signed_once(tmp_path):
     save(disk, "old")
     fields = disk._db.execute("SELECT * FROM sessions WHERE name = 'old'").fetchone()[:8]
     disk._db.execute("UPDATE sessions SET checksum = ?", (_row_checksum(*fields),))
-    (tmp_path / "manifest.key").unlink()  # as a manifest written before keys were
+    disk._db.execute("DROP TABLE directory")  # as a manifest written before keys were
+    (tmp_path / "manifest.key").unlink()
     reopened = DiskTier(tmp_path, 1 << 30)
     assert reopened.load("old", "model")[1] == blocks_of("old", 0)
     assert reopened._key != disk._key
+    assert reopened.orphaned is None
+
+
+def test_a_deleted_key_refuses_signed_rows_rather_than_accepting_unsigned_ones(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 30)
+    save(disk, "real")
+    fields = disk._db.execute("SELECT * FROM sessions WHERE name = 'real'").fetchone()[:8]
+    forged = ("forged", *fields[1:])
+    disk._db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     (*forged, 0.0, _row_checksum(*forged)))  # a bare SHA-256
+    key = (tmp_path / "manifest.key").read_bytes()
+    (tmp_path / "manifest.key").unlink()
+    files = sorted(p.name for p in (tmp_path / "blocks").rglob("*.blk"))
+    for _ in range(3):
+        reopened = DiskTier(tmp_path, 1 << 30)
+        assert "manifest.key was lost" in reopened.orphaned
+        for name in ("real", "forged"):
+            with pytest.raises(ValueError, match="corrupt"):
+                reopened.load(name, "model")
+    assert sorted(p.name for p in (tmp_path / "blocks").rglob("*.blk")) == files
+    (tmp_path / "manifest.key").write_bytes(key)  # restored from a backup
+    restored = DiskTier(tmp_path, 1 << 30)
+    assert restored.load("real", "model")[1] == blocks_of("real", 0)
+    assert restored.orphaned is None  # the manifest is whole again: the mark lifts
+    with pytest.raises(ValueError, match="corrupt"):
+        restored.load("forged", "model")
+
+
+def test_a_malformed_prefix_row_costs_no_request_nor_its_neighbours(tmp_path):
+    from kvstack import LLM, SamplingParams
+
+    def engine():
+        return LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16,
+                   cache_dir=tmp_path, disk_prefix_cache=True)
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    shared = list(range(1, 70))
+    first = engine().generate([shared], params)[0].token_ids
+    disk = DiskTier(tmp_path, 1 << 30)
+    assert disk._db.execute("SELECT COUNT(*) FROM prefix_blocks").fetchone()[0] >= 4
+    disk._db.execute("UPDATE prefix_blocks SET block = '../../not-a-block' WHERE rowid = "
+                     "(SELECT MIN(rowid) FROM prefix_blocks)")
+    disk._db.execute("UPDATE prefix_blocks SET checksum = NULL WHERE rowid = "
+                     "(SELECT MAX(rowid) FROM prefix_blocks)")
+    outs = engine().generate([shared] + [list(range(2 + i, 40 + i)) for i in range(4)], params)
+    assert [o.finish_reason for o in outs] == ["length"] * 5
+    assert outs[0].token_ids == first  # recomputed where the cache had no usable block

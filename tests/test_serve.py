@@ -326,3 +326,38 @@ def test_n_samples_and_a_busy_session(app_client):
     assert client.delete("/v1/sessions/t", headers=auth).status_code == 409
     client.app.state.sessions.busy.discard("t")
     assert client.delete("/v1/sessions/t", headers=auth).json()["deleted"]
+
+
+def test_bad_names_keys_and_seeds_are_400s_or_401s_not_500s(app_client):
+    client = app_client
+    auth = {"Authorization": "Bearer sesame"}
+    turn = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    for name in ("../etc", ".hidden", "a\0b", "x" * 300):
+        bad = client.post("/v1/completions", json=turn | {"session": name}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "session"
+    assert all(s["id"] in ("t",) for s in client.get("/v1/sessions", headers=auth).json()["data"])
+    wrong = client.post("/v1/completions", json=turn, headers={"Authorization": "Bearer sésame".encode()})
+    assert wrong.status_code == 401
+    seeded = turn | {"n": 2, "seed": (1 << 64) - 1}
+    refused = client.post("/v1/completions", json=seeded, headers=auth)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "seed"
+
+
+def test_a_damaged_session_record_is_listed_as_damaged(app_client):
+    client = app_client
+    auth = {"Authorization": "Bearer sesame"}
+    turn = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    for name in ("kept", "hurt"):
+        assert client.post("/v1/completions", json=turn | {"session": name},
+                           headers=auth).status_code == 200
+    sessions = client.app.state.sessions
+    for name in ("kept", "hurt"):
+        sessions.open.pop(name).close()  # as a restarted server: on disk only
+    sessions.llm.disk._db.execute("UPDATE sessions SET held_tokens = -1 WHERE name = 'hurt'")
+    listed = client.get("/v1/sessions", headers=auth)
+    assert listed.status_code == 200
+    by_name = {s["id"]: s for s in listed.json()["data"]}
+    assert "corrupt" in by_name["hurt"]["damaged"] and by_name["kept"]["tokens"] > 0
+    shown = client.get("/v1/sessions/hurt", headers=auth)
+    assert shown.status_code == 200 and "damaged" in shown.json()
+    assert client.delete("/v1/sessions/hurt", headers=auth).json()["deleted"]

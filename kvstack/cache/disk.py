@@ -21,6 +21,15 @@ Saving is atomic at every instant: block files are written to a temporary name, 
 and renamed (a kill leaves either no file or a whole one), then one SQLite transaction
 swaps the session row, so a kill at any point leaves the old session or the new one.
 
+Block files are deleted only on the word of a manifest that is this directory's: it holds
+a `directory` row signed with the key. A manifest that is missing, empty, unreadable or
+another directory's, beside block files, marks the directory orphaned (`ORPHANED`, a file
+that persists across opens): while the mark stands no block file is deleted, whatever the
+tables say, and opening or listing is safe any number of times. Restoring the manifest
+from a backup brings its sessions back; the mark clears itself once the manifest is this
+directory's and names every block file, or by `recover` (`kvstack session recover`), which
+can also discard what no manifest will name again or trust a manifest whose key was lost.
+
 Any number of processes and threads may share a directory; SQLite's write lock (BEGIN
 IMMEDIATE, waited for) orders their changes. A save first pins every block it will name
 (a `pins` row with its writer's host and pid, in one transaction), then writes the blocks
@@ -29,10 +38,13 @@ the session row and drops its pins. Garbage collection runs under the write lock
 deletes only blocks no session, prefix entry or pin names, file and row together; pins of
 writers that died are cleared when another opens the directory. Temporary files carry
 their writer's name. Names read from the manifest are checked (64 hex digits) before they
-become paths, and files are created 0600 in 0700 directories.
+become paths, and files are created 0600 in 0700 directories. Opens are serialised by an
+advisory lock (`lock`), so concurrent first opens of a new directory make one manifest,
+one key and one schema.
 """
 
 import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -47,10 +59,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 FORMAT_VERSION = 1  # the block payload layout and the manifest schema
 MANIFEST = "manifest.sqlite"  # under the cache directory
 KEY_FILE = "manifest.key"  # the key session rows are signed with (0600)
+ORPHANED = "ORPHANED"  # present while no manifest may delete block files (its reason inside)
+OPEN_LOCK = "lock"  # held while a process opens the directory
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -72,13 +87,18 @@ CREATE TABLE IF NOT EXISTS blocks (
 CREATE TABLE IF NOT EXISTS prefix_blocks (
     chain_hash TEXT PRIMARY KEY,
     block TEXT NOT NULL,
-    used_at REAL NOT NULL
+    used_at REAL NOT NULL,
+    checksum TEXT
 );
 CREATE INDEX IF NOT EXISTS prefix_blocks_by_block ON prefix_blocks (block);
 CREATE TABLE IF NOT EXISTS pins (
     block TEXT NOT NULL,
     writer TEXT NOT NULL,
     PRIMARY KEY (block, writer)
+);
+CREATE TABLE IF NOT EXISTS directory (
+    id TEXT NOT NULL,
+    signature TEXT NOT NULL
 );
 """
 
@@ -140,6 +160,13 @@ def _row_checksum(name: str, fingerprint: str, version: int, block_tokens: int, 
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class DamagedSession:
+    """A session row that cannot be trusted: listed as such, never loaded."""
+    name: str
+    reason: str
+
+
 class DiskTier:
     def __init__(self, root: str | Path, budget_bytes: int) -> None:
         if budget_bytes <= 0:
@@ -147,15 +174,33 @@ class DiskTier:
         self.root = Path(root).expanduser()
         self.budget_bytes = budget_bytes
         self.blocks_dir = self.root / "blocks"
-        # Saved conversations are the user's own: 0700 directories, 0600 files.
+        # Saved conversations are the user's own: 0700 directories, 0600 files (a
+        # directory an older kvstack made readable to others is closed on open).
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.blocks_dir.mkdir(mode=0o700, exist_ok=True)
+        for path in (self.root, self.blocks_dir):
+            _owner_only(path, 0o700)
         self.manifest = self.root / MANIFEST
         self._local = threading.local()
-        fresh = not self.manifest.exists()
+        with _open_lock(self.root):
+            try:
+                self._open()
+            except sqlite3.DatabaseError as e:
+                self._mark_orphaned(f"{MANIFEST} could not be read ({e})")
+                self.close()
+                raise ValueError(
+                    f"{self.manifest} cannot be read ({e}). No block file was deleted, and "
+                    f"none will be while {self.root / ORPHANED} stands: restore the manifest "
+                    f"from a backup (or move it aside to start afresh), then run `kvstack "
+                    f"session recover --cache-dir {self.root}`") from None
+
+    def _open(self) -> None:
+        """Schema, key and verdict, under the open lock: see the module's docstring."""
         self._db.executescript(SCHEMA)
-        if fresh:
-            os.chmod(self.manifest, 0o600)
+        _owner_only(self.manifest, 0o600)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(prefix_blocks)")}
+        if "checksum" not in columns:  # a manifest from before prefix rows were signed
+            self._db.execute("ALTER TABLE prefix_blocks ADD COLUMN checksum TEXT")
         if self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'session_blocks'"
                             ).fetchone() is None:
             with self._transaction():
@@ -164,39 +209,65 @@ class DiskTier:
                 for name, blocks_json in self._db.execute(
                         "SELECT name, blocks FROM sessions").fetchall():
                     # A corrupt record names nothing: loading that session says so.
-                    with contextlib.suppress(ValueError, TypeError):
+                    with contextlib.suppress(ValueError, TypeError, sqlite3.Error):
                         self._name_blocks(name, json.loads(blocks_json))
-        self._key = self._row_key()
-        if fresh and next(self.blocks_dir.rglob("*.blk"), None) is not None:
-            # Block files with no manifest: it was lost, not emptied. Nothing is swept, so
-            # whoever restores it finds its sessions' blocks.
-            log.warning("%s: block files without a manifest; left in place (restore %s, or "
-                        "remove %s to reclaim them)", self.root, MANIFEST, self.blocks_dir)
+        verdict = self._take_key()
+        if verdict is not None:
+            self._mark_orphaned(verdict)
+        if self.orphaned is not None:
+            self._clear_mark_if_whole()
+        if self.orphaned is not None:
+            log.warning("%s is orphaned (%s): no block file is deleted until `kvstack session "
+                        "recover --cache-dir %s`", self.root, self.orphaned, self.root)
         else:
             self._sweep_files()
 
-    def _row_key(self) -> bytes:
-        """The directory's key for session rows (32 random bytes, 0600), made on first open.
-        Rows of a manifest written before there was a key that verify by plain SHA-256 are
-        signed once, as the key is made; from then on only signed rows load, so a row forged
-        by recomputing a bare SHA-256 (by whoever can write the manifest but not read the
-        key file) is refused as corrupt. The key is made under the write lock and
-        published by a rename after the rows it signed commit; a kill between leaves its
-        temporary file, which the next open publishes."""
+    def _take_key(self) -> str | None:
+        """Read the directory's key (32 random bytes, 0600), or make it on first open; the
+        reason this manifest may not delete block files, or None.
+
+        A manifest is this directory's when its `directory` row is signed with the key. A
+        manifest from before that row was written is adopted when there are no block files
+        to lose or one of its session rows verifies. Rows of a manifest from before there
+        was a key that verify by plain SHA-256 are signed once, as the key is made; from
+        then on only signed rows load, so a row forged by recomputing a bare SHA-256 is
+        refused as corrupt. A lost key is never remade that way: a new key signs nothing
+        old, so every old row is refused and the directory is marked orphaned. The key is
+        made under the write lock and published by a rename after what it signed commits;
+        a kill between leaves its temporary file, which the next open publishes."""
         path = self.root / KEY_FILE
-        made = None
-        with self._transaction():  # one process makes it; the others wait, then read it
+        made, verdict = None, None
+        with self._transaction():
+            stamp = self._db.execute("SELECT id, signature FROM directory").fetchone()
             if not path.exists():
                 pending = [p.read_bytes() for p in self.root.glob(f"{KEY_FILE}.*.tmp")]
-                made = next((k for k in pending if len(k) == 32 and self._signed_by(k)),
-                            None)
+                made = next((k for k in pending if len(k) == 32 and stamp is not None
+                             and self._stamp_verifies(stamp, k)), None)
                 if made is None:
                     made = os.urandom(32)
-                    for row in self._db.execute("SELECT * FROM sessions").fetchall():
-                        fields, checksum = row[:8], row[9]
-                        if _row_checksum(*fields) == checksum:
-                            self._db.execute("UPDATE sessions SET checksum = ? WHERE name = ?",
-                                             (_row_checksum(*fields, key=made), row[0]))
+                    if stamp is None:
+                        self._sign_legacy_rows(made)
+                    else:
+                        verdict = (f"{KEY_FILE} was lost: a new key was made, and the "
+                                   "sessions signed with the old one are refused until "
+                                   "it is restored")
+                key = made
+            else:
+                key = path.read_bytes()
+                if len(key) != 32:
+                    raise ValueError(f"{path}: not a session key (32 bytes); its sessions "
+                                     "cannot be verified")
+            if stamp is None:
+                if self._has_block_files() and not self._any_row_verifies(key):
+                    verdict = (f"{MANIFEST} is new, empty or another directory's, and "
+                               "names none of the block files beside it")
+                directory = os.urandom(16).hex()
+                self._db.execute("INSERT INTO directory VALUES (?, ?)",
+                                 (directory, _stamp_signature(directory, key)))
+            elif verdict is None and not self._stamp_verifies(stamp, key):
+                verdict = (f"{MANIFEST} is signed with another key than {KEY_FILE} "
+                           "(another directory's manifest, or a replaced key)")
+            if made is not None:
                 tmp = self.root / f"{KEY_FILE}.{self.writer.replace(':', '_')}.tmp"
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "wb") as f:
@@ -207,16 +278,122 @@ class DiskTier:
             os.replace(tmp, path)
             for stale in self.root.glob(f"{KEY_FILE}.*.tmp"):
                 stale.unlink(missing_ok=True)
-        key = path.read_bytes()
-        if len(key) != 32:
-            raise ValueError(f"{path}: not a session key (32 bytes); its sessions cannot be "
-                             "verified")
-        return key
+        self._key = key
+        return verdict
 
-    def _signed_by(self, key: bytes) -> bool:
-        """Whether the manifest's rows were signed with `key` (or it has none)."""
-        row = self._db.execute("SELECT * FROM sessions LIMIT 1").fetchone()
-        return row is None or hmac.compare_digest(_row_checksum(*row[:8], key=key), row[9])
+    def _sign_legacy_rows(self, key: bytes) -> None:
+        for row in self._db.execute("SELECT rowid, * FROM sessions").fetchall():
+            fields, checksum = row[1:9], row[10]
+            with contextlib.suppress(TypeError, ValueError, AttributeError):
+                if _row_checksum(*fields) == checksum:
+                    self._db.execute("UPDATE sessions SET checksum = ? WHERE rowid = ?",
+                                     (_row_checksum(*fields, key=key), row[0]))
+
+    def _any_row_verifies(self, key: bytes) -> bool:
+        for row in self._db.execute("SELECT * FROM sessions"):
+            with contextlib.suppress(TypeError, ValueError, AttributeError):
+                if hmac.compare_digest(_row_checksum(*row[:8], key=key), row[9]):
+                    return True
+        return False
+
+    @staticmethod
+    def _stamp_verifies(stamp: tuple, key: bytes) -> bool:
+        directory, signature = stamp
+        return (isinstance(directory, str) and isinstance(signature, str)
+                and hmac.compare_digest(_stamp_signature(directory, key), signature))
+
+    def _has_block_files(self) -> bool:
+        return next(self.blocks_dir.rglob("*.blk"), None) is not None
+
+    # ---- the orphan mark ---------------------------------------------------------------
+    @property
+    def orphaned(self) -> str | None:
+        """Why no block file may be deleted here, or None when the manifest may."""
+        try:
+            return (self.root / ORPHANED).read_text(errors="replace").strip() or "orphaned"
+        except FileNotFoundError:
+            return None
+
+    def _mark_orphaned(self, reason: str) -> None:
+        if self.orphaned is not None:
+            return
+        tmp = self.root / f"{ORPHANED}.{self.writer.replace(':', '_')}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{reason}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / ORPHANED)
+        log.warning("%s: %s; no block file will be deleted until `kvstack session recover`",
+                    self.root, reason)
+
+    def _unnamed_files(self) -> list[Path]:
+        """Block files no session record, prefix row or pin names."""
+        named = {row[0] for row in self._db.execute(
+            "SELECT block FROM prefix_blocks UNION SELECT block FROM pins")}
+        for (blocks_json,) in self._db.execute("SELECT blocks FROM sessions").fetchall():
+            with contextlib.suppress(ValueError, TypeError):
+                named.update(b for b in json.loads(blocks_json) if isinstance(b, str))
+        return [p for p in self.blocks_dir.rglob("*.blk") if p.stem not in named]
+
+    def _clear_mark_if_whole(self) -> None:
+        """A manifest restored whole (this directory's, naming every block file) lifts the
+        mark by itself: sweeping then deletes nothing it did not name."""
+        stamp = self._db.execute("SELECT id, signature FROM directory").fetchone()
+        if stamp is not None and self._stamp_verifies(stamp, self._key) \
+                and not self._unnamed_files():
+            (self.root / ORPHANED).unlink(missing_ok=True)
+            log.warning("%s: the manifest names every block file again; no longer orphaned",
+                        self.root)
+
+    def recover(self, discard: bool = False, resign: bool = False) -> dict[str, Any]:
+        """Lift the orphan mark. The manifest in place (a restored backup, or the one made
+        after a loss) must be this directory's -- or, with `resign`, it is trusted and its
+        rows signed with this directory's key (for a lost key: without it a forged row
+        cannot be told from a true one, so that is the operator's call). Block files no
+        session names are kept unless `discard` deletes them. The block rows of restored
+        sessions are rebuilt from their files. A report of what was found and done."""
+        with _open_lock(self.root), self._transaction():
+            stamp = self._db.execute("SELECT id, signature FROM directory").fetchone()
+            if stamp is None or not self._stamp_verifies(stamp, self._key):
+                if not resign:
+                    raise ValueError(
+                        f"{self.manifest} is not signed with {self.root / KEY_FILE}: "
+                        "restore both from one backup, or pass --resign to trust this "
+                        "manifest's rows and sign them with the current key")
+                self._resign(self._key)
+            restored = 0
+            for (blocks_json,) in self._db.execute("SELECT blocks FROM sessions").fetchall():
+                with contextlib.suppress(ValueError, TypeError):
+                    for block in json.loads(blocks_json):
+                        if (isinstance(block, str) and BLOCK_NAME.fullmatch(block)
+                                and not self._block_bytes(block) and self._intact(block)):
+                            self._db.execute("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
+                                             (block, self.block_path(block).stat().st_size))
+                            restored += 1
+            unnamed = self._unnamed_files()
+            if unnamed and not discard:
+                raise ValueError(
+                    f"{len(unnamed)} block files ({sum(p.stat().st_size for p in unnamed):,} "
+                    f"bytes) in {self.blocks_dir} are named by no session of {self.manifest}:"
+                    " restore the manifest that names them, or pass --discard to delete them")
+            listing = self.sessions()
+        (self.root / ORPHANED).unlink(missing_ok=True)
+        self._sweep_files()
+        return {"sessions": sum(isinstance(s, SavedSession) for s in listing),
+                "damaged_sessions": [s.name for s in listing if isinstance(s, DamagedSession)],
+                "block_rows_restored": restored, "files_discarded": len(unnamed)}
+
+    def _resign(self, key: bytes) -> None:
+        self._db.execute("DELETE FROM directory")
+        directory = os.urandom(16).hex()
+        self._db.execute("INSERT INTO directory VALUES (?, ?)",
+                         (directory, _stamp_signature(directory, key)))
+        for row in self._db.execute("SELECT rowid, * FROM sessions").fetchall():
+            with contextlib.suppress(TypeError, ValueError, AttributeError):
+                self._db.execute("UPDATE sessions SET checksum = ? WHERE rowid = ?",
+                                 (_row_checksum(*row[1:9], key=key), row[0]))
+        self._db.execute("DELETE FROM prefix_blocks")  # a cache: nothing to vouch for
 
     @property
     def _db(self) -> sqlite3.Connection:
@@ -226,14 +403,18 @@ class DiskTier:
         db = getattr(self._local, "db", None)
         if db is None:
             db = sqlite3.connect(self.manifest, isolation_level=None, timeout=BUSY_WAIT_S)
+            # A text field that is not UTF-8 (a damaged row) is read, not raised on: its
+            # row then fails its checksum, and the rest of the manifest stays readable.
+            db.text_factory = lambda b: b.decode("utf-8", "surrogateescape")
             db.execute("PRAGMA synchronous=FULL")
             self._local.db = db
         return db
 
     def close(self) -> None:
         """Close this thread's connection (another thread's closes with its thread)."""
-        self._db.close()
-        self._local.db = None
+        db, self._local.db = getattr(self._local, "db", None), None
+        if db is not None:
+            db.close()
 
     # ---- paths and sizes ---------------------------------------------------------------
     def block_path(self, name: str) -> Path:
@@ -259,8 +440,7 @@ class DiskTier:
              token_ids: list[int], payloads: list[bytes], window_ring_bytes: int) -> None:
         """Write (or replace) session `name`; refused before anything is written when the
         new blocks would not fit the budget."""
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"session name {name!r}: use a non-empty name without '/'")
+        check_session_name(name)
         blocks = dict(zip((hashlib.sha256(p).hexdigest() for p in payloads), payloads,
                           strict=True))
         names = [hashlib.sha256(p).hexdigest() for p in payloads]
@@ -388,22 +568,36 @@ class DiskTier:
             with self._transaction():
                 self._db.execute("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
                                  (name, len(payload)))
-                self._db.execute("INSERT OR REPLACE INTO prefix_blocks VALUES (?, ?, ?)",
-                                 (chain_hash, name, time.time()))
+                self._db.execute("INSERT OR REPLACE INTO prefix_blocks VALUES (?, ?, ?, ?)",
+                                 (chain_hash, name, time.time(),
+                                  _prefix_checksum(chain_hash, name, self._key)))
         return True
 
     def take_prefix(self, chain_hash: str) -> bytes | None:
-        """A prefix-cache block's payload, or None; a corrupt file is forgotten (for a
-        cache, a miss) rather than used."""
-        row = self._db.execute("SELECT block FROM prefix_blocks WHERE chain_hash = ?",
+        """A prefix-cache block's payload, or None. A row that is not signed, names no
+        block, or whose file is gone or corrupt is forgotten and logged (for a cache, a
+        miss) rather than used or raised into the request that reached it."""
+        row = self._db.execute("SELECT block, checksum FROM prefix_blocks WHERE chain_hash = ?",
                                (chain_hash,)).fetchone()
         if row is None:
             return None
-        try:
-            payload = self.block_path(row[0]).read_bytes()
-        except OSError:
-            payload = b""
-        if hashlib.sha256(payload).hexdigest() != row[0]:
+        block, checksum = row
+        payload, why = None, None
+        if not (isinstance(block, str) and BLOCK_NAME.fullmatch(block)
+                and isinstance(checksum, str) and hmac.compare_digest(
+                    _prefix_checksum(chain_hash, block, self._key), checksum)):
+            why = "its row is damaged or unsigned"
+        else:
+            try:
+                payload = self.block_path(block).read_bytes()
+            except OSError as e:
+                why = f"its block file cannot be read ({e.strerror or e})"
+            else:
+                if hashlib.sha256(payload).hexdigest() != block:
+                    payload, why = None, f"its block file {self.block_path(block)} is corrupt"
+        if why is not None:
+            log.warning("%s: prefix-cache entry %s dropped: %s", self.manifest,
+                        chain_hash[:16], why)
             with self._transaction():
                 self._db.execute("DELETE FROM prefix_blocks WHERE chain_hash = ?",
                                  (chain_hash,))
@@ -424,28 +618,83 @@ class DiskTier:
             "ON p.block = b.hash").fetchone()[0]
 
     def show(self, name: str) -> SavedSession:
-        row = self._db.execute("SELECT * FROM sessions WHERE name = ?", (name,)).fetchone()
+        where, param = _name_is(name)
+        row = self._db.execute(f"SELECT * FROM sessions WHERE {where}", param).fetchone()
         if row is None:
             raise ValueError(f"no saved session {name!r} in {self.root}")
-        (_, fingerprint, version, block_tokens, held, token_blob, blocks_json, ring_bytes,
+        saved = self._decode(row, self._block_sizes(name))
+        if isinstance(saved, DamagedSession):
+            raise ValueError(f"session {name!r}: {saved.reason}")
+        return saved
+
+    def sessions(self) -> list["SavedSession | DamagedSession"]:
+        """Every session row, by name, decoded defensively: a row that cannot be trusted is
+        a DamagedSession beside the intact ones. One pass over the manifest."""
+        sizes: dict[str, int] = {}
+        for session, nbytes in self._db.execute(
+                "SELECT s.session, SUM(b.nbytes) FROM session_blocks s JOIN blocks b "
+                "ON s.block = b.hash GROUP BY s.session"):
+            sizes[session] = nbytes
+        return [self._decode(row, sizes.get(row[0], 0))
+                for row in self._db.execute("SELECT * FROM sessions ORDER BY name")]
+
+    def _decode(self, row: tuple, disk_bytes: int) -> "SavedSession | DamagedSession":
+        """A session row checked field by field (types, signature, block names)."""
+        (name, fingerprint, version, block_tokens, held, token_blob, blocks_json, ring_bytes,
          saved_at, checksum) = row
-        if not hmac.compare_digest(
-                _row_checksum(name, fingerprint, version, block_tokens, held, token_blob,
-                              blocks_json, ring_bytes, self._key), checksum):
-            raise ValueError(f"session {name!r}: its record in {self.manifest} is corrupt "
-                             "(its checksum does not match)")
-        blocks = json.loads(blocks_json)
+        shown = str(name)
+        types = ((name, str), (fingerprint, str), (version, int), (block_tokens, int),
+                 (held, int), (token_blob, bytes), (blocks_json, str), (ring_bytes, int),
+                 (saved_at, (int, float)), (checksum, str))
+        if any(not isinstance(value, kind) for value, kind in types):
+            return DamagedSession(shown, f"its record in {self.manifest} is corrupt (a field "
+                                         "has the wrong type)")
+        try:
+            expected = _row_checksum(name, fingerprint, version, block_tokens, held,
+                                     token_blob, blocks_json, ring_bytes, self._key)
+        except UnicodeEncodeError:  # a text field that was not UTF-8 when read
+            expected = ""
+        if not hmac.compare_digest(expected, checksum):
+            return DamagedSession(shown, f"its record in {self.manifest} is corrupt (its "
+                                         "checksum does not match)")
+        try:
+            blocks = json.loads(blocks_json)
+        except ValueError:
+            blocks = None
+        if not isinstance(blocks, list):
+            return DamagedSession(shown, f"its record in {self.manifest} holds no block list")
+        bad = next((b for b in blocks if not (isinstance(b, str) and BLOCK_NAME.fullmatch(b))),
+                   None)
+        if bad is not None:
+            return DamagedSession(shown, f"its record in {self.manifest} names {str(bad)[:80]!r}"
+                                         ": not a block name (64 hex digits)")
         return SavedSession(name, fingerprint, version, block_tokens, held,
-                            _tokens_of(token_blob), blocks, ring_bytes, saved_at,
-                            sum(self._block_bytes(b) for b in set(blocks)))
+                            _tokens_of(token_blob), blocks, ring_bytes, float(saved_at),
+                            disk_bytes)
+
+    def _block_sizes(self, name: str) -> int:
+        if _name_is(name)[0] != "name = ?":
+            return 0  # a damaged name: no index row is under it
+        return self._db.execute(
+            "SELECT COALESCE(SUM(b.nbytes), 0) FROM session_blocks s JOIN blocks b "
+            "ON s.block = b.hash WHERE s.session = ?", (name,)).fetchone()[0]
+
+    def has(self, name: str) -> bool:
+        where, param = _name_is(name)
+        return self._db.execute(f"SELECT 1 FROM sessions WHERE {where}", param
+                                ).fetchone() is not None
 
     def names(self) -> list[str]:
         return [row[0] for row in self._db.execute("SELECT name FROM sessions ORDER BY name")]
 
     def remove(self, name: str) -> None:
+        """Remove a session, a damaged one too (its name as `names` gives it)."""
+        where, param = _name_is(name)
         with self._transaction():
-            gone = self._db.execute("DELETE FROM sessions WHERE name = ?", (name,)).rowcount
-            self._db.execute("DELETE FROM session_blocks WHERE session = ?", (name,))
+            gone = self._db.execute(f"DELETE FROM sessions WHERE {where}", param).rowcount
+            # The index rows of a name that was damaged on disk are matched by no name.
+            self._db.execute("DELETE FROM session_blocks WHERE session NOT IN "
+                             "(SELECT name FROM sessions)")
         if not gone:
             raise ValueError(f"no saved session {name!r} in {self.root}")
         self._collect_garbage()
@@ -509,8 +758,11 @@ class DiskTier:
                        and self._db.execute("SELECT 1 FROM sessions WHERE instr(blocks, ?)"
                                             " LIMIT 1", (row[0],)).fetchone() is None]
             self._db.executemany("DELETE FROM blocks WHERE hash = ?", [(b,) for b in unnamed])
-            for block in unnamed:
-                self.block_path(block).unlink(missing_ok=True)
+            # Orphaned, the rows go (the budget counts what the manifest names) but the
+            # files stay for whoever restores the manifest that names them.
+            if self.orphaned is None:
+                for block in unnamed:
+                    self.block_path(block).unlink(missing_ok=True)
 
     def _sweep_files(self) -> None:
         """At open: what killed writers left. Their pins go (writers on this host whose
@@ -540,6 +792,54 @@ class DiskTier:
                 if path.stem not in known:
                     path.unlink(missing_ok=True)
         self._collect_garbage()
+
+
+def check_session_name(name: str) -> None:
+    """Refuse a name no session may have, before any work is done under it."""
+    if (not isinstance(name, str) or not name or len(name) > 256 or "/" in name
+            or name.startswith(".") or "\0" in name):
+        raise ValueError(f"session name {str(name)[:80]!r}: use 1 to 256 characters, without "
+                         "'/' or NUL, not starting with '.'")
+
+
+def _name_is(name: str) -> tuple[str, tuple[str | bytes]]:
+    """A WHERE clause for session `name`. A name read from a damaged row may hold bytes
+    that are not UTF-8 (surrogate escapes): it is matched by its bytes, every other name
+    through the primary key."""
+    try:
+        name.encode()
+        return "name = ?", (name,)
+    except UnicodeEncodeError:
+        return "CAST(name AS BLOB) = ?", (name.encode("utf-8", "surrogateescape"),)
+
+
+def _stamp_signature(directory: str, key: bytes) -> str:
+    """What makes a manifest this directory's: its id signed with the directory's key."""
+    return hmac.new(key, b"kvstack manifest\0" + directory.encode(), hashlib.sha256).hexdigest()
+
+
+def _prefix_checksum(chain_hash: str, block: str, key: bytes) -> str:
+    return hmac.new(key, f"prefix\0{chain_hash}\0{block}".encode(), hashlib.sha256).hexdigest()
+
+
+def _owner_only(path: Path, mode: int) -> None:
+    """Close a file or directory this user owns to others (an older kvstack's were
+    readable); another owner's is left as it is."""
+    st = path.stat()
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        os.chmod(path, mode)
+
+
+@contextmanager
+def _open_lock(root: Path) -> Iterator[None]:
+    """The directory's open lock (an advisory lock on `root/lock`, released when the
+    process dies): first opens make one manifest, one key and one schema."""
+    fd = os.open(root / OPEN_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _dead_writer(writer: str, host: str) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvstack.cache.disk import DiskTier
+from kvstack.cache.disk import DiskTier, check_session_name
 from kvstack.cache.paged import PagedCache
 from kvstack.config import ModelConfig, preset
 from kvstack.engine.config import EngineConfig, retain_freed_memory
@@ -313,6 +313,7 @@ class LLM:
 
     def session(self, name: str) -> Session:
         """A new, empty session; save() stores it under `name` (replacing a saved one)."""
+        check_session_name(name)
         return Session(self, name)
 
     def resume(self, name: str) -> Session:

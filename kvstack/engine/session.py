@@ -127,7 +127,7 @@ class Session:
         """The session's bytes on each tier, and what saving its window rings as well
         would have added."""
         llm, store = self.llm, self._store()
-        disk = llm.disk.show(self.name).disk_bytes if self.name in llm.disk.names() else 0
+        disk = llm.disk.show(self.name).disk_bytes if llm.disk.has(self.name) else 0
         rings = llm.cache.layout.window_bytes_per_sequence
         return {
             "name": self.name,

@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstack.cache.disk import check_session_name
 from kvstack.engine.async_llm import AsyncLLM
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.sequence import RequestOutput
@@ -87,8 +88,10 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         # A dependency, not an HTTP middleware: those wrap the request's receive channel,
         # and a plain request could then no longer see its client hang up.
         if config.api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given, f"Bearer {config.api_key}"):
+            # Compared as bytes: a header with non-ASCII characters is a wrong key, not a
+            # TypeError.
+            given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+            if not secrets.compare_digest(given, f"Bearer {config.api_key}".encode()):
                 raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                kind="authentication_error", code="invalid_api_key")
 
@@ -180,10 +183,18 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                            f"exceeds the context of {llm.core.max_model_len} tokens",
                            "max_tokens", code="context_length_exceeded")
         params = [body.sampling(wanted, stop)]
+        if body.seed is not None and body.seed + body.n > 1 << 64:
+            raise APIError(400, f"seed {body.seed} with n={body.n}: the samples take seeds "
+                           f"seed … seed+n-1, which must stay below 2**64", "seed")
         for i in range(1, body.n):  # n samples: seeds apart, so they differ when sampled
             seed = None if body.seed is None else body.seed + i
             params.append(SamplingParams(**{**params[0].__dict__, "seed": seed}))
         name = body.session or request.headers.get(SESSION_HEADER)
+        if name is not None:
+            try:  # before the turn runs: a name that cannot be saved is refused up front
+                check_session_name(name)
+            except ValueError as e:
+                raise APIError(400, str(e), "session") from None
         if name is not None and name in sessions.busy:
             raise APIError(409, f"session {name!r} is running another request", "session",
                            code="session_busy")

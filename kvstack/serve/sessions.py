@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from kvstack.cache.disk import DamagedSession, SavedSession
 from kvstack.engine.async_llm import AsyncLLM
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.sequence import RequestOutput
@@ -65,7 +66,7 @@ class HttpSessions:
     async def _session(self, name: str) -> Session:
         if name in self.open:
             return self.open[name]
-        if name in await asyncio.to_thread(self.llm.disk.names):
+        if await asyncio.to_thread(self.llm.disk.has, name):
             try:
                 session = await asyncio.to_thread(self.llm.resume, name)
             except ValueError as e:  # corrupt, another model's, no room
@@ -78,25 +79,40 @@ class HttpSessions:
         return session
 
     def list(self) -> list[dict[str, Any]]:
-        names = sorted(set(self.open) | set(self.llm.disk.names()))
-        return [self.show(name) for name in names]
+        """Every session this process holds or the disk has, in one pass over the
+        manifest; a damaged record is listed with the reason, not raised."""
+        listed = {name: self._report(name, None) for name in self.open}
+        for saved in self.llm.disk.sessions():
+            if saved.name not in listed:
+                listed[saved.name] = self._report(saved.name, saved)
+        return [listed[name] for name in sorted(listed)]
 
     def show(self, name: str) -> dict[str, Any]:
         if name in self.open:
+            return self._report(name, None)
+        try:
+            return self._report(name, self.llm.disk.show(name))
+        except ValueError as e:
+            if not self.llm.disk.has(name):
+                raise APIError(404, f"no session {name!r}", "name",
+                               code="session_not_found") from None
+            return self._report(name, DamagedSession(name, str(e)))
+
+    def _report(self, name: str, saved: SavedSession | DamagedSession | None) -> dict[str, Any]:
+        if saved is None:
             report = self.open[name].report()
-        elif name in self.llm.disk.names():
-            saved = self.llm.disk.show(name)
+        elif isinstance(saved, DamagedSession):
+            report = {"name": name, "damaged": saved.reason}
+        else:
             report = {"name": name, "tokens": len(saved.token_ids), "device_bytes": 0,
                       "disk_bytes": saved.disk_bytes}
-        else:
-            raise APIError(404, f"no session {name!r}", "name", code="session_not_found")
         return {"id": name, "object": "session", "busy": name in self.busy, **report}
 
     async def delete(self, name: str) -> None:
         if name in self.busy:
             raise APIError(409, f"session {name!r} is running a request", "name",
                            code="session_busy")
-        on_disk = name in self.llm.disk.names()
+        on_disk = await asyncio.to_thread(self.llm.disk.has, name)
         if name not in self.open and not on_disk:
             raise APIError(404, f"no session {name!r}", "name", code="session_not_found")
         session = self.open.pop(name, None)
