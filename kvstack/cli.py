@@ -339,18 +339,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"kvstack serve needs its extra ({e.name} is missing): pip install "
                          "-e '.[serve]'") from None
 
-    if args.max_waiting < 0:
-        raise ValueError(f"--max-waiting must be 0 or more, got {args.max_waiting}")
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be 1..65535, got {args.port}")
+    from kvstack.cache.paged import parse_bytes
+
     name = args.served_model_name or (
         "kvstack-default" if args.model == "default" else Path(args.model).name)
+    config = ServeConfig(
+        name, args.api_key or os.environ.get("KVSTACK_API_KEY") or None, args.max_waiting,
+        host=args.host, port=args.port, grace_period_s=args.grace_period,
+        max_body_bytes=parse_bytes(args.max_body_size, "--max-body-size"),
+        request_timeout_s=args.request_timeout, max_connections=args.max_connections)
     engine = AsyncLLM(_load_llm(args, max_num_seqs=args.max_num_seqs))
-    config = ServeConfig(name, args.api_key or os.environ.get("KVSTACK_API_KEY") or None,
-                         args.max_waiting)
     logging.getLogger("kvstack").info("kvstack serve: %s on http://%s:%d/v1", name,
                                       args.host, args.port)
-    serve_app(build_app(engine, config), args.host, args.port, args.grace_period)
+    serve_app(build_app(engine, config), config)
     return 0
 
 
@@ -1097,6 +1098,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-period", type=float, default=30.0,
                        help="seconds a shutdown (SIGTERM) lets running requests finish "
                             "(default: %(default)s)")
+    serve.add_argument("--max-body-size", default="16MiB",
+                       help="a request body past this is refused (413) before it is read, "
+                            "as is one without the API key (401) (default: %(default)s)")
+    serve.add_argument("--request-timeout", type=float, default=30.0,
+                       help="seconds a request has to arrive whole, headers and body; a "
+                            "slower client is disconnected (default: %(default)s)")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections at most; past it a new one replaces the "
+                            "oldest that is still waiting for a request (default: "
+                            "%(default)s)")
     serve.set_defaults(run=_cmd_serve)
 
     session = sub.add_parser("session", help="saved sessions: list, show, rm, recover")

@@ -336,7 +336,8 @@ def test_bad_names_keys_and_seeds_are_400s_or_401s_not_500s(app_client):
         bad = client.post("/v1/completions", json=turn | {"session": name}, headers=auth)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "session"
     assert all(s["id"] in ("t",) for s in client.get("/v1/sessions", headers=auth).json()["data"])
-    wrong = client.post("/v1/completions", json=turn, headers={"Authorization": "Bearer sésame".encode()})
+    wrong = client.post("/v1/completions", json=turn,
+                        headers={"Authorization": "Bearer sésame".encode()})
     assert wrong.status_code == 401
     seeded = turn | {"n": 2, "seed": (1 << 64) - 1}
     refused = client.post("/v1/completions", json=seeded, headers=auth)
@@ -361,3 +362,59 @@ def test_a_damaged_session_record_is_listed_as_damaged(app_client):
     shown = client.get("/v1/sessions/hurt", headers=auth)
     assert shown.status_code == 200 and "damaged" in shown.json()
     assert client.delete("/v1/sessions/hurt", headers=auth).json()["deleted"]
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_slow_and_oversized_clients_are_cut_off_before_they_cost_anything(tmp_path):
+    s = Server(tmp_path, "--model", "tiny", "--random-init", "--api-key", "k",
+               "--max-connections", "64", "--request-timeout", "2", "--max-body-size", "1MiB")
+    try:
+        slow = []
+        for _ in range(200):  # far past the connection limit, each sending half a request
+            c = socket.create_connection(("127.0.0.1", s.port))
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            slow.append(c)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0, timeout=5)
+        out = client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert out.usage.completion_tokens == 2  # a real client still gets in
+        time.sleep(3)  # past the request deadline
+        for c in slow:
+            c.settimeout(5)
+            try:
+                assert c.recv(100) == b""  # closed by the server
+            except ConnectionResetError:
+                pass
+            c.close()
+
+        def post(body: bytes, key: str | None, chunked: bool = False) -> bytes:
+            c = socket.create_connection(("127.0.0.1", s.port))
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            head += b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
+            head += (b"Transfer-Encoding: chunked\r\n\r\n" if chunked
+                     else b"Content-Length: %d\r\n\r\n" % len(body))
+            c.sendall(head)
+            try:
+                for at in range(0, len(body), 1 << 20):
+                    part = body[at: at + (1 << 20)]
+                    c.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+            except OSError:  # the server answered and closed without reading it all
+                pass
+            c.settimeout(10)
+            status = c.recv(64).split(b"\r\n")[0]
+            c.close()
+            return status
+
+        before = _rss_bytes(s.process.pid)
+        big = b"x" * (100 << 20)
+        assert b"401" in post(big, None)
+        assert b"401" in post(big, None, chunked=True)
+        assert b"413" in post(big, "k")
+        assert b"413" in post(big, "k", chunked=True)
+        assert _rss_bytes(s.process.pid) - before < 10 << 20
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+    finally:
+        assert s.stop() == 0

@@ -14,7 +14,6 @@ import contextlib
 import itertools
 import json
 import logging
-import secrets
 import signal
 import time
 import uuid
@@ -22,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -32,6 +31,7 @@ from kvstack.engine.async_llm import AsyncLLM
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.sequence import RequestOutput
 from kvstack.serve.chat import ChatTemplate
+from kvstack.serve.guards import RequestGate, guarded_protocol
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.protocol import APIError, ChatRequest, CompletionRequest, _Request
 from kvstack.serve.sessions import HttpSessions
@@ -42,13 +42,32 @@ SESSION_HEADER = "x-kvstack-session"
 
 @dataclass(frozen=True)
 class ServeConfig:
+    """The server's settings, checked once here."""
     model_name: str  # what /v1/models lists and requests must name
     api_key: str | None = None
     max_waiting: int = 256  # requests beyond the running batch before 429
     disconnect_poll_s: float = 0.2  # how often a non-streaming request checks its client
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grace_period_s: float = 30.0  # a shutdown lets running requests finish this long
+    max_body_bytes: int = 16 << 20  # a request body past this is 413, unread
+    request_timeout_s: float = 30.0  # a request must arrive whole (headers, body) in this
+    max_connections: int = 1024  # open connections; the oldest idle one makes room
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ValueError(f"--max-waiting must be 0 or more, got {self.max_waiting}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be 1..65535, got {self.port}")
+        for name in ("grace_period_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_body_bytes", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
-def serve_app(app: FastAPI, host: str, port: int, grace_period_s: float) -> None:
+def serve_app(app: FastAPI, config: ServeConfig) -> None:
     """Run the app under uvicorn until SIGINT or SIGTERM; after a graceful shutdown the
     process exits normally (uvicorn's own handlers re-raise the signal once done, so the
     process would end killed by it)."""
@@ -65,8 +84,10 @@ def serve_app(app: FastAPI, host: str, port: int, grace_period_s: float) -> None
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
-    Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                          timeout_graceful_shutdown=grace_period_s)).run()
+    Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=config.grace_period_s,
+        http=guarded_protocol(config.request_timeout_s, config.max_connections))).run()
 
 
 def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
@@ -84,18 +105,10 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         await asyncio.to_thread(engine.shutdown)
         log.info("kvstack serve: stopped (%d sessions on disk)", len(llm.disk.names()))
 
-    async def authorise(request: Request) -> None:
-        # A dependency, not an HTTP middleware: those wrap the request's receive channel,
-        # and a plain request could then no longer see its client hang up.
-        if config.api_key is not None and request.url.path.startswith("/v1"):
-            # Compared as bytes: a header with non-ASCII characters is a wrong key, not a
-            # TypeError.
-            given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-            if not secrets.compare_digest(given, f"Bearer {config.api_key}".encode()):
-                raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                               kind="authentication_error", code="invalid_api_key")
-
-    app = FastAPI(title="kvstack", lifespan=lifespan, dependencies=[Depends(authorise)])
+    app = FastAPI(title="kvstack", lifespan=lifespan)
+    # The key and the body's size are checked before the body is read (guards.py).
+    app.add_middleware(RequestGate, api_key=config.api_key,
+                       max_body_bytes=config.max_body_bytes)
     app.state.sessions = sessions
 
     @app.exception_handler(APIError)
