@@ -318,7 +318,7 @@ def _load_llm(args: argparse.Namespace, **settings: Any) -> "LLM":
         threads=args.threads, max_model_len=args.max_model_len, compile_decode=args.compile,
         attention=args.attention, cpu_kernels=args.cpu_kernels,
         tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel,
-        **settings)
+        parallel_timeout_s=args.parallel_timeout, **settings)
     rank = int(os.environ.get("RANK", "0"))
     if config.tensor_parallel_size > 1 and rank > 0:
         from kvstack.engine.workers import ModelSource, serve_worker
@@ -995,6 +995,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel-size: whole routed experts by rank instead "
                         "of a slice of every expert")
+    p.add_argument("--parallel-timeout", type=float, default=120.0, metavar="S",
+                   help="with --tensor-parallel-size: seconds a rank may take to answer "
+                        "before the engine counts it lost (idle ranks are kept alive by a "
+                        "heartbeat) (default: %(default)s)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

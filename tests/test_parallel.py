@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -331,3 +332,22 @@ def test_torchrun_ranks_serve_what_one_process_serves(tmp_path: Path) -> None:
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert out["token_ids"] == one.generate("def f(x):", params)[0].token_ids
     assert out["memory"]["parallel"]["tensor_parallel_size"] == 2
+
+
+def test_an_idle_engine_over_two_ranks_outlives_its_timeout(tmp_path: Path) -> None:
+    llm = tp_llm(tmp_path, 2, parallel_timeout_s=3.0)
+    try:
+        first = _tokens(llm, PROMPTS[:1])
+        time.sleep(3 * 3.0 + 1)  # idle for three timeouts
+        assert llm.core.failure is None
+        assert _tokens(llm, PROMPTS[:1]) == first
+        worker = llm.runner.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)  # dies while nothing runs
+        deadline = time.time() + 30
+        while llm.core.failure is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert "rank 1" in llm.core.failure  # found by the heartbeat, before any request
+        with pytest.raises(EngineError, match="rank 1"):
+            llm.add_request(PROMPTS[1], GREEDY)
+    finally:
+        llm.close()

@@ -1,13 +1,16 @@
 """`kvstack serve` against the official openai client: real server processes on 127.0.0.1."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -384,10 +387,8 @@ def test_slow_and_oversized_clients_are_cut_off_before_they_cost_anything(tmp_pa
         time.sleep(3)  # past the request deadline
         for c in slow:
             c.settimeout(5)
-            try:
+            with contextlib.suppress(ConnectionResetError):
                 assert c.recv(100) == b""  # closed by the server
-            except ConnectionResetError:
-                pass
             c.close()
 
         def post(body: bytes, key: str | None, chunked: bool = False) -> bytes:
@@ -418,3 +419,34 @@ def test_slow_and_oversized_clients_are_cut_off_before_they_cost_anything(tmp_pa
         assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
     finally:
         assert s.stop() == 0
+
+
+def test_a_tensor_parallel_server_outlives_idleness_and_reports_a_lost_rank(tmp_path):
+    s = Server(tmp_path, "--model", "tiny-v41", "--random-init", "--tensor-parallel-size", "2",
+               "--parallel-timeout", "3")
+    try:
+        first = s.client.completions.create(model="tiny-v41", prompt="hi", max_tokens=3,
+                                            temperature=0)
+        time.sleep(3 * 3 + 1)  # idle for three timeouts
+        again = s.client.completions.create(model="tiny-v41", prompt="hi", max_tokens=3,
+                                            temperature=0)
+        assert again.choices[0].text == first.choices[0].text
+        with open(f"/proc/{s.process.pid}/task/{s.process.pid}/children") as f:
+            children = [int(pid) for pid in f.read().split()]
+        commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children}
+        rank = next(pid for pid, command in commands.items()
+                    if b"spawn_main" in command and b"resource_tracker" not in command)
+        os.kill(rank, signal.SIGKILL)
+        deadline = time.time() + 30
+        status = 200
+        while status == 200 and time.time() < deadline:
+            time.sleep(0.5)
+            try:
+                status = urllib.request.urlopen(s.url + "/health", timeout=5).status
+            except urllib.error.HTTPError as e:
+                status = e.code
+        assert status == 503  # a load balancer takes it out
+        with pytest.raises(openai.InternalServerError, match="engine has stopped"):
+            s.client.completions.create(model="tiny-v41", prompt="hi", max_tokens=3)
+    finally:
+        s.stop(signal.SIGKILL)

@@ -106,8 +106,8 @@ class EngineCore:
 
         continue_from: a finished request that kept its cache (keep_cache=True); the new
         ids follow its tokens and only they are prefilled (multi-turn chat)."""
-        if self.stopped is not None:
-            raise EngineError(self.stopped)
+        if self.failure is not None:
+            raise EngineError(self.failure)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         previous = None
@@ -224,6 +224,12 @@ class EngineCore:
                 if request_id not in self.requests:
                     raise ValueError(f"request {request_id!r} is not running")
                 self.step()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can serve nothing more (stopped, or its ranks lost while idle);
+        None while it can."""
+        return self.stopped or self.runner.lost
 
     def _stop(self, error: EngineError) -> None:
         """The engine cannot go on: every request not yet finished ends with the error

@@ -20,6 +20,8 @@ log = logging.getLogger("kvstack")
 
 
 class ModelRunner:
+    lost: str | None = None  # why this runner can make no more calls (a parallel group's)
+
     def __init__(self, model: Model, replay: str, chunk_size: int,
                  compile_decode: bool = False, attention: str = "torch",
                  max_num_seqs: int = 1, cpu_kernels: str = "torch") -> None:

@@ -12,13 +12,18 @@ collectives keep the ranks in step, and its writes land in the same rows of ever
 Workers are spawned by the LLM (one machine), or started by torchrun on every machine
 (`kvstack serve` on ranks above 0 runs `serve_worker`). A worker that dies or stops
 answering fails rank 0's next collective within `parallel_timeout_s`: the engine then
-stops with a `WorkerLost`, naming the rank.
+stops with a `WorkerLost`, naming the rank. Idleness is not a failure: the workers wait
+for the next call with the group's timeout, so while no call runs rank 0 sends an empty
+one every quarter of it (a heartbeat, which also finds a rank that died meanwhile: the
+engine then reports itself failed before the next request arrives).
 """
 
 import logging
 import multiprocessing
 import os
 import socket
+import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +60,7 @@ class WorkerLost(EngineError):
 class Call:
     """One model call, as rank 0 hands it to every rank."""
 
-    kind: str  # "prefill" | "decode" | "stop"
+    kind: str  # "prefill" | "decode" | "idle" (a heartbeat) | "stop"
     states: list[StoreState] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # prefill: the new ids; decode: one each
     blocks: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # written outside
@@ -115,6 +120,30 @@ class ParallelRunner(ModelRunner):
         # Tokens each store's mirrors already hold (a store seen first sends them all).
         self._sent: weakref.WeakKeyDictionary[PagedSequenceStore, int] = (
             weakref.WeakKeyDictionary())
+        # One collective sequence at a time: a call (its broadcast and the model's own
+        # collectives) or a heartbeat, never interleaved.
+        self._group_lock = threading.Lock()
+        self._last_call = time.monotonic()
+        self._closing = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="kvstack-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        interval = self.config.parallel_timeout_s / 4
+        while not self._closing.wait(interval / 2):
+            with self._group_lock:
+                if self.lost is not None or self._closing.is_set():
+                    return
+                if time.monotonic() - self._last_call < interval:
+                    continue
+                try:
+                    broadcast_call(Call("idle"))
+                except Exception as e:
+                    self.lost = self._why(e)
+                    log.error("kvstack engine stopped: %s", self.lost)
+                    return
+                self._last_call = time.monotonic()
 
     def prefill_store(self, store: PagedSequenceStore, fresh: list[int]) -> torch.Tensor:
         return self._run("prefill", [store], list(fresh),
@@ -134,11 +163,17 @@ class ParallelRunner(ModelRunner):
         # The model's own writes happen on every rank alike: not journalled.
         pools.journal = rings.journal = None
         try:
-            broadcast_call(call)
-            out = local()
+            with self._group_lock:
+                if self.lost is not None:  # found by the heartbeat meanwhile
+                    raise WorkerLost(self.lost)
+                broadcast_call(call)
+                out = local()
+                self._last_call = time.monotonic()
             for s in stores:  # the call added the same tokens to every mirror
                 self._sent[s] = s.num_tokens
             return out
+        except WorkerLost:
+            raise
         except Exception as e:
             self.lost = self._why(e)
             raise WorkerLost(self.lost) from e
@@ -153,7 +188,8 @@ class ParallelRunner(ModelRunner):
         """Every rank's weight and cache bytes as allocated, for memory_report (once, at
         start-up)."""
         try:
-            return gather_report(self.model, self.cache)
+            with self._group_lock:
+                return gather_report(self.model, self.cache)
         except Exception as e:
             self.lost = self._why(e)
             self.stop()
@@ -161,11 +197,14 @@ class ParallelRunner(ModelRunner):
 
     def stop(self) -> None:
         """Tell the workers to exit, and wait for them."""
-        if self.lost is None:
-            try:
-                broadcast_call(Call("stop"))
-            except Exception as e:  # already gone: nothing to tell
-                log.warning("kvstack: stopping workers: %s", e)
+        self._closing.set()
+        with self._group_lock:
+            if self.lost is None:
+                try:
+                    broadcast_call(Call("stop"))
+                except Exception as e:  # already gone: nothing to tell
+                    log.warning("kvstack: stopping workers: %s", e)
+        self._heartbeat.join()
         for p in self.workers:
             p.join(timeout=self.config.parallel_timeout_s)
             if p.is_alive():
@@ -298,6 +337,8 @@ def serve_worker(rank: int, world_size: int, address: str | None, port: int | No
         gather_report(model, cache)
         mirrors: dict[int, PagedSequenceStore] = {}
         while (call := broadcast_call(None)).kind != "stop":
+            if call.kind == "idle":
+                continue
             for slots in call.dropped:
                 cache.rings.drop(slots)
             for block, payload in call.blocks:

@@ -125,7 +125,13 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if state["admitting"] else 503)
+        # 503 while shutting down, and once the engine can serve nothing (a lost rank):
+        # a load balancer then takes this server out.
+        failure = llm.core.failure
+        if state["admitting"] and failure is None:
+            return Response(status_code=200)
+        return JSONResponse({"status": "shutting down" if failure is None else failure},
+                            status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -175,6 +181,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                            f"{config.model_name!r})", "model", code="model_not_found")
         if not state["admitting"]:
             raise APIError(503, "the server is shutting down", kind="server_error")
+        if (failure := llm.core.failure) is not None:
+            raise APIError(503, f"the engine has stopped: {failure}", kind="server_error")
         if state["in_flight"] >= limit:
             raise APIError(429, f"{state['in_flight']} requests are in flight (the limit is "
                            f"{limit}); retry shortly", kind="rate_limit_error",
