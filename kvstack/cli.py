@@ -343,8 +343,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or (
         "kvstack-default" if args.model == "default" else Path(args.model).name)
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        text = Path(args.api_key_file).expanduser().read_text()
+        keys += [line.strip() for line in text.splitlines()
+                 if line.strip() and not line.lstrip().startswith("#")]
+    if not keys and os.environ.get("KVSTACK_API_KEY"):
+        keys = [os.environ["KVSTACK_API_KEY"]]
     config = ServeConfig(
-        name, args.api_key or os.environ.get("KVSTACK_API_KEY") or None, args.max_waiting,
+        name, tuple(dict.fromkeys(keys)), args.share_prefix_cache, args.max_waiting,
         host=args.host, port=args.port, grace_period_s=args.grace_period,
         max_body_bytes=parse_bytes(args.max_body_size, "--max-body-size"),
         request_timeout_s=args.request_timeout, max_connections=args.max_connections)
@@ -1092,8 +1099,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", metavar="NAME",
                        help="the model name requests give (default: the model directory's "
                             "name, or kvstack-default for the bundled model)")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 "
-                       "(default: $KVSTACK_API_KEY, else none)")
+    serve.add_argument("--api-key", action="append",
+                       help="require 'Authorization: Bearer KEY' on /v1; repeat it (or use "
+                            "--api-key-file) for several tenants, each seeing only its own "
+                            "sessions and prefix cache (default: $KVSTACK_API_KEY, else none)")
+    serve.add_argument("--api-key-file", metavar="FILE",
+                       help="API keys, one per line ('#' starts a comment)")
+    serve.add_argument("--share-prefix-cache", action="store_true",
+                       help="with several API keys: let their requests hit each other's "
+                            "cached prompt blocks (faster, but a hit tells one tenant that "
+                            "another sent that prefix)")
     serve.add_argument("--max-num-seqs", type=_positive_int, default=32,
                        help="sequences decoded together at most (default: %(default)s)")
     serve.add_argument("--max-waiting", type=int, default=256,

@@ -289,7 +289,7 @@ def app_client(tmp_path_factory):
 
     engine = AsyncLLM(LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16,
                           cache_dir=tmp_path_factory.mktemp("app")))
-    with TestClient(build_app(engine, ServeConfig("tiny", api_key="sesame"))) as client:
+    with TestClient(build_app(engine, ServeConfig("tiny", api_keys=("sesame",)))) as client:
         yield client
 
 
@@ -450,3 +450,41 @@ def test_a_tensor_parallel_server_outlives_idleness_and_reports_a_lost_rank(tmp_
             s.client.completions.create(model="tiny-v41", prompt="hi", max_tokens=3)
     finally:
         s.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_tenants_see_only_their_own_sessions_and_prefix_cache(tmp_path, shared):
+    from fastapi.testclient import TestClient
+
+    from kvstack import AsyncLLM
+    from kvstack.serve.app import ServeConfig, build_app
+
+    engine = AsyncLLM(LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16,
+                          cache_dir=tmp_path))
+    config = ServeConfig("tiny", api_keys=("key-a", "key-b"), share_prefix_cache=shared)
+    a, b = ({"Authorization": f"Bearer key-{t}"} for t in "ab")
+    prompt = "the secret plan of tenant a is written in this prompt, " * 3
+
+    def complete(headers, text, **extra):
+        r = client.post("/v1/completions", headers=headers, json={
+            "model": "tiny", "prompt": text, "max_tokens": 2, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with TestClient(build_app(engine, config)) as client:
+        complete(a, prompt, session="agent")
+        a_tokens = client.get("/v1/sessions/agent", headers=a).json()["tokens"]
+        assert client.get("/v1/sessions", headers=b).json()["data"] == []
+        assert client.get("/v1/sessions/agent", headers=b).status_code == 404
+        assert client.delete("/v1/sessions/agent", headers=b).status_code == 404
+        complete(b, "b's own start", session="agent")  # b's "agent", not a's
+        assert client.get("/v1/sessions/agent", headers=a).json()["tokens"] == a_tokens
+        assert [s["id"] for s in client.get("/v1/sessions", headers=a).json()["data"]] == [
+            "agent"]
+        guess = complete(b, prompt[:-5])  # a guessed prefix of a's prompt
+        cached = guess["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (cached > 0) if shared else (cached == 0)
+        again = complete(a, prompt[:-5])
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert client.delete("/v1/sessions/agent", headers=a).json()["deleted"]
+        assert client.get("/v1/sessions/agent", headers=b).json()["tokens"] > 0

@@ -21,7 +21,7 @@ import torch
 from kvstack.cache.disk import DiskTier
 from kvstack.cache.host import HostTier
 from kvstack.cache.layout import CacheLayout
-from kvstack.cache.prefix import block_hashes
+from kvstack.cache.prefix import block_hashes, salted_seed
 from kvstack.cache.rows import PackedRows, PartialGroups, WindowRings
 from kvstack.cache.store import KVStore
 from kvstack.config import ModelConfig
@@ -201,6 +201,7 @@ class PagedSequenceStore(KVStore):
         self.max_tokens = max_tokens
         self._len = {s.layer: 0 for s in pools.layout.streams}
         self.block_hashes: list[bytes] = []  # chain hashes of the full blocks registered
+        self.prefix_seed: bytes | None = None  # its chain's seed (salted); None: not cached
         # Set when the streams hold tokens the window rings never saw (a prefix-cache
         # hit): the runner rebuilds the rings by replay before anything else.
         self.needs_replay = False
@@ -466,12 +467,16 @@ class PagedCache:
     def capacity_tokens(self) -> int:
         return self.pools.capacity_tokens
 
-    def open_sequence(self) -> PagedSequenceStore:
+    def open_sequence(self, cache_salt: str | None = None) -> PagedSequenceStore:
+        """A store for a new sequence; its full blocks are named in the prefix cache under
+        `cache_salt`'s chain (found only by requests of the same salt)."""
         if not self._free_slots:
             raise ValueError("no free window-ring slot: max_num_seqs sequences are running")
         slot = self._free_slots.pop()
         store = PagedSequenceStore(self.config, self.pools, self.manager, self.rings,
                                    self.partials, slot, self.config.max_seq_len)
+        if self.prefix_seed is not None:
+            store.prefix_seed = salted_seed(self.prefix_seed, cache_salt)
         self.open[id(store)] = (store, slot)
         return store
 
@@ -556,10 +561,11 @@ class PagedCache:
         return [self.pools.read_block(b, min(per, held - i * per)).cpu().numpy().tobytes()
                 for i, b in enumerate(blocks)]
 
-    def restore(self, payloads: list[bytes], token_ids: list[int]) -> PagedSequenceStore:
+    def restore(self, payloads: list[bytes], token_ids: list[int],
+                cache_salt: str | None = None) -> PagedSequenceStore:
         """A store holding saved blocks (block_payloads) of token_ids, its window state to
         be rebuilt by replay; the caller has made room (a ring slot and the blocks)."""
-        store = self.open_sequence()
+        store = self.open_sequence(cache_salt)
         blocks = self.manager.allocate(len(payloads))
         for block, payload in zip(blocks, payloads, strict=True):
             self.pools.write_block(block, payload)
@@ -584,10 +590,10 @@ class PagedCache:
         """Start an empty store on the longest cached run of token_ids' full blocks (the
         device's first, then those the host tier kept), leaving at least the last token
         to compute (its logits are needed); the number of tokens reused."""
-        if self.prefix_seed is None:
+        if store.prefix_seed is None:
             return 0
         usable = token_ids[: len(token_ids) - 1]
-        hashes = block_hashes(self.prefix_seed, usable, self.block_tokens)
+        hashes = block_hashes(store.prefix_seed, usable, self.block_tokens)
         blocks: list[int] = []
         for chain_hash in hashes:
             if chain_hash in self.manager.cached:
@@ -636,12 +642,12 @@ class PagedCache:
 
     def register_full_blocks(self, store: PagedSequenceStore) -> None:
         """Name the store's newly completed blocks in the prefix index."""
-        if self.prefix_seed is None:
+        if store.prefix_seed is None:
             return
         done = len(store.block_hashes)
         if store.num_tokens // self.block_tokens <= done:
             return
-        store.block_hashes = block_hashes(self.prefix_seed, store.held_ids, self.block_tokens,
+        store.block_hashes = block_hashes(store.prefix_seed, store.held_ids, self.block_tokens,
                                           store.block_hashes)
         for i in range(done, len(store.block_hashes)):
             self.manager.register(store.block_table[i], store.block_hashes[i])

@@ -16,6 +16,15 @@ def chain_seed(model_fingerprint: str, block_tokens: int) -> bytes:
     return hashlib.sha256(f"kvstack-prefix-v1|{model_fingerprint}|{block_tokens}".encode()).digest()
 
 
+def salted_seed(seed: bytes, cache_salt: str | None) -> bytes:
+    """The chain's seed for requests that share a cache salt: requests of different salts
+    (tenants of one server) never find each other's blocks, so a hit reveals nothing of
+    another tenant's prompts."""
+    if cache_salt is None:
+        return seed
+    return hashlib.sha256(seed + b"|salt|" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
 def block_hashes(seed: bytes, token_ids: list[int], block_tokens: int,
                  known: list[bytes] | None = None) -> list[bytes]:
     """Chain hashes of every full block of token_ids; `known` (the hashes of the first

@@ -39,12 +39,14 @@ class AsyncLLM:
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, continue_from: str | None = None,
-                       keep_cache: bool = False) -> AsyncIterator[RequestOutput]:
+                       keep_cache: bool = False,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them, the final one last. A bad prompt
         raises ValueError before anything is queued, a request the engine refuses (too
         long, an unknown conversation) ValueError at the first step; a caller that stops
         iterating early (a closed connection) aborts the request. continue_from /
-        keep_cache: as `LLM.add_request`'s (a conversation kept in the cache)."""
+        keep_cache / cache_salt: as `LLM.add_request`'s (a conversation kept in the cache;
+        the prefix-cache partition)."""
         if self._closed:
             raise EngineError("the engine is shut down")
         loop = asyncio.get_running_loop()
@@ -58,7 +60,7 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else f"async-{uuid.uuid4().hex}"
         self._inbox.put(("add", (ids, sampling_params, request_id, continue_from,
                                  keep_cache, prompt if isinstance(prompt, str) else None,
-                                 deliver)))
+                                 cache_salt, deliver)))
         finished = False
         try:
             while not finished:
@@ -116,7 +118,7 @@ class AsyncLLM:
             self.core.abort(what)
             self.core.router.forget(what)
             return
-        ids, params, request_id, continue_from, keep_cache, text, deliver = what
+        ids, params, request_id, continue_from, keep_cache, text, cache_salt, deliver = what
 
         def route(out: RequestOutput) -> None:
             if out.finished:
@@ -125,7 +127,8 @@ class AsyncLLM:
 
         try:
             self.core.add_request(ids, params or SamplingParams(), text, request_id,
-                                  continue_from, keep_cache, on_output=route)
+                                  continue_from, keep_cache, on_output=route,
+                                  cache_salt=cache_salt)
         except (ValueError, EngineError) as error:  # refused, or the engine has stopped
             deliver(error)
             return

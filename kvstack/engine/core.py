@@ -98,14 +98,18 @@ class EngineCore:
     def add_request(self, ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None, continue_from: str | None = None,
                     keep_cache: bool = False, watch: bool = False,
-                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+                    on_output: Callable[[RequestOutput], None] | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a request of token ids; it joins the running batch at the next step. Bad
         input raises ValueError here, before anything is queued. `watch`: route its
         outputs to `wait` (front ends that wait on it say so); `on_output`: hand each of
         its outputs to this callback, on the thread of the step that made it.
 
         continue_from: a finished request that kept its cache (keep_cache=True); the new
-        ids follow its tokens and only they are prefilled (multi-turn chat)."""
+        ids follow its tokens and only they are prefilled (multi-turn chat), in the
+        conversation's own cache salt. cache_salt: the prefix-cache partition the request
+        reads and adds to (None: the shared one); requests of other salts never hit its
+        blocks (tenants of one server)."""
         if self.failure is not None:
             raise EngineError(self.failure)
         if not isinstance(params, SamplingParams):
@@ -130,8 +134,10 @@ class EngineCore:
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
+        if previous is not None:  # a conversation stays in its own partition
+            cache_salt = previous.cache_salt
         seq = Sequence(request_id, ids, params, prompt, generator=generator,
-                       keep_cache=keep_cache,
+                       keep_cache=keep_cache, cache_salt=cache_salt,
                        detokenizer=Detokenizer(self.tokenizer, tuple(params.stop)))
         if previous is not None:
             # The kept store (if not evicted for room meanwhile) moves to the new request.

@@ -152,7 +152,8 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, continue_from: str | None = None,
                     keep_cache: bool = False, watch: bool = False,
-                    on_output: Callable[[RequestOutput], None] | None = None) -> str:
+                    on_output: Callable[[RequestOutput], None] | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a request; it joins the running batch at the next step. Bad input raises
         ValueError here, before anything is queued.
 
@@ -161,12 +162,13 @@ class LLM:
         watch: its outputs wait for `wait(request_id)` (front ends that run requests to
         their end say so; step() returns every output either way). on_output: a callback
         each of its outputs is handed to, on the thread of the step that made it.
+        cache_salt: the prefix-cache partition (as EngineCore.add_request's).
         """
         # A continuation may add nothing: the previous turn's last token is still to feed.
         ids = [] if continue_from is not None and not prompt else self.encode(prompt)
         return self.core.add_request(ids, params or SamplingParams(),
                                      prompt if isinstance(prompt, str) else None, request_id,
-                                     continue_from, keep_cache, watch, on_output)
+                                     continue_from, keep_cache, watch, on_output, cache_salt)
 
     def wait(self, request_id: str) -> RequestOutput:
         """The watched request's newest output, running steps until there is one."""
@@ -311,14 +313,15 @@ class LLM:
             self._disk = DiskTier(self.cache_dir, self.engine_config.disk_budget_bytes)
         return self._disk
 
-    def session(self, name: str) -> Session:
-        """A new, empty session; save() stores it under `name` (replacing a saved one)."""
+    def session(self, name: str, cache_salt: str | None = None) -> Session:
+        """A new, empty session; save() stores it under `name` (replacing a saved one).
+        cache_salt: the prefix-cache partition its turns use."""
         check_session_name(name)
-        return Session(self, name)
+        return Session(self, name, cache_salt=cache_salt)
 
-    def resume(self, name: str) -> Session:
+    def resume(self, name: str, cache_salt: str | None = None) -> Session:
         """A saved session, from this process or another: its stream blocks go back into
         the pool and its next turn rebuilds the window rings by replay. Refused with a
         clear error if it is corrupt or was saved by another model or format version."""
         with self.core.lock:
-            return resume_session(self, name)
+            return resume_session(self, name, cache_salt)

@@ -35,6 +35,7 @@ class Sequence:
     store: PagedSequenceStore | None = None  # while it holds cache
     generator: torch.Generator | None = None
     keep_cache: bool = False  # keep the store after finishing, for a follow-up turn
+    cache_salt: str | None = None  # the prefix-cache partition it reads and writes
     preemptions: int = 0
     faults: int = 0  # steps that failed while advancing it (rolled back, recomputed)
     suspect: bool = False  # its last batch failed: it decodes alone next

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 class Session:
     def __init__(self, llm: "LLM", name: str, token_ids: list[int] | None = None,
-                 request_id: str | None = None) -> None:
-        self.llm, self.name = llm, name
+                 request_id: str | None = None, cache_salt: str | None = None) -> None:
+        self.llm, self.name, self.cache_salt = llm, name, cache_salt
         self.token_ids: list[int] = list(token_ids or [])  # every token so far
         self._pending: list[int] = []  # appended, not yet fed to the model
         self._request_id = request_id  # the finished request that keeps the cache
@@ -53,7 +53,7 @@ class Session:
                                              continue_from=self._request_id, watch=True)
             else:  # a new session, or its cache was dropped: the prefix cache may help
                 request_id = llm.add_request(self.token_ids, params, keep_cache=True,
-                                             watch=True)
+                                             watch=True, cache_salt=self.cache_salt)
         except ValueError:  # refused (too long, say): the conversation is as it was
             self.token_ids = self.token_ids[: len(self.token_ids) - len(self._pending)]
             self._pending = []
@@ -139,7 +139,7 @@ class Session:
         }
 
 
-def resume_session(llm: "LLM", name: str) -> Session:
+def resume_session(llm: "LLM", name: str, cache_salt: str | None = None) -> Session:
     """`LLM.resume`: the saved blocks back into the pool as a kept request."""
     saved, payloads = llm.disk.load(name, llm.fingerprint)
     core = llm.core
@@ -150,14 +150,15 @@ def resume_session(llm: "LLM", name: str) -> Session:
         raise ValueError(f"session {name!r} holds {len(saved.token_ids)} tokens, at or "
                          f"over {core.limit_name} {core.max_model_len}")
     seq = Sequence("", saved.token_ids, SamplingParams(max_tokens=1), status=Status.FINISHED,
-                   finish_reason="resumed")
+                   finish_reason="resumed", cache_salt=cache_salt)
     if payloads:
         if not core.scheduler.reclaim(len(payloads)):
             raise ValueError(f"session {name!r} needs {len(payloads)} blocks and a window "
                              f"slot; the device pool has {llm.cache.free_blocks} free "
                              "blocks with the running requests")
-        seq.store = llm.cache.restore(payloads, saved.token_ids[: saved.held_tokens])
+        seq.store = llm.cache.restore(payloads, saved.token_ids[: saved.held_tokens],
+                                      cache_salt)
     request_id = core.adopt(seq)
     if payloads:
         core.scheduler.keep(seq)
-    return Session(llm, name, saved.token_ids, request_id)
+    return Session(llm, name, saved.token_ids, request_id, cache_salt)

@@ -44,7 +44,8 @@ SESSION_HEADER = "x-kvstack-session"
 class ServeConfig:
     """The server's settings, checked once here."""
     model_name: str  # what /v1/models lists and requests must name
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens /v1; with several, one tenant each
+    share_prefix_cache: bool = False  # tenants' prompts hit each other's cached blocks
     max_waiting: int = 256  # requests beyond the running batch before 429
     disconnect_poll_s: float = 0.2  # how often a non-streaming request checks its client
     host: str = "127.0.0.1"
@@ -55,6 +56,9 @@ class ServeConfig:
     max_connections: int = 1024  # open connections; the oldest idle one makes room
 
     def __post_init__(self) -> None:
+        for key in self.api_keys:
+            if not key or not key.isascii() or not key.isprintable() or " " in key:
+                raise ValueError("an API key must be printable ASCII without spaces")
         if self.max_waiting < 0:
             raise ValueError(f"--max-waiting must be 0 or more, got {self.max_waiting}")
         if not 0 < self.port < 65536:
@@ -107,8 +111,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="kvstack", lifespan=lifespan)
     # The key and the body's size are checked before the body is read (guards.py).
-    app.add_middleware(RequestGate, api_key=config.api_key,
+    app.add_middleware(RequestGate, api_keys=config.api_keys,
                        max_body_bytes=config.max_body_bytes)
+
+    def tenant(request: Request) -> str | None:
+        return getattr(request.state, "tenant", None)
     app.state.sessions = sessions
 
     @app.exception_handler(APIError)
@@ -145,16 +152,17 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
              "max_model_len": llm.core.max_model_len}]}
 
     @app.get("/v1/sessions")
-    async def list_sessions() -> dict[str, Any]:
-        return {"object": "list", "data": await asyncio.to_thread(sessions.list)}
+    async def list_sessions(request: Request) -> dict[str, Any]:
+        return {"object": "list",
+                "data": await asyncio.to_thread(sessions.list, tenant(request))}
 
     @app.get("/v1/sessions/{name}")
-    async def show_session(name: str) -> dict[str, Any]:
-        return await asyncio.to_thread(sessions.show, name)
+    async def show_session(name: str, request: Request) -> dict[str, Any]:
+        return await asyncio.to_thread(sessions.show, tenant(request), name)
 
     @app.delete("/v1/sessions/{name}")
-    async def delete_session(name: str) -> dict[str, Any]:
-        await sessions.delete(name)
+    async def delete_session(name: str, request: Request) -> dict[str, Any]:
+        await sessions.delete(tenant(request), name)
         return {"id": name, "object": "session", "deleted": True}
 
     @app.post("/v1/completions")
@@ -216,10 +224,16 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                 check_session_name(name)
             except ValueError as e:
                 raise APIError(400, str(e), "session") from None
-        if name is not None and name in sessions.busy:
-            raise APIError(409, f"session {name!r} is running another request", "session",
-                           code="session_busy")
-        run = Run(engine, sessions, metrics, name, ids, params, body, kind)
+            if sessions.stored(tenant(request), name) in sessions.busy:
+                raise APIError(409, f"session {name!r} is running another request",
+                               "session", code="session_busy")
+        # Each tenant's prompts hit only its own cached blocks (unless the operator shares
+        # them); a request's own cache_salt narrows that further, as in vLLM.
+        salts = [s for s in (None if config.share_prefix_cache else tenant(request),
+                             body.cache_salt) if s is not None]
+        cache_salt = "|".join(salts) if salts else None
+        run = Run(engine, sessions, metrics, name, ids, params, body, kind, tenant(request),
+                  cache_salt)
         state["in_flight"] += 1
 
         def finished() -> None:
@@ -244,8 +258,10 @@ class Run:
 
     def __init__(self, engine: AsyncLLM, sessions: HttpSessions, metrics: ServerMetrics,
                  session: str | None, ids: list[int], params: list[SamplingParams],
-                 body: _Request, kind: str) -> None:
+                 body: _Request, kind: str, tenant: str | None = None,
+                 cache_salt: str | None = None) -> None:
         self.engine, self.sessions, self.metrics = engine, sessions, metrics
+        self.tenant, self.cache_salt = tenant, cache_salt
         self.session, self.ids, self.params, self.body, self.kind = (
             session, ids, params, body, kind)
         self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
@@ -257,9 +273,11 @@ class Run:
         """Engine outputs of choice `index`, with the latency metrics recorded."""
         start = last = time.perf_counter()
         if self.session is not None:
-            outputs = self.sessions.turn(self.session, self.ids, self.params[0])
+            outputs = self.sessions.turn(self.tenant, self.session, self.ids, self.params[0],
+                                         self.cache_salt)
         else:
-            outputs = self.engine.generate(self.ids, self.params[index])
+            outputs = self.engine.generate(self.ids, self.params[index],
+                                           cache_salt=self.cache_salt)
         async with contextlib.aclosing(outputs) as stream:
             async for out in stream:
                 now = time.perf_counter()

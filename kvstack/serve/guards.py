@@ -11,10 +11,13 @@ the checks a request passes before its body is read.
   slow connections therefore never locks a real client out.
 - The API key is checked from the headers, then the body's size (Content-Length, or the
   bytes as they arrive), before any of the body is read or parsed: an unauthenticated or
-  oversized body costs the server neither memory nor parsing.
+  oversized body costs the server neither memory nor parsing. With several keys, the
+  request's tenant (a digest of its key, never the key) goes to the app in
+  `scope["state"]["tenant"]`.
 """
 
 import asyncio
+import hashlib
 import json
 import secrets
 import time
@@ -75,27 +78,40 @@ def guarded_protocol(request_timeout_s: float, max_connections: int) -> type[H11
     return GuardedProtocol
 
 
+def tenant_of(api_key: str) -> str:
+    """The name a key's sessions and prefix-cache partition go under (a digest: the key
+    itself is never stored)."""
+    return hashlib.sha256(b"kvstack-tenant|" + api_key.encode()).hexdigest()[:16]
+
+
 class RequestGate:
-    """ASGI middleware: the API key (when one is set) and the body limit, checked for
+    """ASGI middleware: the API key (when keys are set) and the body limit, checked for
     every `/v1` request before its body is read; the body is then read whole (at most
     `max_body_bytes`) and handed on, so what follows never sees more."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], max_body_bytes: int) -> None:
         self.app, self.max_body_bytes = app, max_body_bytes
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        # Bearer header -> tenant; one key is one tenant, shown as none.
+        self.tenants = {f"Bearer {k}".encode(): tenant_of(k) if len(api_keys) > 1 else None
+                        for k in api_keys}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1"):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        # Compared as bytes: a header with non-ASCII characters is a wrong key, not an error.
-        if self.expected is not None and not secrets.compare_digest(
-                headers.get(b"authorization", b""), self.expected):
-            await _refuse(send, APIError(401, "missing or wrong API key (Authorization: "
-                                              "Bearer ...)", kind="authentication_error",
-                                         code="invalid_api_key"))
-            return
+        if self.tenants:
+            # Compared as bytes (a header with non-ASCII characters is a wrong key, not an
+            # error), with every key, so the time taken says nothing of which one matched.
+            given = headers.get(b"authorization", b"")
+            matched = [t for bearer, t in self.tenants.items()
+                       if secrets.compare_digest(given, bearer)]
+            if not matched:
+                await _refuse(send, APIError(401, "missing or wrong API key (Authorization: "
+                                                  "Bearer ...)", kind="authentication_error",
+                                             code="invalid_api_key"))
+                return
+            scope.setdefault("state", {})["tenant"] = matched[0]
         too_large = APIError(413, f"the request body is larger than {self.max_body_bytes:,} "
                                   "bytes (kvstack serve --max-body-size)",
                              kind="invalid_request_error", code="request_too_large")

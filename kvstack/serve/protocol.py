@@ -64,6 +64,8 @@ class _Request(BaseModel):
     return_token_ids: bool = False
     session: str | None = Field(None, min_length=1, max_length=200)
     user: str | None = None  # an end-user id for the operator's logs; it changes nothing
+    # vLLM's: requests hit only prefix-cache blocks written under the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     def check(self) -> None:
         """Refuse unknown fields and unsupported ones that are set, by name."""

@@ -27,20 +27,31 @@ if TYPE_CHECKING:
 
 
 class HttpSessions:
+    """Sessions by name. With several API keys each key's sessions live under its tenant
+    (stored as "<tenant>:<name>"): a client sees, runs, overwrites and deletes only its
+    own, and asking for another's is a 404 like a name that does not exist."""
+
     def __init__(self, engine: AsyncLLM, metrics: "ServerMetrics") -> None:
         self.engine, self.llm, self.metrics = engine, engine.llm, metrics
-        self.open: dict[str, Session] = {}  # sessions this process holds
-        self.busy: set[str] = set()
+        self.open: dict[str, Session] = {}  # sessions this process holds, by stored name
+        self.busy: set[str] = set()  # stored names
 
-    async def turn(self, name: str, ids: list[int],
-                   params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    @staticmethod
+    def stored(tenant: str | None, name: str) -> str:
+        """The name a tenant's session is kept under (tenant None: the name itself)."""
+        return name if tenant is None else f"{tenant}:{name}"
+
+    async def turn(self, tenant: str | None, name: str, ids: list[int],
+                   params: SamplingParams,
+                   cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Run one turn of the session on the conversation `ids`; its outputs."""
-        if name in self.busy:
+        key = self.stored(tenant, name)
+        if key in self.busy:
             raise APIError(409, f"session {name!r} is running another request", "session",
                            code="session_busy")
-        self.busy.add(name)
+        self.busy.add(key)
         try:
-            session = await self._session(name)
+            session = await self._session(key, name, cache_salt)
             tokens, kept = session.token_ids, session.kept_request
             extends = (kept is not None and self.llm.has_request(kept)
                        and len(ids) >= len(tokens) and ids[: len(tokens)] == tokens)
@@ -49,7 +60,8 @@ class HttpSessions:
                                                continue_from=kept, keep_cache=True)
             else:
                 session.close()
-                outputs = self.engine.generate(ids, params, keep_cache=True)
+                outputs = self.engine.generate(ids, params, keep_cache=True,
+                                               cache_salt=cache_salt)
             final = None
             async with contextlib.aclosing(outputs) as stream:
                 async for out in stream:
@@ -61,62 +73,68 @@ class HttpSessions:
                 await asyncio.to_thread(session.save)
                 self.metrics.sessions_saved.inc()
         finally:
-            self.busy.discard(name)
+            self.busy.discard(key)
 
-    async def _session(self, name: str) -> Session:
-        if name in self.open:
-            return self.open[name]
-        if await asyncio.to_thread(self.llm.disk.has, name):
+    async def _session(self, key: str, name: str, cache_salt: str | None) -> Session:
+        if key in self.open:
+            return self.open[key]
+        if await asyncio.to_thread(self.llm.disk.has, key):
             try:
-                session = await asyncio.to_thread(self.llm.resume, name)
+                session = await asyncio.to_thread(self.llm.resume, key, cache_salt)
             except ValueError as e:  # corrupt, another model's, no room
                 raise APIError(409, f"session {name!r} cannot be resumed: {e}", "session",
                                code="session_unavailable") from None
             self.metrics.sessions_resumed.inc()
         else:
-            session = self.llm.session(name)
-        self.open[name] = session
+            session = self.llm.session(key, cache_salt)
+        self.open[key] = session
         return session
 
-    def list(self) -> list[dict[str, Any]]:
-        """Every session this process holds or the disk has, in one pass over the
-        manifest; a damaged record is listed with the reason, not raised."""
-        listed = {name: self._report(name, None) for name in self.open}
+    def list(self, tenant: str | None) -> list[dict[str, Any]]:
+        """The tenant's sessions, held here or on disk, in one pass over the manifest; a
+        damaged record is listed with the reason, not raised."""
+        mine = (lambda key: True) if tenant is None else (
+            lambda key: key.startswith(f"{tenant}:"))
+        listed = {key: self._report(tenant, key, None) for key in self.open if mine(key)}
         for saved in self.llm.disk.sessions():
-            if saved.name not in listed:
-                listed[saved.name] = self._report(saved.name, saved)
-        return [listed[name] for name in sorted(listed)]
+            if saved.name not in listed and mine(saved.name):
+                listed[saved.name] = self._report(tenant, saved.name, saved)
+        return [listed[key] for key in sorted(listed)]
 
-    def show(self, name: str) -> dict[str, Any]:
-        if name in self.open:
-            return self._report(name, None)
+    def show(self, tenant: str | None, name: str) -> dict[str, Any]:
+        key = self.stored(tenant, name)
+        if key in self.open:
+            return self._report(tenant, key, None)
         try:
-            return self._report(name, self.llm.disk.show(name))
+            return self._report(tenant, key, self.llm.disk.show(key))
         except ValueError as e:
-            if not self.llm.disk.has(name):
+            if not self.llm.disk.has(key):
                 raise APIError(404, f"no session {name!r}", "name",
                                code="session_not_found") from None
-            return self._report(name, DamagedSession(name, str(e)))
+            return self._report(tenant, key, DamagedSession(key, str(e)))
 
-    def _report(self, name: str, saved: SavedSession | DamagedSession | None) -> dict[str, Any]:
+    def _report(self, tenant: str | None, key: str,
+                saved: SavedSession | DamagedSession | None) -> dict[str, Any]:
+        name = key if tenant is None else key.removeprefix(f"{tenant}:")
         if saved is None:
-            report = self.open[name].report()
+            report = self.open[key].report() | {"name": name}
         elif isinstance(saved, DamagedSession):
             report = {"name": name, "damaged": saved.reason}
         else:
             report = {"name": name, "tokens": len(saved.token_ids), "device_bytes": 0,
                       "disk_bytes": saved.disk_bytes}
-        return {"id": name, "object": "session", "busy": name in self.busy, **report}
+        return {"id": name, "object": "session", "busy": key in self.busy, **report}
 
-    async def delete(self, name: str) -> None:
-        if name in self.busy:
+    async def delete(self, tenant: str | None, name: str) -> None:
+        key = self.stored(tenant, name)
+        if key in self.busy:
             raise APIError(409, f"session {name!r} is running a request", "name",
                            code="session_busy")
-        on_disk = await asyncio.to_thread(self.llm.disk.has, name)
-        if name not in self.open and not on_disk:
+        on_disk = await asyncio.to_thread(self.llm.disk.has, key)
+        if key not in self.open and not on_disk:
             raise APIError(404, f"no session {name!r}", "name", code="session_not_found")
-        session = self.open.pop(name, None)
+        session = self.open.pop(key, None)
         if session is not None:
             await asyncio.to_thread(session.close)
         if on_disk:
-            await asyncio.to_thread(self.llm.disk.remove, name)
+            await asyncio.to_thread(self.llm.disk.remove, key)
