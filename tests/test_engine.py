@@ -1,6 +1,7 @@
 """The engine: paged cache, continuous batching, preemption, the LLM API, measured bytes."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -229,6 +230,21 @@ def test_model_directories_with_missing_or_mismatched_files(tmp_path):
         LLM(tmp_path, kv_budget="1MiB", block_tokens=16)
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         LLM("huge", random_init=True)
+
+
+def test_a_fifo_for_weights_and_a_config_past_memory_are_refused_not_hung(tmp_path):
+    from kvstack.engine.tokenizer import byte_level_tokenizer_json
+
+    LLM("tiny", random_init=True, kv_budget="1MiB", block_tokens=16).model.save_pretrained(
+        tmp_path)
+    (tmp_path / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    (tmp_path / "model.safetensors").unlink()
+    os.mkfifo(tmp_path / "model.safetensors")  # opening it for reading would block
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a regular file"):
+        LLM(tmp_path, kv_budget="1MiB", block_tokens=16)
+    huge = preset("tiny-v41").replace(n_routed_experts=1_000_000)
+    with pytest.raises(ValueError, match="GiB, more than this machine's"):
+        LLM(huge, random_init=True, kv_budget="1MiB")
 
 
 def test_budget_and_block_size_are_checked():

@@ -488,3 +488,28 @@ def test_tenants_see_only_their_own_sessions_and_prefix_cache(tmp_path, shared):
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert client.delete("/v1/sessions/agent", headers=a).json()["deleted"]
         assert client.get("/v1/sessions/agent", headers=b).json()["tokens"] > 0
+
+
+def test_sessions_under_load_are_saved_with_their_cache_blocks(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from kvstack import AsyncLLM
+    from kvstack.cache.disk import DiskTier
+    from kvstack.serve.app import ServeConfig, build_app
+
+    # Two slots for eight clients: every finished turn's kept cache is wanted at once by
+    # a waiting request.
+    engine = AsyncLLM(LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16,
+                          cache_dir=tmp_path, max_num_seqs=2))
+    with TestClient(build_app(engine, ServeConfig("tiny"))) as client:
+        def turn(i: int) -> int:
+            return client.post("/v1/completions", json={
+                "model": "tiny", "prompt": f"session {i} " * 8, "max_tokens": 4,
+                "ignore_eos": True, "session": f"s{i}"}).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(turn, range(8))) == [200] * 8
+    disk = DiskTier(tmp_path, 1 << 30)
+    assert all(disk.show(f"s{i}").held_tokens > 0 for i in range(8))

@@ -40,13 +40,14 @@ class AsyncLLM:
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, continue_from: str | None = None,
                        keep_cache: bool = False,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None,
+                       hold_kept: bool = False) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them, the final one last. A bad prompt
         raises ValueError before anything is queued, a request the engine refuses (too
         long, an unknown conversation) ValueError at the first step; a caller that stops
         iterating early (a closed connection) aborts the request. continue_from /
-        keep_cache / cache_salt: as `LLM.add_request`'s (a conversation kept in the cache;
-        the prefix-cache partition)."""
+        keep_cache / cache_salt / hold_kept: as `EngineCore.add_request`'s (a conversation
+        kept in the cache; the prefix-cache partition; kept until saved)."""
         if self._closed:
             raise EngineError("the engine is shut down")
         loop = asyncio.get_running_loop()
@@ -60,7 +61,7 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else f"async-{uuid.uuid4().hex}"
         self._inbox.put(("add", (ids, sampling_params, request_id, continue_from,
                                  keep_cache, prompt if isinstance(prompt, str) else None,
-                                 cache_salt, deliver)))
+                                 cache_salt, hold_kept, deliver)))
         finished = False
         try:
             while not finished:
@@ -118,7 +119,8 @@ class AsyncLLM:
             self.core.abort(what)
             self.core.router.forget(what)
             return
-        ids, params, request_id, continue_from, keep_cache, text, cache_salt, deliver = what
+        (ids, params, request_id, continue_from, keep_cache, text, cache_salt, hold_kept,
+         deliver) = what
 
         def route(out: RequestOutput) -> None:
             if out.finished:
@@ -128,7 +130,7 @@ class AsyncLLM:
         try:
             self.core.add_request(ids, params or SamplingParams(), text, request_id,
                                   continue_from, keep_cache, on_output=route,
-                                  cache_salt=cache_salt)
+                                  cache_salt=cache_salt, hold_kept=hold_kept)
         except (ValueError, EngineError) as error:  # refused, or the engine has stopped
             deliver(error)
             return

@@ -99,7 +99,7 @@ class EngineCore:
                     request_id: str | None = None, continue_from: str | None = None,
                     keep_cache: bool = False, watch: bool = False,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, hold_kept: bool = False) -> str:
         """Queue a request of token ids; it joins the running batch at the next step. Bad
         input raises ValueError here, before anything is queued. `watch`: route its
         outputs to `wait` (front ends that wait on it say so); `on_output`: hand each of
@@ -109,7 +109,8 @@ class EngineCore:
         ids follow its tokens and only they are prefilled (multi-turn chat), in the
         conversation's own cache salt. cache_salt: the prefix-cache partition the request
         reads and adds to (None: the shared one); requests of other salts never hit its
-        blocks (tenants of one server)."""
+        blocks (tenants of one server). hold_kept: with keep_cache, the kept cache is not
+        evicted for room until `release_hold` (or a few seconds): its owner saves it."""
         if self.failure is not None:
             raise EngineError(self.failure)
         if not isinstance(params, SamplingParams):
@@ -137,7 +138,7 @@ class EngineCore:
         if previous is not None:  # a conversation stays in its own partition
             cache_salt = previous.cache_salt
         seq = Sequence(request_id, ids, params, prompt, generator=generator,
-                       keep_cache=keep_cache, cache_salt=cache_salt,
+                       keep_cache=keep_cache, cache_salt=cache_salt, hold_kept=hold_kept,
                        detokenizer=Detokenizer(self.tokenizer, tuple(params.stop)))
         if previous is not None:
             # The kept store (if not evicted for room meanwhile) moves to the new request.
@@ -152,6 +153,12 @@ class EngineCore:
             self.router.subscribe(request_id, on_output)
         self.scheduler.add(seq)
         return request_id
+
+    @locked
+    def release_hold(self, request_id: str) -> None:
+        """Its owner has saved the kept cache: it may be evicted for room again."""
+        if (seq := self.requests.get(request_id)) is not None:
+            seq.hold_kept = False
 
     @locked
     def adopt(self, seq: Sequence) -> str:
@@ -190,7 +197,7 @@ class EngineCore:
             self._finish(seq, "length")
         if not seqs:
             self._idle_steps = self._idle_steps + 1 if self.scheduler.has_work else 0
-            if self._idle_steps > 1:
+            if self._idle_steps > 1 and not self.scheduler.holding:
                 raise EngineError(
                     f"the scheduler can run none of its {len(self.scheduler.waiting)} waiting "
                     f"and {len(self.scheduler.running)} running requests "

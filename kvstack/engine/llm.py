@@ -53,7 +53,11 @@ def _tokenizer(model: str | Path | ModelConfig, random_init: bool) -> Tokenizer:
                          "a preset name)")
     for name in ("config.json", "tokenizer.json"):
         if not (directory / name).is_file():
-            raise ValueError(f"model {directory}: {name} is missing")
+            raise ValueError(f"model {directory}: {name} is missing (or not a regular file)")
+    # A FIFO, socket or device under a weights name would block or never end the read.
+    for path in directory.glob("*.safetensors*"):
+        if not path.is_file():
+            raise ValueError(f"model {directory}: {path.name} is not a regular file")
     return JsonTokenizer(directory / "tokenizer.json")
 
 

@@ -8,10 +8,13 @@ then the newest running sequence is preempted: its blocks are freed and it goes 
 front of the queue, to be recomputed later. The caller never sees an exception for it.
 """
 
+import time
 from collections import OrderedDict, deque
 
 from kvstack.cache.paged import PagedCache
 from kvstack.engine.sequence import Sequence, Status
+
+KEPT_HOLD_S = 10.0  # the longest a held kept cache waits for its owner's save
 
 
 class Scheduler:
@@ -114,11 +117,24 @@ class Scheduler:
         return self.cache.has_free_slot and self.cache.free_blocks >= n_blocks
 
     def _evict_kept(self) -> bool:
-        if not self.kept:
+        """Drop the oldest kept cache that is not held for its owner's save; False if
+        there is none."""
+        victim = next((seq for seq in self.kept.values() if not self._held(seq)), None)
+        if victim is None:
             return False
-        _, seq = self.kept.popitem(last=False)
-        self._release(seq)
+        del self.kept[victim.request_id]
+        self._release(victim)
         return True
+
+    @staticmethod
+    def _held(seq: Sequence) -> bool:
+        return seq.hold_kept and seq.finish_time is not None and (
+            time.perf_counter() - seq.finish_time < KEPT_HOLD_S)
+
+    @property
+    def holding(self) -> bool:
+        """Whether a kept cache is held for a save: what waits on it will run soon."""
+        return any(self._held(seq) for seq in self.kept.values())
 
     def keep(self, seq: Sequence) -> None:
         self.kept[seq.request_id] = seq

@@ -31,6 +31,7 @@ from kvstack.config import NUMERICS, REPLAY_MODES, LayerSpec, Mode, ModelConfig
 from kvstack.formats import straight_through
 from kvstack.model.engram import Engram, EngramHash
 from kvstack.model.packed import Experts, PackedExperts, PackedLinear
+from kvstack.model.params import check_fits_memory
 
 QUERY_BLOCK = 256  # queries scored at once: bounds the [block, keys] score matrices
 KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
@@ -1060,6 +1061,8 @@ class Model(nn.Module):
         the tokenizer; `from_pretrained` builds it from tokenizer.json). Without one, token
         ids hash as they are, which needs engram_compressed_vocab_size == vocab_size."""
         super().__init__()
+        if torch.empty(0).device.type != "meta":  # a checkpoint builds on meta: maps, no copy
+            check_fits_memory(config, torch.get_default_dtype().itemsize)
         c = self.config = config
         self.embed = nn.Embedding(c.vocab_size, c.dim)
         self.engram_hash = _engram_hash(c, token_map) if c.engram_layer_ids else None

@@ -7,9 +7,31 @@ Engram tables are listed as stored: E4M3 codes and UE8M0 scales (uint8).
 """
 
 import math
+import os
 from dataclasses import dataclass
 
 from kvstack.config import LayerSpec, ModelConfig
+
+
+def check_fits_memory(config: ModelConfig, element_bytes: int) -> None:
+    """Refuse, before anything is allocated, a model whose parameters cannot fit this
+    machine's memory (a config with a million experts would otherwise allocate until
+    MemoryError, or until the kernel's OOM killer ends the process). `element_bytes`: of
+    a float parameter as it will be allocated; Engram tables are stored as bytes."""
+    shapes = parameter_shapes(config)
+    needed = sum(math.prod(shape) * (1 if name.endswith(_ENGRAM_TABLES) else element_bytes)
+                 for name, shape in shapes.items())
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # a system that does not say
+        return
+    if needed > physical:
+        raise ValueError(f"this config's parameters need {needed / 2**30:,.1f} GiB, more than "
+                         f"this machine's {physical / 2**30:,.1f} GiB of memory "
+                         f"({sum(math.prod(s) for s in shapes.values()):,} parameters)")
+
+
+_ENGRAM_TABLES = ("table_codes", "table_scales")
 
 
 def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

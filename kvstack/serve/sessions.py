@@ -57,11 +57,12 @@ class HttpSessions:
                        and len(ids) >= len(tokens) and ids[: len(tokens)] == tokens)
             if extends:
                 outputs = self.engine.generate(ids[len(tokens):], params,
-                                               continue_from=kept, keep_cache=True)
+                                               continue_from=kept, keep_cache=True,
+                                               hold_kept=True)
             else:
                 session.close()
                 outputs = self.engine.generate(ids, params, keep_cache=True,
-                                               cache_salt=cache_salt)
+                                               cache_salt=cache_salt, hold_kept=True)
             final = None
             async with contextlib.aclosing(outputs) as stream:
                 async for out in stream:
@@ -70,7 +71,16 @@ class HttpSessions:
                     yield out
             if final is not None and final.finish_reason in ("stop", "length"):
                 session.record_turn(final)
-                await asyncio.to_thread(session.save)
+
+                def save() -> None:
+                    # The turn's kept cache was held for this save (under load it would
+                    # otherwise go to the next waiting request before the save read it).
+                    try:
+                        session.save()
+                    finally:
+                        self.llm.core.release_hold(final.request_id)
+
+                await asyncio.to_thread(save)
                 self.metrics.sessions_saved.inc()
         finally:
             self.busy.discard(key)
