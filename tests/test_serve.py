@@ -513,3 +513,54 @@ def test_sessions_under_load_are_saved_with_their_cache_blocks(tmp_path):
             assert list(pool.map(turn, range(8))) == [200] * 8
     disk = DiskTier(tmp_path, 1 << 30)
     assert all(disk.show(f"s{i}").held_tokens > 0 for i in range(8))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("system", [False, True])
+def test_a_chat_session_sent_back_by_the_openai_client_continues_its_cache(server, stream,
+                                                                           system):
+    session = f"chat-{stream}-{system}"
+    messages = [{"role": "system", "content": "answer in Python"}] if system else []
+
+    settings = GREEDY | {"extra_body": GREEDY["extra_body"] | {"session": session}}
+
+    def ask(history):
+        if not stream:
+            out = server.client.chat.completions.create(model=MODEL, messages=history,
+                                                        **settings)
+            return out.choices[0].message.content, out.usage
+        chunks = list(server.client.chat.completions.create(
+            model=MODEL, messages=history, stream=True,
+            stream_options={"include_usage": True}, **settings))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, chunks[-1].usage
+
+    previous_prompt = 0
+    for turn, question in enumerate(["read a file", "now parse it", "and print it"]):
+        messages.append({"role": "user", "content": question})
+        reply, usage = ask(messages)
+        if turn:  # everything the previous turn's prompt and reply held is reused
+            assert usage.prompt_tokens_details.cached_tokens >= previous_prompt
+        previous_prompt = usage.prompt_tokens
+        messages.append({"role": "assistant", "content": reply})
+    # A client that edits history: the session starts over on what it was sent.
+    edited = messages[:-3] + [{"role": "user", "content": "something else"}]
+    reply, usage = ask(edited)
+    assert usage.prompt_tokens_details.cached_tokens < previous_prompt
+    fresh = server.client.chat.completions.create(model=MODEL, messages=edited, **GREEDY)
+    assert reply == fresh.choices[0].message.content  # the same as without a session
+
+
+def test_a_text_prompt_extends_tokens_that_would_not_re_tokenize_the_same(local):
+    from kvstack.serve.sessions import HttpSessions
+
+    sessions = HttpSessions.__new__(HttpSessions)
+    sessions.llm = local
+    word = next(w for w in ("return", "import", "def") if len(local.encode(w)) == 1)
+    split = [t for c in word for t in local.encode(c)]  # the same text in other tokens
+    tokens = local.encode("x = ") + split
+    text = "x = " + word + "(1)"
+    ids = local.encode(text)
+    assert ids[: len(tokens)] != tokens  # as ids the prompt does not extend the session
+    assert sessions._extension(tokens, ids, text) == local.encode("(1)")
+    assert sessions._extension(tokens, ids, "y = " + word) is None  # an edited history

@@ -233,7 +233,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                              body.cache_salt) if s is not None]
         cache_salt = "|".join(salts) if salts else None
         run = Run(engine, sessions, metrics, name, ids, params, body, kind, tenant(request),
-                  cache_salt)
+                  cache_salt, prompt if isinstance(prompt, str) else None)
         state["in_flight"] += 1
 
         def finished() -> None:
@@ -259,9 +259,9 @@ class Run:
     def __init__(self, engine: AsyncLLM, sessions: HttpSessions, metrics: ServerMetrics,
                  session: str | None, ids: list[int], params: list[SamplingParams],
                  body: _Request, kind: str, tenant: str | None = None,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, text: str | None = None) -> None:
         self.engine, self.sessions, self.metrics = engine, sessions, metrics
-        self.tenant, self.cache_salt = tenant, cache_salt
+        self.tenant, self.cache_salt, self.text = tenant, cache_salt, text
         self.session, self.ids, self.params, self.body, self.kind = (
             session, ids, params, body, kind)
         self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
@@ -274,7 +274,7 @@ class Run:
         start = last = time.perf_counter()
         if self.session is not None:
             outputs = self.sessions.turn(self.tenant, self.session, self.ids, self.params[0],
-                                         self.cache_salt)
+                                         self.cache_salt, self.text)
         else:
             outputs = self.engine.generate(self.ids, self.params[index],
                                            cache_salt=self.cache_salt)

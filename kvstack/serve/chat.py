@@ -7,6 +7,12 @@ each message rendered by `message` (Python format fields `role` and `content`), 
 turn would begin. A model without one gets `DEFAULT_TEMPLATE`, that same plain form (the
 bundled model, trained on source code, has no chat tuning; the form only keeps turns
 apart). Format strings, not Jinja: no template engine is a dependency.
+
+An assistant message is rendered as it was generated: the `generation` prefix, then the
+content exactly as the model wrote it (its leading space included), then what `message`
+puts after {content}. So a conversation an OpenAI client sends back renders to a text
+that starts with what the model saw and wrote, and a session continues it instead of
+starting over.
 """
 
 import json
@@ -40,8 +46,12 @@ class ChatTemplate:
         return template
 
     def render(self, messages: list[dict[str, str]]) -> str:
-        return "".join(self.message.format(role=m["role"], content=m["content"])
-                       for m in messages) + self.generation
+        after_content = self.message.partition("{content}")[2]
+        return "".join(
+            self.generation + m["content"] + after_content.format(role=m["role"])
+            if m["role"] == "assistant" and self.generation
+            else self.message.format(role=m["role"], content=m["content"])
+            for m in messages) + self.generation
 
 
 DEFAULT_TEMPLATE = ChatTemplate()

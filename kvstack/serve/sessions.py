@@ -2,9 +2,11 @@
 
 A request that names a session (`"session": "repo-agent"` in the body, or the
 `X-Kvstack-Session` header) sends the whole conversation, as OpenAI clients do. When its
-prompt extends the session's tokens (prompt and replies so far), only the new tokens are
-prefilled, on the cache the session kept on the device; otherwise the session starts over
-on this prompt (the prefix cache still finds its full blocks). Every finished turn saves the
+prompt extends the session's tokens (prompt and replies so far) -- as token ids, or as
+text that starts with what those tokens decode to (a chat client sending back the replies
+it was given) -- only the new tokens are prefilled, on the cache the session kept on the
+device; otherwise (an edited history) the session starts over on this prompt (the prefix
+cache still finds its full blocks). Every finished turn saves the
 session to the disk tier, so it survives an eviction, an idle hour or a restart: a server
 that does not hold it on the device resumes it from disk, its window rebuilt by the
 configured replay. One turn at a time per session: a second request meanwhile gets 409.
@@ -42,9 +44,10 @@ class HttpSessions:
         return name if tenant is None else f"{tenant}:{name}"
 
     async def turn(self, tenant: str | None, name: str, ids: list[int],
-                   params: SamplingParams,
-                   cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Run one turn of the session on the conversation `ids`; its outputs."""
+                   params: SamplingParams, cache_salt: str | None = None,
+                   text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Run one turn of the session on the conversation `ids` (the tokens of `text`,
+        when the prompt was text); its outputs."""
         key = self.stored(tenant, name)
         if key in self.busy:
             raise APIError(409, f"session {name!r} is running another request", "session",
@@ -52,13 +55,13 @@ class HttpSessions:
         self.busy.add(key)
         try:
             session = await self._session(key, name, cache_salt)
-            tokens, kept = session.token_ids, session.kept_request
-            extends = (kept is not None and self.llm.has_request(kept)
-                       and len(ids) >= len(tokens) and ids[: len(tokens)] == tokens)
-            if extends:
-                outputs = self.engine.generate(ids[len(tokens):], params,
-                                               continue_from=kept, keep_cache=True,
-                                               hold_kept=True)
+            kept = session.kept_request
+            new = None
+            if kept is not None and self.llm.has_request(kept):
+                new = await asyncio.to_thread(self._extension, session.token_ids, ids, text)
+            if new is not None:
+                outputs = self.engine.generate(new, params, continue_from=kept,
+                                               keep_cache=True, hold_kept=True)
             else:
                 session.close()
                 outputs = self.engine.generate(ids, params, keep_cache=True,
@@ -84,6 +87,21 @@ class HttpSessions:
                 self.metrics.sessions_saved.inc()
         finally:
             self.busy.discard(key)
+
+    def _extension(self, tokens: list[int], ids: list[int],
+                   text: str | None) -> list[int] | None:
+        """The tokens that follow the session's `tokens` in this prompt, or None when the
+        prompt does not extend them. Token ids match as they are; a text prompt matches
+        when it starts with the text the session's tokens decode to (the replies the
+        client was given come back as text, which need not re-tokenize the same), and its
+        rest is tokenized on its own."""
+        if len(ids) >= len(tokens) and ids[: len(tokens)] == tokens:
+            return ids[len(tokens):]
+        if text is not None:
+            seen = self.llm.tokenizer.decode(tokens)
+            if text.startswith(seen):
+                return self.llm.encode(text[len(seen):]) if len(text) > len(seen) else []
+        return None
 
     async def _session(self, key: str, name: str, cache_salt: str | None) -> Session:
         if key in self.open:
