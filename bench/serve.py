@@ -155,9 +155,9 @@ def kvstack_hit_rate(url: str) -> float:
     text = urllib.request.urlopen(url + "/metrics").read().decode()
     hits = queried = 0.0
     for line in text.splitlines():
-        if line.startswith("kvstack:prefix_cache_hit_tokens{"):
+        if line.startswith("kvstack:prefix_cache_hit_tokens_total{"):
             hits += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("kvstack:prefix_cache_queried_tokens "):
+        elif line.startswith("kvstack:prefix_cache_queried_tokens_total{"):
             queried = float(line.rsplit(" ", 1)[1])
     return hits / queried if queried else 0.0
 

@@ -334,7 +334,7 @@ def _load_llm(args: argparse.Namespace, **settings: Any) -> "LLM":
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvstack.engine.async_llm import AsyncLLM
     try:
-        from kvstack.serve.app import ServeConfig, build_app, serve_app
+        from kvstack.serve.app import ServeConfig, bind, build_app, serve_app
     except ImportError as e:
         raise ValueError(f"kvstack serve needs its extra ({e.name} is missing): pip install "
                          "-e '.[serve]'") from None
@@ -354,11 +354,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         name, tuple(dict.fromkeys(keys)), args.share_prefix_cache, args.max_waiting,
         host=args.host, port=args.port, grace_period_s=args.grace_period,
         max_body_bytes=parse_bytes(args.max_body_size, "--max-body-size"),
-        request_timeout_s=args.request_timeout, max_connections=args.max_connections)
+        request_timeout_s=args.request_timeout, max_connections=args.max_connections,
+        default_max_tokens=args.default_max_tokens)
+    # A port in use is said before the model loads (by rank 0 alone: under torchrun the
+    # other ranks serve as workers inside _load_llm and never listen).
+    sock = bind(config) if int(os.environ.get("RANK", "0")) == 0 else None
     engine = AsyncLLM(_load_llm(args, max_num_seqs=args.max_num_seqs))
     logging.getLogger("kvstack").info("kvstack serve: %s on http://%s:%d/v1", name,
                                       args.host, args.port)
-    serve_app(build_app(engine, config), config)
+    serve_app(build_app(engine, config), config, sock)
     return 0
 
 
@@ -1117,6 +1121,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-period", type=float, default=30.0,
                        help="seconds a shutdown (SIGTERM) lets running requests finish "
                             "(default: %(default)s)")
+    serve.add_argument("--default-max-tokens", type=int, default=1024,
+                       help="max_tokens of a request that sets none; 0: the rest of the "
+                            "context (default: %(default)s)")
     serve.add_argument("--max-body-size", default="16MiB",
                        help="a request body past this is refused (413) before it is read, "
                             "as is one without the API key (401) (default: %(default)s)")

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -544,7 +545,7 @@ def test_a_chat_session_sent_back_by_the_openai_client_continues_its_cache(serve
         previous_prompt = usage.prompt_tokens
         messages.append({"role": "assistant", "content": reply})
     # A client that edits history: the session starts over on what it was sent.
-    edited = messages[:-3] + [{"role": "user", "content": "something else"}]
+    edited = [*messages[:-3], {"role": "user", "content": "something else"}]
     reply, usage = ask(edited)
     assert usage.prompt_tokens_details.cached_tokens < previous_prompt
     fresh = server.client.chat.completions.create(model=MODEL, messages=edited, **GREEDY)
@@ -564,3 +565,72 @@ def test_a_text_prompt_extends_tokens_that_would_not_re_tokenize_the_same(local)
     assert ids[: len(tokens)] != tokens  # as ids the prompt does not extend the session
     assert sessions._extension(tokens, ids, text) == local.encode("(1)")
     assert sessions._extension(tokens, ids, "y = " + word) is None  # an edited history
+
+
+def test_metrics_follow_prometheus_conventions(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server.client.completions.create(model=MODEL, prompt=LONG, **GREEDY)
+    stream = server.client.completions.create(model=MODEL, prompt="def f(", stream=True,
+                                              max_tokens=200, temperature=0)
+    next(iter(stream))
+    stream.close()  # a client that gives up: counted as aborted
+    time.sleep(1)
+    text = urllib.request.urlopen(server.url + "/metrics").read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = [s for f in families.values() for s in f.samples]
+    assert not any(s.name.endswith("_created") for s in samples)
+    assert all(s.labels.get("model_name") == MODEL for s in samples)
+    for total in ("kvstack:prefix_cache_hit_tokens", "kvstack:prefix_cache_queried_tokens",
+                  "kvstack:tokens_replayed", "kvstack:prompt_tokens", "kvstack:request_success"):
+        assert families[total].type == "counter", total
+    for level in ("kvstack:num_requests_running", "kvstack:device_blocks_used"):
+        assert families[level].type == "gauge", level
+    assert families["kvstack:e2e_request_latency_seconds"].type == "histogram"
+    reasons = {s.labels["finished_reason"]: s.value
+               for s in families["kvstack:request_success"].samples}
+    assert reasons.get("abort", 0) >= 1 and reasons.get("length", 0) >= 1
+
+
+def test_the_server_logs_requests_and_stats_and_refuses_bad_json_by_position(tmp_path,
+                                                                            caplog):
+    from fastapi.testclient import TestClient
+
+    from kvstack import AsyncLLM
+    from kvstack.serve.app import ServeConfig, build_app
+
+    engine = AsyncLLM(LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16,
+                          cache_dir=tmp_path))
+    config = ServeConfig("tiny", default_max_tokens=5, stats_interval_s=0.5)
+    caplog.set_level(logging.INFO, logger="kvstack")
+    with TestClient(build_app(engine, config)) as client:
+        out = client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "ignore_eos": True}).json()
+        assert out["usage"]["completion_tokens"] == 5  # the server's default max_tokens
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 40,
+                                             "ignore_eos": True})
+        bad = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": }',
+                          headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400
+        error = bad.json()["error"]
+        assert error["param"] is None and "not valid JSON (at character" in error["message"]
+        time.sleep(0.3)
+    assert "POST /v1/chat/completions 200 prompt=" in caplog.text
+    assert "kvstack access: testclient POST /v1/completions 200 prompt=2 cached=0 " \
+           "generated=40" in caplog.text
+    assert "POST /v1/completions 400" in caplog.text
+    stats = [r.message for r in caplog.records if r.message.startswith("kvstack stats")]
+    assert any("running 1" in line and "generation 0.0" not in line for line in stats)
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(capsys):
+    from kvstack.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", "tiny", "--random-init", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and " on http://" not in err

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -34,6 +35,7 @@ from kvstack.serve.chat import ChatTemplate
 from kvstack.serve.guards import RequestGate, guarded_protocol
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.protocol import APIError, ChatRequest, CompletionRequest, _Request
+from kvstack.serve.reporting import AccessLog, log_stats
 from kvstack.serve.sessions import HttpSessions
 
 log = logging.getLogger("kvstack")
@@ -54,6 +56,9 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20  # a request body past this is 413, unread
     request_timeout_s: float = 30.0  # a request must arrive whole (headers, body) in this
     max_connections: int = 1024  # open connections; the oldest idle one makes room
+    default_max_tokens: int = 1024  # for a request that sets none (0: the rest of the context)
+    stats_interval_s: float = 10.0  # a stats line this often while there is work
+    long_request_s: float = 120.0  # a request running longer is logged (once)
 
     def __post_init__(self) -> None:
         for key in self.api_keys:
@@ -63,7 +68,11 @@ class ServeConfig:
             raise ValueError(f"--max-waiting must be 0 or more, got {self.max_waiting}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be 1..65535, got {self.port}")
-        for name in ("grace_period_s", "request_timeout_s"):
+        if self.default_max_tokens < 0:
+            raise ValueError(f"--default-max-tokens must be 0 or more, got "
+                             f"{self.default_max_tokens}")
+        for name in ("grace_period_s", "request_timeout_s", "stats_interval_s",
+                     "long_request_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_body_bytes", "max_connections"):
@@ -71,10 +80,28 @@ class ServeConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
-def serve_app(app: FastAPI, config: ServeConfig) -> None:
-    """Run the app under uvicorn until SIGINT or SIGTERM; after a graceful shutdown the
-    process exits normally (uvicorn's own handlers re-raise the signal once done, so the
-    process would end killed by it)."""
+def bind(config: ServeConfig) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use is said at once,
+    and "serving on" is logged only once the address is ours."""
+    try:
+        family = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--host {config.host!r}: {e.strerror or e}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {config.host}:{config.port}: "
+                         f"{e.strerror or e}") from None
+    return sock
+
+
+def serve_app(app: FastAPI, config: ServeConfig, sock: socket.socket) -> None:
+    """Run the app under uvicorn on `sock` (from `bind`) until SIGINT or SIGTERM; after a
+    graceful shutdown the process exits normally (uvicorn's own handlers re-raise the
+    signal once done, so the process would end killed by it)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -91,12 +118,13 @@ def serve_app(app: FastAPI, config: ServeConfig) -> None:
     Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
         timeout_graceful_shutdown=config.grace_period_s,
-        http=guarded_protocol(config.request_timeout_s, config.max_connections))).run()
+        http=guarded_protocol(config.request_timeout_s, config.max_connections))
+    ).run(sockets=[sock])
 
 
 def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     llm = engine.llm
-    metrics = ServerMetrics(llm)
+    metrics = ServerMetrics(llm, config.model_name)
     sessions = HttpSessions(engine, metrics)
     template = ChatTemplate.for_model(llm.model_dir)
     state = {"admitting": True, "in_flight": 0}
@@ -104,7 +132,9 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stats = asyncio.create_task(log_stats(llm, metrics, config.stats_interval_s))
         yield
+        stats.cancel()
         state["admitting"] = False
         await asyncio.to_thread(engine.shutdown)
         log.info("kvstack serve: stopped (%d sessions on disk)", len(llm.disk.names()))
@@ -113,6 +143,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     # The key and the body's size are checked before the body is read (guards.py).
     app.add_middleware(RequestGate, api_keys=config.api_keys,
                        max_body_bytes=config.max_body_bytes)
+    app.add_middleware(AccessLog)  # outermost: refused requests are logged too
 
     def tenant(request: Request) -> str | None:
         return getattr(request.state, "tenant", None)
@@ -125,6 +156,12 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
+        if first.get("type") == "json_invalid":  # its location is a character offset
+            at = first.get("loc", ("body", "?"))[-1]
+            why = first.get("ctx", {}).get("error", first["msg"])
+            return JSONResponse(APIError(400, f"the request body is not valid JSON (at "
+                                              f"character {at}: {why})").body(),
+                                status_code=400)
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = where[0] if where else None
         return JSONResponse(APIError(400, f"{'.'.join(where) or 'body'}: {first['msg']}",
@@ -142,8 +179,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        await asyncio.to_thread(metrics.refresh)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        text = await asyncio.to_thread(generate_latest, metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -206,7 +243,10 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                            f"{llm.core.max_model_len} in all (prompt and completion)",
                            "messages" if kind == "chat.completion" else "prompt",
                            code="context_length_exceeded")
-        wanted = body.max_tokens if body.max_tokens is not None else room
+        # A request that sets no max_tokens gets the server's default (or the rest of the
+        # context when that is 0), within the room left.
+        wanted = body.max_tokens if body.max_tokens is not None else min(
+            room, config.default_max_tokens or room)
         if wanted > room:
             raise APIError(400, f"max_tokens {wanted} with a prompt of {len(ids)} tokens "
                            f"exceeds the context of {llm.core.max_model_len} tokens",
@@ -233,7 +273,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                              body.cache_salt) if s is not None]
         cache_salt = "|".join(salts) if salts else None
         run = Run(engine, sessions, metrics, name, ids, params, body, kind, tenant(request),
-                  cache_salt, prompt if isinstance(prompt, str) else None)
+                  cache_salt, prompt if isinstance(prompt, str) else None,
+                  request_state=request.state, long_request_s=config.long_request_s)
         state["in_flight"] += 1
 
         def finished() -> None:
@@ -259,14 +300,18 @@ class Run:
     def __init__(self, engine: AsyncLLM, sessions: HttpSessions, metrics: ServerMetrics,
                  session: str | None, ids: list[int], params: list[SamplingParams],
                  body: _Request, kind: str, tenant: str | None = None,
-                 cache_salt: str | None = None, text: str | None = None) -> None:
+                 cache_salt: str | None = None, text: str | None = None, *,
+                 request_state: Any, long_request_s: float) -> None:
         self.engine, self.sessions, self.metrics = engine, sessions, metrics
         self.tenant, self.cache_salt, self.text = tenant, cache_salt, text
+        self.request_state = request_state  # the endpoint's usage goes there, for the log
+        self.long_request_s = long_request_s
         self.session, self.ids, self.params, self.body, self.kind = (
             session, ids, params, body, kind)
         self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.finals: list[RequestOutput | None] = [None] * len(params)
+        self.counted: set[int] = set()  # choices counted as aborted or failed
         self.tokenizer = engine.llm.tokenizer
 
     async def _outputs(self, index: int) -> AsyncIterator[RequestOutput]:
@@ -278,9 +323,20 @@ class Run:
         else:
             outputs = self.engine.generate(self.ids, self.params[index],
                                            cache_salt=self.cache_salt)
+        warned, seen = False, 0
+        totals = self.metrics.totals
         async with contextlib.aclosing(outputs) as stream:
             async for out in stream:
                 now = time.perf_counter()
+                if not seen and out.token_ids:
+                    totals["prompt"] += len(out.prompt_token_ids) - out.num_cached_tokens
+                totals["generation"] += len(out.token_ids) - seen
+                seen = len(out.token_ids)
+                if not warned and now - start > self.long_request_s:
+                    warned = True
+                    log.warning("kvstack: request %s has run %.0f s: %d tokens so far of "
+                                "max_tokens %d", self.id, now - start, len(out.token_ids),
+                                self.params[index].max_tokens)
                 if len(out.token_ids) > 1:
                     self.metrics.itl.observe(now - last)
                 last = now
@@ -303,6 +359,7 @@ class Run:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+                self._count_unfinished("abort")
                 raise APIError(499, "the client closed the request", kind="cancelled")
         finals = task.result()
         for out in finals:
@@ -311,8 +368,9 @@ class Run:
                                kind="server_error")
         choices = [self._choice(i, out, out.text, 0, final=True)
                    for i, out in enumerate(finals)]
+        self.request_state.usage = usage = self._usage(finals)
         return {"id": self.id, "object": self.kind, "created": self.created,
-                "model": self.body.model, "choices": choices, "usage": self._usage(finals)}
+                "model": self.body.model, "choices": choices, "usage": usage}
 
     def start(self, finished: Callable[[], None]) -> None:
         """Run the engine requests of a streamed response, their outputs to `self.queue`
@@ -351,6 +409,8 @@ class Run:
                 if isinstance(out, Exception):
                     error = out if isinstance(out, APIError) else APIError(
                         500, f"{type(out).__name__}: {out}", kind="server_error")
+                    if error.status >= 500:
+                        self._count_unfinished("error")
                     yield "data: " + _json(error.body()) + "\n\n"
                     break
                 if out is None:
@@ -367,14 +427,25 @@ class Run:
                                                     out.finished)])
                     sent_tokens[index] = len(out.token_ids)
             else:
+                self.request_state.usage = self._usage(self.finals)  # for the access log
                 options = self.body.stream_options
                 if options is not None and options.include_usage:
-                    yield self._event([], usage=self._usage(self.finals))
+                    yield self._event([], usage=self.request_state.usage)
             yield "data: [DONE]\n\n"
         finally:
             for task in tasks:  # a client gone mid-stream: its requests are aborted
                 task.cancel()
+            # Counted before waiting: under the response's cancelled scope every await
+            # here raises again.
+            self._count_unfinished("abort")
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _count_unfinished(self, reason: str) -> None:
+        """Count the choices that end without a final output (once each)."""
+        for i, final in enumerate(self.finals):
+            if final is None and i not in self.counted:
+                self.counted.add(i)
+                self.metrics.finished.labels(self.metrics.model_name, reason).inc()
 
     def _choice(self, index: int, out: RequestOutput, text: str, first_token: int,
                 final: bool) -> dict[str, Any]:

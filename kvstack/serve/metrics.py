@@ -1,13 +1,19 @@
 """The server's Prometheus metrics (vLLM's names, with a `kvstack:` prefix).
 
-Cache and queue figures are read from the engine at scrape time (`memory_report()`, the
-scheduler), so they are never stale; latencies and token counts are recorded as requests
-finish.
+Every series carries a `model_name` label, as vLLM's do. Cache and queue figures, and the
+engine's own running totals (prefix-cache hits and lookups, replayed tokens), are read
+from the engine at scrape time in one report, so they are never stale: levels as gauges,
+totals as counters (`_total`, so `rate()` on them is right). Latencies and token counts
+are recorded as requests finish; aborted and failed requests are counted by their reason.
+No `_created` series: prometheus_client's timestamps would double every counter family.
 """
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvstack.engine.llm import LLM
@@ -16,78 +22,96 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-class ServerMetrics:
-    def __init__(self, llm: "LLM") -> None:
-        self.registry = registry = CollectorRegistry()
-        self.llm = llm
+class EngineCollector(Collector):
+    """What the engine reports, read once per scrape."""
 
-        def gauge(name: str, doc: str, read, labels: tuple[str, ...] = ()) -> Gauge:
-            g = Gauge(f"kvstack:{name}", doc, labels, registry=registry)
-            if not labels:
-                g.set_function(read)
-            return g
+    def __init__(self, llm: "LLM", model_name: str) -> None:
+        self.llm, self.model_name = llm, model_name
 
-        report = self._report
-        gauge("cache_bytes_per_token", "Cache bytes per token, measured from the allocated "
-              "pools", lambda: report()["bytes_per_token"])
-        gauge("cache_planned_bytes_per_token", "Cache bytes per token the layout plans",
-              lambda: report()["planned_bytes_per_token"])
-        gauge("device_blocks_used", "Device cache blocks in use",
-              lambda: report()["blocks_in_use"])
-        gauge("device_blocks_free", "Device cache blocks free",
-              lambda: report()["blocks_total"] - report()["blocks_in_use"])
-        gauge("host_tier_bytes", "Bytes of prefix blocks kept in the host tier",
-              lambda: report()["host_tier"]["bytes"])
-        gauge("disk_tier_bytes", "Bytes on the disk tier (sessions and prefix blocks)",
-              lambda: llm.disk.used_bytes)
-        gauge("num_requests_running", "Requests in the running batch",
-              lambda: len(llm.scheduler.running))
-        gauge("num_requests_waiting", "Requests waiting to be admitted",
-              lambda: len(llm.scheduler.waiting))
-        gauge("tokens_replayed", "Tokens re-run to rebuild window state (prefix hits, "
-              "resumed sessions), since start", lambda: llm.runner.replayed_tokens)
-        self.prefix_hits = Gauge("kvstack:prefix_cache_hit_tokens", "Prompt tokens found in "
-                                 "the prefix cache, by the tier they came from", ("tier",),
-                                 registry=registry)
-        self.prefix_queries = gauge("prefix_cache_queried_tokens", "Prompt tokens looked up "
-                                    "in the prefix cache", lambda: report()["prefix_cache"]
-                                    ["queried_tokens"])
-        self.preemptions = Counter("kvstack:num_preemptions", "Requests preempted",
-                                   registry=registry)
-        self.prompt_tokens = Counter("kvstack:prompt_tokens", "Prompt tokens of finished "
-                                     "requests", registry=registry)
-        self.generation_tokens = Counter("kvstack:generation_tokens", "Tokens generated",
-                                         registry=registry)
-        self.finished = Counter("kvstack:request_success", "Finished requests by reason",
-                                ("finished_reason",), registry=registry)
-        self.ttft = Histogram("kvstack:time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram("kvstack:inter_token_latency_seconds", "Time between tokens "
-                             "of a request", buckets=LATENCY_BUCKETS, registry=registry)
-        self.e2e = Histogram("kvstack:e2e_request_latency_seconds", "Request latency, "
-                             "arrival to final output", buckets=LATENCY_BUCKETS,
-                             registry=registry)
-        self.sessions_saved = Counter("kvstack:sessions_saved", "Sessions saved to disk",
-                                      registry=registry)
-        self.sessions_resumed = Counter("kvstack:sessions_resumed", "Sessions resumed from "
-                                        "disk", registry=registry)
+    def collect(self) -> Iterator[Metric]:
+        llm = self.llm
+        with llm.core.lock:  # one consistent reading, between steps
+            report = llm.memory_report()
+            running, waiting = len(llm.scheduler.running), len(llm.scheduler.waiting)
+            replayed = llm.runner.replayed_tokens
+        disk_bytes = llm.disk.used_bytes
+        prefix = report["prefix_cache"]
+        label = ["model_name"]
 
-    def _report(self) -> dict:
-        return self.llm.memory_report()
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            family = GaugeMetricFamily(f"kvstack:{name}", doc, labels=label)
+            family.add_metric([self.model_name], value)
+            return family
 
-    def refresh(self) -> None:
-        """Figures that have labels, read from the engine before a scrape."""
-        prefix = self._report()["prefix_cache"]
+        yield gauge("cache_bytes_per_token", "Cache bytes per token, measured from the "
+                    "allocated pools", report["bytes_per_token"])
+        yield gauge("cache_planned_bytes_per_token", "Cache bytes per token the layout plans",
+                    report["planned_bytes_per_token"])
+        yield gauge("device_blocks_used", "Device cache blocks in use", report["blocks_in_use"])
+        yield gauge("device_blocks_free", "Device cache blocks free",
+                    report["blocks_total"] - report["blocks_in_use"])
+        yield gauge("host_tier_bytes", "Bytes of prefix blocks kept in the host tier",
+                    report["host_tier"]["bytes"])
+        yield gauge("disk_tier_bytes", "Bytes on the disk tier (sessions and prefix blocks)",
+                    disk_bytes)
+        yield gauge("num_requests_running", "Requests in the running batch", running)
+        yield gauge("num_requests_waiting", "Requests waiting to be admitted", waiting)
+        replay = CounterMetricFamily("kvstack:tokens_replayed", "Tokens re-run to rebuild "
+                                     "window state (prefix hits, resumed sessions)",
+                                     labels=label)
+        replay.add_metric([self.model_name], replayed)
+        yield replay
+        hits = CounterMetricFamily("kvstack:prefix_cache_hit_tokens", "Prompt tokens found "
+                                   "in the prefix cache, by the tier they came from",
+                                   labels=["model_name", "tier"])
         device = prefix["hit_tokens"] - prefix["host_hit_tokens"] - prefix["disk_hit_tokens"]
         for tier, value in (("device", device), ("host", prefix["host_hit_tokens"]),
                             ("disk", prefix["disk_hit_tokens"])):
-            self.prefix_hits.labels(tier).set(value)
+            hits.add_metric([self.model_name, tier], value)
+        yield hits
+        queried = CounterMetricFamily("kvstack:prefix_cache_queried_tokens", "Prompt tokens "
+                                      "looked up in the prefix cache", labels=label)
+        queried.add_metric([self.model_name], prefix["queried_tokens"])
+        yield queried
+
+
+class ServerMetrics:
+    def __init__(self, llm: "LLM", model_name: str) -> None:
+        disable_created_metrics()
+        self.registry = registry = CollectorRegistry()
+        self.llm, self.model_name = llm, model_name
+        registry.register(EngineCollector(llm, model_name))
+        label = ("model_name",)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kvstack:{name}", doc, label, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"kvstack:{name}", doc, label, buckets=LATENCY_BUCKETS,
+                             registry=registry).labels(model_name)
+
+        self.preemptions = counter("num_preemptions", "Requests preempted")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.finished = Counter("kvstack:request_success", "Finished requests by reason "
+                                "(stop, length, abort, error)", (*label, "finished_reason"),
+                                registry=registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens of a "
+                             "request")
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to "
+                             "final output")
+        self.sessions_saved = counter("sessions_saved", "Sessions saved to disk")
+        self.sessions_resumed = counter("sessions_resumed", "Sessions resumed from disk")
+        # Tokens prefilled and generated so far, counted as outputs arrive (for the stats
+        # line: a long request shows its pace while it runs).
+        self.totals = {"prompt": 0, "generation": 0}
 
     def record(self, out: "RequestOutput", e2e_s: float) -> None:
         """A finished request."""
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(len(out.token_ids))
-        self.finished.labels(out.finish_reason or "unknown").inc()
+        self.finished.labels(self.model_name, out.finish_reason or "unknown").inc()
         self.preemptions.inc(out.metrics.get("preemptions", 0))
         if "time_to_first_token_s" in out.metrics:
             self.ttft.observe(out.metrics["time_to_first_token_s"])
