@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
+from kvstack import native
 from kvstack.cache.disk import DiskTier, check_session_name
 from kvstack.cache.paged import PagedCache
 from kvstack.config import ModelConfig, preset
 from kvstack.engine.config import EngineConfig, retain_freed_memory
 from kvstack.engine.core import EngineCore
 from kvstack.engine.runner import ModelRunner
-from kvstack.engine.sampling import SamplingParams
+from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput
 from kvstack.engine.session import Session, resume_session
@@ -202,6 +203,38 @@ class LLM:
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
+
+    @torch.no_grad()
+    def prompt_logprobs(self, prompt: Prompt, top: int = 0) -> list[PromptLogprob | None]:
+        """Each prompt token's log-probability given the tokens before it (None for the
+        first, which follows nothing), its rank, and the `top` likeliest tokens: what
+        lm-eval's log-likelihood tasks and vLLM's `prompt_logprobs` ask for. From the
+        model's reference forward over the whole prompt (every layer over every token:
+        the distribution exact replay reproduces step by step), run between engine
+        steps; raw log-probabilities, before any sampling setting."""
+        ids = self.encode(prompt)
+        if self.engine_config.tensor_parallel_size > 1:
+            raise ValueError("prompt log-probabilities are computed in one process; this "
+                             "engine is split over ranks")
+        if len(ids) > self.core.max_model_len:
+            raise ValueError(f"the prompt is {len(ids)} tokens, over {self.core.limit_name} "
+                             f"{self.core.max_model_len}")
+        if not 0 <= top <= 20:
+            raise ValueError(f"top must be 0..20, got {top}")
+        device = self.model.embed.weight.device
+        with self.core.lock, native.active(self.runner.cpu_kernels):
+            logits = self.model(torch.tensor([ids], device=device)).logits[0, :-1]
+        logp = logits.float().log_softmax(-1)  # [T-1, V]: position t scores token t+1
+        targets = torch.tensor(ids[1:], device=device)[:, None]
+        chosen = logp.gather(1, targets)  # [T-1, 1]
+        ranks = (logp > chosen).sum(1) + 1
+        best = logp.topk(top, dim=-1) if top else None
+        out: list[PromptLogprob | None] = [None]
+        for t, (lp, rank) in enumerate(zip(chosen[:, 0].tolist(), ranks.tolist(), strict=True)):
+            pairs = () if best is None else tuple(zip(best.indices[t].tolist(),
+                                                      best.values[t].tolist(), strict=True))
+            out.append(PromptLogprob(lp, rank, pairs))
+        return out
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)

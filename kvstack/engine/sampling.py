@@ -86,6 +86,15 @@ class TokenLogprobs(NamedTuple):
     top: tuple[tuple[int, float], ...]
 
 
+class PromptLogprob(NamedTuple):
+    """A prompt token's log-probability given the tokens before it, its rank among every
+    token (1: the likeliest), and the likeliest tokens' [(id, logprob)]."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
 class Sample(NamedTuple):
     token: int
     logprobs: TokenLogprobs | None

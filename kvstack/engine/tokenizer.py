@@ -12,7 +12,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        """Text of ids; special tokens ("<|eos|>") left out unless skip_special=False."""
+        ...
 
 
 class ByteTokenizer:
@@ -25,8 +27,18 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        if skip_special:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        special = {self.bos_id: "<|bos|>", self.eos_id: "<|eos|>", self.pad_id: "<|pad|>"}
+        parts, run = [], []
+        for i in ids:
+            if i in special:
+                parts += [bytes(run).decode("utf-8", errors="replace"), special[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*parts, bytes(run).decode("utf-8", errors="replace")])
 
 
 def byte_level_tokenizer_json() -> str:
@@ -64,5 +76,5 @@ class JsonTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special)

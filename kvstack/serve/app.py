@@ -29,12 +29,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstack.cache.disk import check_session_name
 from kvstack.engine.async_llm import AsyncLLM
-from kvstack.engine.sampling import SamplingParams
+from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.sequence import RequestOutput
 from kvstack.serve.chat import ChatTemplate
 from kvstack.serve.guards import RequestGate, guarded_protocol
 from kvstack.serve.metrics import ServerMetrics
-from kvstack.serve.protocol import APIError, ChatRequest, CompletionRequest, _Request
+from kvstack.serve.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Request,
+)
 from kvstack.serve.reporting import AccessLog, log_stats
 from kvstack.serve.sessions import HttpSessions
 
@@ -182,11 +189,46 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         text = await asyncio.to_thread(generate_latest, metrics.registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
+    model_card = {"id": config.model_name, "object": "model", "created": 0,
+                  "owned_by": "kvstack", "max_model_len": llm.core.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvstack",
-             "max_model_len": llm.core.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != config.model_name:
+            raise APIError(404, f"model {model_id!r} is not served here (this server: "
+                           f"{config.model_name!r})", "model", code="model_not_found")
+        return model_card
+
+    # vLLM's tokenizer endpoints (what lm-eval's `tokenizer_backend=remote` reads).
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        text = body.prompt if body.messages is None else template.render(
+            [{"role": m.role, "content": m.text()} for m in body.messages])
+        if text is None:
+            raise APIError(400, "give a prompt or messages", "prompt")
+        ids = llm.tokenizer.encode(text) if text else []
+        return {"count": len(ids), "max_model_len": llm.core.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        # As vLLM's (and HF's decode): special tokens written out, not skipped.
+        try:
+            ids = llm.encode(body.tokens) if body.tokens else []
+            return {"prompt": llm.tokenizer.decode(ids, skip_special=False)}
+        except ValueError as e:
+            raise APIError(400, str(e), "tokens") from None
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        eos = llm.tokenizer.eos_id
+        eos_token = None if eos is None else llm.tokenizer.decode([eos], skip_special=False)
+        return {"tokenizer_class": type(llm.tokenizer).__name__, "eos_token": eos_token,
+                "bos_token": None, "pad_token": None,
+                "model_max_length": llm.core.max_model_len}
 
     @app.get("/v1/sessions")
     async def list_sessions(request: Request) -> dict[str, Any]:
@@ -204,21 +246,20 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "one prompt per request", "prompt")
-            prompt = prompt[0]
-        return await serve(body, request, prompt, (), "text_completion")
+        prompts = body.prompts()
+        if len(prompts) > 1 and (body.session or request.headers.get(SESSION_HEADER)):
+            raise APIError(400, "a session continues one conversation: send one prompt",
+                           "prompt")
+        return await serve(body, request, prompts, (), "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         text = template.render([{"role": m.role, "content": m.text()} for m in body.messages])
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        return await serve(body, request, text, template.stop, "chat.completion")
+        return await serve(body, request, [text], template.stop, "chat.completion")
 
-    async def serve(body: _Request, request: Request, prompt: str | list[int],
+    async def serve(body: _Request, request: Request, prompts: list[str | list[int]],
                     stop: tuple[str, ...], kind: str) -> Response:
         body.check()
         if body.model != config.model_name:
@@ -232,26 +273,42 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             raise APIError(429, f"{state['in_flight']} requests are in flight (the limit is "
                            f"{limit}); retry shortly", kind="rate_limit_error",
                            headers={"Retry-After": "1"})
-        try:
-            ids = llm.encode(prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "prompt" if kind == "text_completion"
-                           else "messages") from None
-        room = llm.core.max_model_len - len(ids)
+        where = "prompt" if kind == "text_completion" else "messages"
+        encoded = []
+        for prompt in prompts:
+            try:
+                encoded.append(llm.encode(prompt))
+            except ValueError as e:
+                raise APIError(400, str(e), where) from None
+        longest = max(len(ids) for ids in encoded)
+        room = llm.core.max_model_len - longest
         if room <= 0:
-            raise APIError(400, f"the prompt is {len(ids)} tokens; this model takes "
+            raise APIError(400, f"the prompt is {longest} tokens; this model takes "
                            f"{llm.core.max_model_len} in all (prompt and completion)",
-                           "messages" if kind == "chat.completion" else "prompt",
-                           code="context_length_exceeded")
+                           where, code="context_length_exceeded")
         # A request that sets no max_tokens gets the server's default (or the rest of the
         # context when that is 0), within the room left.
         wanted = body.max_tokens if body.max_tokens is not None else min(
             room, config.default_max_tokens or room)
         if wanted > room:
-            raise APIError(400, f"max_tokens {wanted} with a prompt of {len(ids)} tokens "
+            raise APIError(400, f"max_tokens {wanted} with a prompt of {longest} tokens "
                            f"exceeds the context of {llm.core.max_model_len} tokens",
                            "max_tokens", code="context_length_exceeded")
-        params = [body.sampling(wanted, stop)]
+        echo = getattr(body, "echo", False)
+        top = getattr(body, "prompt_logprobs", None)
+        if echo and body.top_logprobs_wanted() is not None:
+            top = max(top or 0, body.top_logprobs_wanted())
+        scores: list[list[PromptLogprob | None] | None] = [None] * len(encoded)
+        if top is not None:  # the prompt's own log-probabilities (lm-eval's scoring)
+            try:
+                scores = [await asyncio.to_thread(llm.prompt_logprobs, ids, top)
+                          for ids in encoded]
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt_logprobs") from None
+        inputs = [PromptInput(ids, p if isinstance(p, str) else None, s)
+                  for ids, p, s in zip(encoded, prompts, scores, strict=True)]
+        # max_tokens 0 scores the prompt and generates nothing (no engine request).
+        params = [body.sampling(max(wanted, 1), stop)]
         if body.seed is not None and body.seed + body.n > 1 << 64:
             raise APIError(400, f"seed {body.seed} with n={body.n}: the samples take seeds "
                            f"seed … seed+n-1, which must stay below 2**64", "seed")
@@ -272,9 +329,9 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         salts = [s for s in (None if config.share_prefix_cache else tenant(request),
                              body.cache_salt) if s is not None]
         cache_salt = "|".join(salts) if salts else None
-        run = Run(engine, sessions, metrics, name, ids, params, body, kind, tenant(request),
-                  cache_salt, prompt if isinstance(prompt, str) else None,
-                  request_state=request.state, long_request_s=config.long_request_s)
+        run = Run(engine, sessions, metrics, name, inputs, params, body, kind, tenant(request),
+                  cache_salt, generate=wanted > 0, request_state=request.state,
+                  long_request_s=config.long_request_s)
         state["in_flight"] += 1
 
         def finished() -> None:
@@ -293,36 +350,59 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     return app
 
 
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt of a request: its ids, its text (None: given as ids), and its tokens'
+    log-probabilities when the request asked for them (echo with logprobs,
+    prompt_logprobs)."""
+
+    ids: list[int]
+    text: str | None
+    scores: list[PromptLogprob | None] | None
+
+
 class Run:
-    """One API request: its n engine requests (or one session turn), as a response body or
-    as server-sent events."""
+    """One API request: n engine requests for each of its prompts (or one session turn),
+    as a response body or as server-sent events. Choice i is sample i % n of prompt
+    i // n, as in the OpenAI API."""
 
     def __init__(self, engine: AsyncLLM, sessions: HttpSessions, metrics: ServerMetrics,
-                 session: str | None, ids: list[int], params: list[SamplingParams],
-                 body: _Request, kind: str, tenant: str | None = None,
-                 cache_salt: str | None = None, text: str | None = None, *,
-                 request_state: Any, long_request_s: float) -> None:
+                 session: str | None, prompts: list[PromptInput],
+                 params: list[SamplingParams], body: _Request, kind: str,
+                 tenant: str | None = None, cache_salt: str | None = None, *,
+                 generate: bool, request_state: Any, long_request_s: float) -> None:
         self.engine, self.sessions, self.metrics = engine, sessions, metrics
-        self.tenant, self.cache_salt, self.text = tenant, cache_salt, text
+        self.tenant, self.cache_salt, self.generate = tenant, cache_salt, generate
         self.request_state = request_state  # the endpoint's usage goes there, for the log
         self.long_request_s = long_request_s
-        self.session, self.ids, self.params, self.body, self.kind = (
-            session, ids, params, body, kind)
+        self.session, self.prompts, self.params, self.body, self.kind = (
+            session, prompts, params, body, kind)
         self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.finals: list[RequestOutput | None] = [None] * len(params)
+        self.choices = len(prompts) * len(params)
+        self.finals: list[RequestOutput | None] = [None] * self.choices
         self.counted: set[int] = set()  # choices counted as aborted or failed
         self.tokenizer = engine.llm.tokenizer
+
+    def _prompt(self, index: int) -> PromptInput:
+        return self.prompts[index // len(self.params)]
 
     async def _outputs(self, index: int) -> AsyncIterator[RequestOutput]:
         """Engine outputs of choice `index`, with the latency metrics recorded."""
         start = last = time.perf_counter()
+        prompt, params = self._prompt(index), self.params[index % len(self.params)]
+        if not self.generate:  # max_tokens 0: the prompt alone, nothing to run
+            out = RequestOutput(self.id, prompt.text, prompt.ids, "", [], "length", True,
+                                None, {}, 0, [] if params.logprobs is not None else None)
+            self.finals[index] = out
+            self.metrics.record(out, 0.0)
+            yield out
+            return
         if self.session is not None:
-            outputs = self.sessions.turn(self.tenant, self.session, self.ids, self.params[0],
-                                         self.cache_salt, self.text)
+            outputs = self.sessions.turn(self.tenant, self.session, prompt.ids, params,
+                                         self.cache_salt, prompt.text)
         else:
-            outputs = self.engine.generate(self.ids, self.params[index],
-                                           cache_salt=self.cache_salt)
+            outputs = self.engine.generate(prompt.ids, params, cache_salt=self.cache_salt)
         warned, seen = False, 0
         totals = self.metrics.totals
         async with contextlib.aclosing(outputs) as stream:
@@ -336,7 +416,7 @@ class Run:
                     warned = True
                     log.warning("kvstack: request %s has run %.0f s: %d tokens so far of "
                                 "max_tokens %d", self.id, now - start, len(out.token_ids),
-                                self.params[index].max_tokens)
+                                params.max_tokens)
                 if len(out.token_ids) > 1:
                     self.metrics.itl.observe(now - last)
                 last = now
@@ -352,7 +432,7 @@ class Run:
                 final = out
             return final
 
-        task = asyncio.gather(*(collect(i) for i in range(len(self.params))))
+        task = asyncio.gather(*(collect(i) for i in range(self.choices)))
         while not task.done():  # a client that hangs up cancels its request
             done, _ = await asyncio.wait({task}, timeout=0.2)
             if not done and await request.is_disconnected():
@@ -389,14 +469,14 @@ class Run:
             finally:
                 self.queue.put_nowait((index, end))
 
-        self.tasks = [asyncio.create_task(pump(i)) for i in range(len(self.params))]
+        self.tasks = [asyncio.create_task(pump(i)) for i in range(self.choices)]
         asyncio.gather(*self.tasks, return_exceptions=True).add_done_callback(
             lambda _: finished())
 
     async def events(self) -> AsyncIterator[str]:
         queue, tasks = self.queue, self.tasks
-        sent = [""] * len(self.params)
-        sent_tokens = [0] * len(self.params)
+        sent = [""] * self.choices
+        sent_tokens = [0] * self.choices
         open_choices = len(tasks)
         try:
             if self.kind == "chat.completion":
@@ -452,22 +532,31 @@ class Run:
         """Choice `index` carrying `text` and the log-probabilities of its tokens from
         `first_token` on (when asked for)."""
         reason = ("length" if out.finish_reason == "length" else "stop") if final else None
+        prompt = self._prompt(index)
+        echo = first_token == 0 and getattr(self.body, "echo", False)
         if self.kind != "chat.completion":
+            if echo:  # the prompt first, in the choice's first text
+                text = (prompt.text if prompt.text is not None
+                        else self.tokenizer.decode(prompt.ids)) + text
             content: dict[str, Any] = {"text": text}
         elif self.body.stream:
             content = {"delta": {"content": text}}
         else:
             content = {"message": {"role": "assistant", "content": text}}
         choice = {"index": index, **content, "finish_reason": reason,
-                  "logprobs": self._logprobs(out, first_token)}
+                  "logprobs": self._logprobs(out, first_token, prompt if echo else None)}
+        if first_token == 0 and getattr(self.body, "prompt_logprobs", None) is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(prompt)
         if self.body.return_token_ids and final:
             choice["token_ids"] = list(out.token_ids)
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
         return choice
 
-    def _logprobs(self, out: RequestOutput, first: int) -> dict[str, Any] | None:
+    def _logprobs(self, out: RequestOutput, first: int,
+                  echoed: PromptInput | None = None) -> dict[str, Any] | None:
         """The OpenAI API's logprobs of out's tokens from `first` on: per token for chat,
-        as parallel lists for completions."""
+        as parallel lists for completions; with an `echoed` prompt, its tokens' first (the
+        first one's null: nothing comes before it)."""
         if out.logprobs is None:
             return None
         ids, entries = out.token_ids[first:], out.logprobs[first:]
@@ -478,11 +567,35 @@ class Run:
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
             return {"content": [token(i, e.logprob) | {"top_logprobs": [
                 token(t, lp) for t, lp in e.top]} for i, e in zip(ids, entries, strict=True)]}
+        logprobs: list[float | None] = [e.logprob for e in entries]
+        tops: list[dict[str, float] | None] = [{name([t]): lp for t, lp in e.top}
+                                               for e in entries]
+        if echoed is not None and echoed.scores is not None:
+            ids = echoed.ids + ids
+            logprobs = [s.logprob if s else None for s in echoed.scores] + logprobs
+            tops = [{name([t]): lp for t, lp in s.top[: self.body.top_logprobs_wanted()]}
+                    if s else None for s in echoed.scores] + tops
         texts = [name([i]) for i in ids]
         offsets = list(itertools.accumulate((len(t) for t in texts), initial=0))[:len(texts)]
-        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{name([t]): lp for t, lp in e.top} for e in entries],
+        return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def _prompt_logprobs(self, prompt: PromptInput) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token (null for the first), its own entry
+        and the likeliest tokens', each {"logprob", "rank", "decoded_token"} by id."""
+        name, wanted = self.tokenizer.decode, self.body.prompt_logprobs
+        out: list[dict[str, Any] | None] = []
+        for token, score in zip(prompt.ids, prompt.scores or [], strict=True):
+            if score is None:
+                out.append(None)
+                continue
+            entry = {str(token): {"logprob": score.logprob, "rank": score.rank,
+                                  "decoded_token": name([token])}}
+            for rank, (other, logprob) in enumerate(score.top[:wanted], start=1):
+                entry.setdefault(str(other), {"logprob": logprob, "rank": rank,
+                                              "decoded_token": name([other])})
+            out.append(entry)
+        return out
 
     def _event(self, choices: list[dict[str, Any]], usage: dict | None = None) -> str:
         kind = "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
@@ -494,9 +607,15 @@ class Run:
 
     def _usage(self, finals: list[RequestOutput | None]) -> dict[str, Any]:
         done = [f for f in finals if f is not None]
-        prompt = len(done[0].prompt_token_ids) if done else len(self.ids)
+        n = len(self.params)
+        if self.session is not None and done:  # the whole conversation the turn ran on
+            prompt = len(done[0].prompt_token_ids)
+        else:
+            prompt = sum(len(p.ids) for p in self.prompts)
         completion = sum(len(f.token_ids) for f in done)
-        cached = done[0].num_cached_tokens if done else 0
+        # A prompt's cached tokens once (its n samples share the prefix).
+        cached = sum(f.num_cached_tokens for i, f in enumerate(finals)
+                     if f is not None and i % n == 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}

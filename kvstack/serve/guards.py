@@ -78,6 +78,9 @@ def guarded_protocol(request_timeout_s: float, max_connections: int) -> type[H11
     return GuardedProtocol
 
 
+GATED = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")  # what the API key opens
+
+
 def tenant_of(api_key: str) -> str:
     """The name a key's sessions and prefix-cache partition go under (a digest: the key
     itself is never stored)."""
@@ -86,7 +89,7 @@ def tenant_of(api_key: str) -> str:
 
 class RequestGate:
     """ASGI middleware: the API key (when keys are set) and the body limit, checked for
-    every `/v1` request before its body is read; the body is then read whole (at most
+    every API request (`GATED`) before its body is read; the body is then read whole (at most
     `max_body_bytes`) and handed on, so what follows never sees more."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], max_body_bytes: int) -> None:
@@ -96,7 +99,7 @@ class RequestGate:
                         for k in api_keys}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not scope["path"].startswith(GATED):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])

@@ -3,8 +3,9 @@
 Unknown fields are refused by name (400), and so are fields of the API that kvstack does
 not implement when a request sets them to anything but their "off" value: a request is
 never served with a parameter silently ignored. kvstack's own fields: `top_k`,
-`ignore_eos`, `return_token_ids` (vLLM's names), and `session` (a conversation kept in the
-cache and on disk between requests; also the `X-Kvstack-Session` header).
+`ignore_eos`, `return_token_ids`, `prompt_logprobs`, `cache_salt` (vLLM's names), and
+`session` (a conversation kept in the cache and on disk between requests; also the
+`X-Kvstack-Session` header).
 """
 
 from typing import Any, Literal
@@ -15,7 +16,7 @@ from kvstack.engine.sampling import SamplingParams
 
 # API fields kvstack does not implement, with the value that means "off".
 UNSUPPORTED = {
-    "echo": (None, False), "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
+    "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
     "functions": (None,), "function_call": (None,), "modalities": (None, ["text"]),
@@ -102,12 +103,22 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = 16  # the OpenAI API's default for completions
+    # One prompt (text or token ids) or several, each its own choices (n of them).
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # the OpenAI API's default; 0: score only
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False  # the prompt before the completion, and its logprobs with `logprobs`
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: per prompt token
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one or several."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return list(p)
+        return [p]
 
 
 class ChatMessage(BaseModel):
@@ -125,6 +136,21 @@ class ChatMessage(BaseModel):
                 raise APIError(400, "kvstack takes text content parts only", "messages")
             parts.append(part["text"])
         return "".join(parts)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False  # kvstack's tokenizers add none either way
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 class ChatRequest(_Request):

@@ -35,7 +35,8 @@ class AccessLog:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1"):
+        if scope["type"] != "http" or not scope["path"].startswith(("/v1", "/tokenize",
+                                                                    "/detokenize")):
             await self.app(scope, receive, send)
             return
         start, status = time.perf_counter(), [0]
