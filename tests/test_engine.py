@@ -444,3 +444,33 @@ def test_logprobs_and_penalties_through_the_engine():
         return max(ids.count(t) for t in ids)
 
     assert most_repeated(penalised.token_ids) < most_repeated(base.token_ids)
+
+
+def test_min_tokens_stop_token_ids_and_logit_bias():
+    llm = LLM("tiny", random_init=True, kv_budget="1MiB", block_tokens=16)
+    eos = llm.tokenizer.eos_id
+    prompt = list(range(5, 25))
+    # End of sequence pushed to the top: held back for min_tokens, then taken at once.
+    forced = SamplingParams(max_tokens=20, temperature=0, min_tokens=3,
+                            logit_bias={eos: 100.0})
+    out = llm.generate(prompt, forced)[0]
+    assert eos not in out.token_ids[:3] and out.token_ids[3] == eos
+    assert len(out.token_ids) == 4 and out.finish_reason == "stop"
+    # A stop token id ends the reply as the end of sequence does.
+    plain = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0,
+                                                ignore_eos=True))[0].token_ids
+    stop = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                          stop_token_ids=(plain[2],))
+    out = llm.generate(prompt, stop)[0]
+    assert out.token_ids == plain[: plain.index(plain[2]) + 1]
+    assert out.finish_reason == "stop"
+    # A bias of -100 rules the greedy token out.
+    banned = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                            logit_bias={plain[0]: -100.0})
+    assert llm.generate(prompt, banned)[0].token_ids != plain[:1]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(prompt, SamplingParams(stop_token_ids=(10**6,)))
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})

@@ -634,3 +634,38 @@ def test_a_port_in_use_is_said_before_the_model_loads(capsys):
         assert main(["serve", "--model", "tiny", "--random-init", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and " on http://" not in err
+
+
+def test_min_tokens_stop_token_ids_and_logit_bias_over_http(app_client):
+    client = app_client
+    auth = {"Authorization": "Bearer sesame"}
+    base = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0}
+    eos = client.app.state.sessions.llm.tokenizer.eos_id
+
+    def ask(**extra):
+        return client.post("/v1/completions", json=base | extra, headers=auth)
+
+    out = ask(min_tokens=2, logit_bias={str(eos): 100}, return_token_ids=True).json()
+    assert out["choices"][0]["token_ids"][2] == eos
+    assert out["usage"]["completion_tokens"] == 3
+    first = ask(ignore_eos=True, return_token_ids=True).json()["choices"][0]["token_ids"][0]
+    stopped = ask(ignore_eos=True, stop_token_ids=[first]).json()
+    assert stopped["usage"]["completion_tokens"] == 1
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    for extra, param in ((dict(logit_bias={"x": 1}), "logit_bias"),
+                         (dict(stop_token_ids=[10**6]), "stop_token_ids"),
+                         (dict(min_tokens=9), "min_tokens")):
+        bad = ask(**extra)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, extra
+
+
+def test_every_refused_field_is_documented_and_refused_by_name(app_client):
+    from kvstack.serve.protocol import UNSUPPORTED
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    auth = {"Authorization": "Bearer sesame"}
+    for field in UNSUPPORTED:
+        assert f"`{field}`" in readme, field
+        refused = app_client.post("/v1/completions", headers=auth, json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 1, field: "on"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field

@@ -135,10 +135,20 @@ class EngineCore:
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
+        vocab = self.cache.config.vocab_size
+        bad = [t for t in (*params.stop_token_ids, *(t for t, _ in params.logit_bias))
+               if t >= vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} in stop_token_ids or logit_bias are "
+                             f"outside the vocabulary 0..{vocab - 1}")
+        end_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos or self.tokenizer.eos_id is None
+            else frozenset({self.tokenizer.eos_id}))
         if previous is not None:  # a conversation stays in its own partition
             cache_salt = previous.cache_salt
         seq = Sequence(request_id, ids, params, prompt, generator=generator,
                        keep_cache=keep_cache, cache_salt=cache_salt, hold_kept=hold_kept,
+                       end_ids=end_ids,
                        detokenizer=Detokenizer(self.tokenizer, tuple(params.stop)))
         if previous is not None:
             # The kept store (if not evicted for room meanwhile) moves to the new request.
@@ -281,9 +291,10 @@ class EngineCore:
             seq.logprobs.append(sampled.logprobs)
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        stopped = seq.detokenizer.add(token)
+        early = len(seq.output_ids) < seq.params.min_tokens  # ends held back (min_tokens)
+        stopped = seq.detokenizer.add(token, check_stop=not early)
         seq.text = seq.detokenizer.settled()
-        if (not seq.params.ignore_eos and token == self.tokenizer.eos_id) or stopped:
+        if (token in seq.end_ids and not early) or stopped:
             self._finish(seq, "stop")
         elif (len(seq.output_ids) >= seq.params.max_tokens
               or seq.num_tokens >= self.max_model_len):

@@ -26,8 +26,9 @@ class Detokenizer:
         # context (a byte-level or SentencePiece tokenizer decodes a token by its left).
         self.prefix = self.read = 0
 
-    def add(self, token: int) -> bool:
-        """Append a token; True when the text now holds a stop string (cut before it)."""
+    def add(self, token: int, check_stop: bool = True) -> bool:
+        """Append a token; True when the text now holds a stop string (cut before it).
+        check_stop=False: not looked for yet (min_tokens), as vLLM does."""
         self.ids.append(token)
         before = self.tokenizer.decode(self.ids[self.prefix : self.read])
         after = self.tokenizer.decode(self.ids[self.prefix :])
@@ -37,7 +38,8 @@ class Detokenizer:
         searched = len(self.text) - self.longest_stop + 1  # a stop may span the old end
         self.text += new
         self.prefix, self.read = self.read, len(self.ids)
-        hits = [i for s in self.stop if (i := self.text.find(s, max(0, searched))) >= 0]
+        hits = [i for s in self.stop if check_stop
+                and (i := self.text.find(s, max(0, searched))) >= 0]
         if hits:
             self.text = self.text[: min(hits)]
             return True

@@ -28,11 +28,20 @@ class SamplingParams:
     # the k likeliest (from the model's raw distribution, before penalties and
     # temperature, as vLLM reports them).
     logprobs: int | None = None
+    # vLLM's: no end of sequence, stop token or stop string before this many tokens.
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: these tokens end the reply too
+    # OpenAI's: added to a token's logit before sampling, -100..100 ((id, bias) pairs).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
         def number(x: object) -> bool:  # True is an int to Python, not a number here
             return isinstance(x, int | float) and not isinstance(x, bool)
 
@@ -68,6 +77,17 @@ class SamplingParams:
                                        and not isinstance(self.logprobs, bool)
                                        and 0 <= self.logprobs <= 20),
              f"logprobs must be an integer from 0 to 20, got {self.logprobs!r}"),
+            (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+             and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer from 0 to max_tokens, got {self.min_tokens!r}"),
+            (all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                 for t in self.stop_token_ids),
+             f"stop_token_ids must be token ids, got {self.stop_token_ids!r}"),
+            (all(isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
+                 and not isinstance(pair[0], bool) and pair[0] >= 0 and number(pair[1])
+                 and -100 <= pair[1] <= 100 for pair in self.logit_bias),
+             f"logit_bias must map token ids to biases from -100 to 100, got "
+             f"{dict(self.logit_bias)!r}"),
         )
         for ok, message in checks:
             if not ok:
@@ -75,8 +95,11 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
+        """Whether its logits are changed before sampling (penalties, biases, ends held
+        back): a row of its own in the sampler."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1)
+                or self.repetition_penalty != 1 or bool(self.logit_bias)
+                or self.min_tokens > 0)
 
 
 class TokenLogprobs(NamedTuple):
@@ -107,12 +130,20 @@ class Sampled(Protocol):
     generator: torch.Generator | None
     prompt_ids: list[int]
     output_ids: list[int]
+    end_ids: frozenset[int]  # tokens that end it: end of sequence, stop_token_ids
 
 
 def penalise(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-             output_ids: Sequence[int]) -> torch.Tensor:
-    """Next-token logits [vocab] with the repetition, presence and frequency penalties."""
+             output_ids: Sequence[int],
+             end_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Next-token logits [vocab] with the repetition, presence and frequency penalties,
+    the logit biases, and before min_tokens the ending tokens ruled out."""
     logits = logits.float().clone()
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias, strict=True)
+        logits[list(ids)] += torch.tensor(biases, device=logits.device)
+    if len(output_ids) < params.min_tokens and end_ids:
+        logits[sorted(end_ids)] = float("-inf")
     if params.repetition_penalty != 1:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long,
                             device=logits.device)
@@ -162,7 +193,8 @@ def sample_batch(logits: torch.Tensor, requests: Sequence[Sampled]) -> list[Samp
         if p.temperature == 0 and not p.penalised and p.logprobs is None:
             samples.append(Sample(greedy_ids[i], None))
             continue
-        row = penalise(logits[i], p, r.prompt_ids, r.output_ids) if p.penalised else logits[i]
+        row = (penalise(logits[i], p, r.prompt_ids, r.output_ids, r.end_ids) if p.penalised
+               else logits[i])
         token = sample(row, p, r.generator)
         entry = None
         if p.logprobs is not None:

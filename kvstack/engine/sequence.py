@@ -36,6 +36,7 @@ class Sequence:
     generator: torch.Generator | None = None
     keep_cache: bool = False  # keep the store after finishing, for a follow-up turn
     cache_salt: str | None = None  # the prefix-cache partition it reads and writes
+    end_ids: frozenset[int] = frozenset()  # tokens that end it (eos unless ignored, stop ids)
     # Its kept cache is evicted only after its owner saved it (`release_hold`) or
     # KEPT_HOLD_S after it finished: a session's save must find the blocks it just wrote.
     hold_kept: bool = False

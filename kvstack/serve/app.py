@@ -309,6 +309,12 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                   for ids, p, s in zip(encoded, prompts, scores, strict=True)]
         # max_tokens 0 scores the prompt and generates nothing (no engine request).
         params = [body.sampling(max(wanted, 1), stop)]
+        vocab = llm.config.vocab_size
+        for field, ids in (("stop_token_ids", params[0].stop_token_ids),
+                           ("logit_bias", [t for t, _ in params[0].logit_bias])):
+            if any(t >= vocab for t in ids):
+                raise APIError(400, f"{field}: token ids must be below the vocabulary size "
+                                    f"{vocab}", field)
         if body.seed is not None and body.seed + body.n > 1 << 64:
             raise APIError(400, f"seed {body.seed} with n={body.n}: the samples take seeds "
                            f"seed … seed+n-1, which must stay below 2**64", "seed")

@@ -16,7 +16,7 @@ from kvstack.engine.sampling import SamplingParams
 
 # API fields kvstack does not implement, with the value that means "off".
 UNSUPPORTED = {
-    "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
+    "best_of": (None, 1), "suffix": (None,),
     "tools": (None, []), "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
     "functions": (None,), "function_call": (None,), "modalities": (None, ["text"]),
@@ -63,6 +63,9 @@ class _Request(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     return_token_ids: bool = False
+    min_tokens: int = Field(0, ge=0)  # vLLM's
+    stop_token_ids: list[int] | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
     session: str | None = Field(None, min_length=1, max_length=200)
     user: str | None = None  # an end-user id for the operator's logs; it changes nothing
     # vLLM's: requests hit only prefix-cache blocks written under the same salt.
@@ -87,6 +90,14 @@ class _Request(BaseModel):
         """Log-probabilities asked for: None, or how many of the likeliest tokens."""
         raise NotImplementedError
 
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise APIError(400, f"logit_bias: {key!r} is not a token id", "logit_bias")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
+
     def sampling(self, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
@@ -96,7 +107,10 @@ class _Request(BaseModel):
                                   presence_penalty=self.presence_penalty,
                                   frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty,
-                                  logprobs=self.top_logprobs_wanted())
+                                  logprobs=self.top_logprobs_wanted(),
+                                  min_tokens=self.min_tokens,
+                                  stop_token_ids=tuple(self.stop_token_ids or ()),
+                                  logit_bias=self._logit_bias())
         except ValueError as e:  # "SamplingParams: <field> must ..."
             message = str(e).removeprefix("SamplingParams: ")
             raise APIError(400, message, message.split(" ", 1)[0]) from None
