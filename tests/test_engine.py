@@ -474,3 +474,17 @@ def test_min_tokens_stop_token_ids_and_logit_bias():
         SamplingParams(max_tokens=2, min_tokens=3)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101.0})
+
+
+def test_a_json_schema_holds_the_reply_with_a_byte_tokenizer():
+    import json
+
+    llm = LLM("tiny", random_init=True, kv_budget="1MiB", block_tokens=16)
+    schema = json.dumps({"type": "object", "required": ["ok"], "additionalProperties": False,
+                         "properties": {"ok": {"type": "boolean"}}})
+    for seed in range(3):
+        out = llm.generate("x", SamplingParams(max_tokens=40, temperature=1.0, seed=seed,
+                                               json_schema=schema))[0]
+        assert isinstance(json.loads(out.text)["ok"], bool) and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="json_schema"):
+        llm.generate("x", SamplingParams(json_schema="{not json"))

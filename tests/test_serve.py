@@ -669,3 +669,33 @@ def test_every_refused_field_is_documented_and_refused_by_name(app_client):
         refused = app_client.post("/v1/completions", headers=auth, json={
             "model": "tiny", "prompt": "hi", "max_tokens": 1, field: "on"})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+
+
+def test_json_schema_replies_parse_and_validate_on_twenty_prompts(server):
+    import json
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    prompts = [f"# record {i}\n" + w for i, w in enumerate(
+        ["person = ", "def load():\n    return ", "data: ", "x = ", "config = "] * 4)]
+    for prompt in prompts:
+        out = server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=80,
+            temperature=0.7, seed=len(prompt), response_format=fmt)
+        reply = json.loads(out.choices[0].message.content)
+        assert set(reply) == {"name", "age"} and isinstance(reply["name"], str)
+        assert len(reply["name"]) <= 24 and isinstance(reply["age"], int)
+        assert 0 <= reply["age"] <= 150 and out.choices[0].finish_reason == "stop"
+    any_object = server.client.completions.create(
+        model=MODEL, prompt="settings = ", max_tokens=60, temperature=0,
+        extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(any_object.choices[0].text), dict)
+    with pytest.raises(openai.BadRequestError, match="not a schema"):
+        server.client.completions.create(
+            model=MODEL, prompt="x", max_tokens=5,
+            extra_body={"response_format": {"type": "json_schema",
+                                            "json_schema": {"schema": {"type": 12}}}})

@@ -28,6 +28,7 @@ from kvstack.cache.disk import DiskTier
 from kvstack.cache.paged import PagedCache
 from kvstack.cache.prefix import chain_seed
 from kvstack.engine.config import EngineConfig
+from kvstack.engine.grammar import Grammars
 from kvstack.engine.output import Detokenizer, OutputRouter
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import Sample, SamplingParams
@@ -86,6 +87,7 @@ class EngineCore:
             self.runner = ParallelRunner(model, config, self.cache, workers)
         self.stopped: str | None = None  # why the engine cannot go on (a lost rank)
         self.router = OutputRouter()
+        self.grammars = Grammars(tokenizer, model.config.vocab_size)  # json_schema replies
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._idle_steps = 0
@@ -144,11 +146,13 @@ class EngineCore:
         end_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos or self.tokenizer.eos_id is None
             else frozenset({self.tokenizer.eos_id}))
+        grammar = None if params.json_schema is None else self.grammars.matcher(
+            params.json_schema)
         if previous is not None:  # a conversation stays in its own partition
             cache_salt = previous.cache_salt
         seq = Sequence(request_id, ids, params, prompt, generator=generator,
                        keep_cache=keep_cache, cache_salt=cache_salt, hold_kept=hold_kept,
-                       end_ids=end_ids,
+                       end_ids=end_ids, grammar=grammar,
                        detokenizer=Detokenizer(self.tokenizer, tuple(params.stop)))
         if previous is not None:
             # The kept store (if not evicted for room meanwhile) moves to the new request.
@@ -294,6 +298,9 @@ class EngineCore:
         early = len(seq.output_ids) < seq.params.min_tokens  # ends held back (min_tokens)
         stopped = seq.detokenizer.add(token, check_stop=not early)
         seq.text = seq.detokenizer.settled()
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+            stopped = stopped or seq.grammar.done  # the structure is complete
         if (token in seq.end_ids and not early) or stopped:
             self._finish(seq, "stop")
         elif (len(seq.output_ids) >= seq.params.max_tokens

@@ -3,9 +3,12 @@
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from kvstack.engine.grammar import Matcher
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: these tokens end the reply too
     # OpenAI's: added to a token's logit before sampling, -100..100 ((id, bias) pairs).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # A JSON schema (as JSON text) the reply must match, enforced token by token
+    # (`kvstack.engine.grammar`); '{"type": "object"}' is any JSON object.
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +94,8 @@ class SamplingParams:
                  and -100 <= pair[1] <= 100 for pair in self.logit_bias),
              f"logit_bias must map token ids to biases from -100 to 100, got "
              f"{dict(self.logit_bias)!r}"),
+            (self.json_schema is None or isinstance(self.json_schema, str),
+             f"json_schema must be a JSON schema as text, got {type(self.json_schema)}"),
         )
         for ok, message in checks:
             if not ok:
@@ -99,7 +107,7 @@ class SamplingParams:
         back): a row of its own in the sampler."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1 or bool(self.logit_bias)
-                or self.min_tokens > 0)
+                or self.min_tokens > 0 or self.json_schema is not None)
 
 
 class TokenLogprobs(NamedTuple):
@@ -131,14 +139,16 @@ class Sampled(Protocol):
     prompt_ids: list[int]
     output_ids: list[int]
     end_ids: frozenset[int]  # tokens that end it: end of sequence, stop_token_ids
+    grammar: "Matcher | None"  # its structured-output matcher, if any
 
 
 def penalise(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-             output_ids: Sequence[int],
-             end_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+             output_ids: Sequence[int], end_ids: frozenset[int] = frozenset(),
+             grammar: "Matcher | None" = None) -> torch.Tensor:
     """Next-token logits [vocab] with the repetition, presence and frequency penalties,
-    the logit biases, and before min_tokens the ending tokens ruled out."""
-    logits = logits.float().clone()
+    the logit biases, before min_tokens the ending tokens ruled out, and with a grammar
+    the tokens it does not allow next."""
+    logits = logits.float().clone() if grammar is None else grammar.mask(logits)
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias, strict=True)
         logits[list(ids)] += torch.tensor(biases, device=logits.device)
@@ -193,8 +203,8 @@ def sample_batch(logits: torch.Tensor, requests: Sequence[Sampled]) -> list[Samp
         if p.temperature == 0 and not p.penalised and p.logprobs is None:
             samples.append(Sample(greedy_ids[i], None))
             continue
-        row = (penalise(logits[i], p, r.prompt_ids, r.output_ids, r.end_ids) if p.penalised
-               else logits[i])
+        row = (penalise(logits[i], p, r.prompt_ids, r.output_ids, r.end_ids, r.grammar)
+               if p.penalised else logits[i])
         token = sample(row, p, r.generator)
         entry = None
         if p.logprobs is not None:

@@ -11,6 +11,7 @@ from kvstack.cache.paged import PagedSequenceStore
 from kvstack.engine.sampling import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
+    from kvstack.engine.grammar import Matcher
     from kvstack.engine.output import Detokenizer
 
 
@@ -37,6 +38,7 @@ class Sequence:
     keep_cache: bool = False  # keep the store after finishing, for a follow-up turn
     cache_salt: str | None = None  # the prefix-cache partition it reads and writes
     end_ids: frozenset[int] = frozenset()  # tokens that end it (eos unless ignored, stop ids)
+    grammar: "Matcher | None" = None  # its structured-output matcher (json_schema)
     # Its kept cache is evicted only after its owner saved it (`release_hold`) or
     # KEPT_HOLD_S after it finished: a session's save must find the blocks it just wrote.
     hold_kept: bool = False

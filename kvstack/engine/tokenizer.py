@@ -16,6 +16,11 @@ class Tokenizer(Protocol):
         """Text of ids; special tokens ("<|eos|>") left out unless skip_special=False."""
         ...
 
+    def grammar_vocab(self) -> tuple[list[str] | list[bytes], str]:
+        """Every token by id as a grammar library reads it ("" for special tokens, which
+        no text contains), and how they are written: "raw" bytes or "byte_level"."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, then bos (256), eos (257), pad (258)."""
@@ -39,6 +44,9 @@ class ByteTokenizer:
             else:
                 run.append(i)
         return "".join([*parts, bytes(run).decode("utf-8", errors="replace")])
+
+    def grammar_vocab(self) -> tuple[list[str] | list[bytes], str]:
+        return [bytes([i]) for i in range(256)] + [b""] * (self.vocab_size - 256), "raw"
 
 
 def byte_level_tokenizer_json() -> str:
@@ -78,3 +86,14 @@ class JsonTokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+    def grammar_vocab(self) -> tuple[list[str] | list[bytes], str]:
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values()
+                   if t.special}
+        vocab = [""] * self.vocab_size
+        for token, i in self._tok.get_vocab().items():
+            vocab[i] = "" if token in special else token
+        byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
+        if not byte_level:
+            vocab = [self._tok.decode([i]) if t else "" for i, t in enumerate(vocab)]
+        return vocab, "byte_level" if byte_level else "raw"

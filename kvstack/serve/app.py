@@ -309,6 +309,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                   for ids, p, s in zip(encoded, prompts, scores, strict=True)]
         # max_tokens 0 scores the prompt and generates nothing (no engine request).
         params = [body.sampling(max(wanted, 1), stop)]
+        if params[0].json_schema is not None:  # compiled (and cached) before it is queued
+            try:
+                await asyncio.to_thread(llm.core.grammars.matcher, params[0].json_schema)
+            except ValueError as e:
+                raise APIError(400, str(e), "response_format") from None
         vocab = llm.config.vocab_size
         for field, ids in (("stop_token_ids", params[0].stop_token_ids),
                            ("logit_bias", [t for t, _ in params[0].logit_bias])):

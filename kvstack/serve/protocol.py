@@ -8,17 +8,19 @@ never served with a parameter silently ignored. kvstack's own fields: `top_k`,
 `X-Kvstack-Session` header).
 """
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvstack.engine.grammar import ANY_OBJECT
 from kvstack.engine.sampling import SamplingParams
 
 # API fields kvstack does not implement, with the value that means "off".
 UNSUPPORTED = {
     "best_of": (None, 1), "suffix": (None,),
     "tools": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None,),
     "functions": (None,), "function_call": (None,), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "service_tier": (None, "auto", "default"),
     "reasoning_effort": (None,), "store": (None, False), "metadata": (None, {}),
@@ -66,6 +68,9 @@ class _Request(BaseModel):
     min_tokens: int = Field(0, ge=0)  # vLLM's
     stop_token_ids: list[int] | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
+    # OpenAI's: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name", "schema", "strict"}}: the reply held to the schema token by token.
+    response_format: dict[str, Any] | None = None
     session: str | None = Field(None, min_length=1, max_length=200)
     user: str | None = None  # an end-user id for the operator's logs; it changes nothing
     # vLLM's: requests hit only prefix-cache blocks written under the same salt.
@@ -90,6 +95,23 @@ class _Request(BaseModel):
         """Log-probabilities asked for: None, or how many of the likeliest tokens."""
         raise NotImplementedError
 
+    def _json_schema(self) -> str | None:
+        fmt = self.response_format or {"type": "text"}
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return ANY_OBJECT
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema: a JSON schema "
+                               "object is needed", "response_format")
+            return json.dumps(schema)
+        raise APIError(400, f"response_format.type {kind!r}: kvstack takes text, "
+                       "json_object and json_schema", "response_format")
+
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
@@ -110,7 +132,8 @@ class _Request(BaseModel):
                                   logprobs=self.top_logprobs_wanted(),
                                   min_tokens=self.min_tokens,
                                   stop_token_ids=tuple(self.stop_token_ids or ()),
-                                  logit_bias=self._logit_bias())
+                                  logit_bias=self._logit_bias(),
+                                  json_schema=self._json_schema())
         except ValueError as e:  # "SamplingParams: <field> must ..."
             message = str(e).removeprefix("SamplingParams: ")
             raise APIError(400, message, message.split(" ", 1)[0]) from None
