@@ -135,7 +135,7 @@ def test_bad_requests_are_refused_by_name(server):
     cases = (
         (dict(temperature=-1), 400, "temperature"),
         (dict(logprobs=30), 400, "logprobs"),
-        (dict(extra_body={"logit_bias": {"5": 1}}), 400, "logit_bias"),
+        (dict(extra_body={"logit_bias": {"five": 1}}), 400, "logit_bias"),
         (dict(presence_penalty=5), 400, "presence_penalty"),
         (dict(extra_body={"beam_width": 4}), 400, "beam_width"),
         (dict(max_tokens=10**6), 400, "max_tokens"),
@@ -699,3 +699,54 @@ def test_json_schema_replies_parse_and_validate_on_twenty_prompts(server):
             model=MODEL, prompt="x", max_tokens=5,
             extra_body={"response_format": {"type": "json_schema",
                                             "json_schema": {"schema": {"type": 12}}}})
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 20}}}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {
+            "type": "object", "additionalProperties": False, "required": ["a", "b"],
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                           "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}}]
+
+
+def test_tools_return_well_formed_tool_calls_streamed_and_not(server):
+    import json
+
+    messages = [{"role": "developer", "content": "use the tools"},
+                {"role": "user", "content": "what is 2 + 3?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+        out = server.client.chat.completions.create(
+            model=MODEL, messages=messages, tools=WEATHER, tool_choice=choice,
+            max_tokens=60, temperature=0)
+        message = out.choices[0].message
+        assert out.choices[0].finish_reason == "tool_calls" and message.content is None
+        call = message.tool_calls[0]
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "add":
+            assert set(arguments) == {"a", "b"} and all(0 <= v <= 99 for v in arguments.values())
+        else:
+            assert call.function.name == "get_weather" and set(arguments) == {"city"}
+        if isinstance(choice, dict):
+            assert call.function.name == "add"
+    chunks = list(server.client.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER, tool_choice="required",
+        max_tokens=60, temperature=0, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and json.loads(calls[0].function.arguments) is not None
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # The call and the tool's answer go back in the history, as agent loops send them.
+    history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": calls[0].id, "type": "function", "function": {
+            "name": calls[0].function.name, "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "5"}]
+    answer = server.client.chat.completions.create(
+        model=MODEL, messages=history, tools=WEATHER, tool_choice="none", max_tokens=8,
+        temperature=0)
+    assert answer.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        server.client.chat.completions.create(
+            model=MODEL, messages=messages, tools=WEATHER, max_tokens=8,
+            tool_choice={"type": "function", "function": {"name": "nope"}})

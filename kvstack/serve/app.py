@@ -254,7 +254,15 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        text = template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        # The developer role is OpenAI's newer name for system; tools are listed in a
+        # system message first (the plain template has no place of its own for them).
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.text()} for m in body.messages]
+        if functions := body.functions():
+            listed = [{k: f[k] for k in ("name", "description", "parameters") if k in f}
+                      for f in functions.values()]
+            messages.insert(0, {"role": "system", "content": "tools: " + json.dumps(listed)})
+        text = template.render(messages)
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         return await serve(body, request, [text], template.stop, "chat.completion")
@@ -394,6 +402,9 @@ class Run:
         self.finals: list[RequestOutput | None] = [None] * self.choices
         self.counted: set[int] = set()  # choices counted as aborted or failed
         self.tokenizer = engine.llm.tokenizer
+        # Tools on: streamed replies are held back and sent whole at the end (a tool call
+        # is known only then).
+        self.calls_tools = isinstance(body, ChatRequest) and bool(body.functions())
 
     def _prompt(self, index: int) -> PromptInput:
         return self.prompts[index // len(self.params)]
@@ -513,6 +524,8 @@ class Run:
                                                     kind="server_error").body()) + "\n\n"
                     break
                 delta, sent[index] = out.text[len(sent[index]):], out.text
+                if self.calls_tools and not out.finished:
+                    continue
                 if delta or out.finished:
                     yield self._event([self._choice(index, out, delta, sent_tokens[index],
                                                     out.finished)])
@@ -544,6 +557,17 @@ class Run:
         `first_token` on (when asked for)."""
         reason = ("length" if out.finish_reason == "length" else "stop") if final else None
         prompt = self._prompt(index)
+        if self.calls_tools:  # a reply in tool mode is shown whole, once: a call or text
+            call = self.body.tool_call(out.text) if final else None
+            if call is not None:
+                delta_or_message = "delta" if self.body.stream else "message"
+                return {"index": index, delta_or_message: {
+                    "role": "assistant", "content": None, "tool_calls": [{
+                        **({"index": 0} if self.body.stream else {}),
+                        "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                        "function": call}]},
+                    "finish_reason": "tool_calls", "logprobs": None}
+            text = out.text if final else ""
         echo = first_token == 0 and getattr(self.body, "echo", False)
         if self.kind != "chat.completion":
             if echo:  # the prompt first, in the choice's first text

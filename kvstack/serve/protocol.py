@@ -19,8 +19,6 @@ from kvstack.engine.sampling import SamplingParams
 # API fields kvstack does not implement, with the value that means "off".
 UNSUPPORTED = {
     "best_of": (None, 1), "suffix": (None,),
-    "tools": (None, []), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None,), "function_call": (None,), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "service_tier": (None, "auto", "default"),
     "reasoning_effort": (None,), "store": (None, False), "metadata": (None, {}),
@@ -96,6 +94,12 @@ class _Request(BaseModel):
         raise NotImplementedError
 
     def _json_schema(self) -> str | None:
+        tools = self.tool_schema() if isinstance(self, ChatRequest) else None
+        if tools is not None:
+            if (self.response_format or {"type": "text"}).get("type") != "text":
+                raise APIError(400, "a reply cannot be held to both a tool call and "
+                               "response_format", "response_format")
+            return tools
         fmt = self.response_format or {"type": "text"}
         kind = fmt.get("type")
         if kind == "text":
@@ -160,11 +164,28 @@ class CompletionRequest(_Request):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer to that call
 
     def text(self) -> str:
+        """The message as the template renders it: its text, or an assistant's tool calls
+        as the JSON a constrained reply writes ({"name", "arguments"})."""
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                function = call.get("function") or {}
+                try:
+                    arguments = json.loads(function.get("arguments") or "{}")
+                except (TypeError, ValueError):
+                    raise APIError(400, "messages: a tool call's arguments are not JSON",
+                                   "messages") from None
+                calls.append({"name": function.get("name"), "arguments": arguments})
+            return json.dumps(calls[0] if len(calls) == 1 else calls)
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -195,6 +216,64 @@ class ChatRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None  # OpenAI's: {"type": "function", "function"}
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function
+    parallel_tool_calls: bool | None = None  # one call per reply either way
+
+    def functions(self) -> dict[str, dict[str, Any]]:
+        """The tools' functions by name, checked; empty when tools are off."""
+        if not self.tools or self.tool_choice == "none":
+            return {}
+        functions = {}
+        for tool in self.tools:
+            function = tool.get("function") if tool.get("type") == "function" else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise APIError(400, "tools: each is {\"type\": \"function\", \"function\": "
+                               "{\"name\", \"parameters\"}}", "tools")
+            parameters = function.get("parameters", {"type": "object"})
+            if not isinstance(parameters, dict):
+                raise APIError(400, f"tools: {function['name']}'s parameters are not a "
+                               "JSON schema", "tools")
+            functions[function["name"]] = {**function, "parameters": parameters}
+        return functions
+
+    def tool_schema(self) -> str | None:
+        """The schema a reply must follow when it must call a tool (tool_choice required
+        or a named function): {"name", "arguments"} of one of them. None when the model
+        may answer in text (auto: a reply that is such a call is returned as one)."""
+        functions, choice = self.functions(), self.tool_choice or "auto"
+        if not functions or choice == "auto":
+            return None
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if name not in functions:
+                raise APIError(400, f"tool_choice names {name!r}, which is not among the "
+                               "tools", "tool_choice")
+            functions = {name: functions[name]}
+        elif choice != "required":
+            raise APIError(400, f"tool_choice {choice!r}: none, auto, required or "
+                           "{\"type\": \"function\", \"function\": {\"name\"}}",
+                           "tool_choice")
+        options = [{"type": "object", "additionalProperties": False,
+                    "required": ["name", "arguments"],
+                    "properties": {"name": {"const": name},
+                                   "arguments": function["parameters"]}}
+                   for name, function in functions.items()]
+        return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+
+    def tool_call(self, text: str) -> dict[str, Any] | None:
+        """The reply as a tool call of one of the tools, or None if it is not one."""
+        functions = self.functions()
+        if not functions:
+            return None
+        try:
+            call = json.loads(text)
+        except ValueError:
+            return None
+        if (not isinstance(call, dict) or call.get("name") not in functions
+                or not isinstance(call.get("arguments"), dict)):
+            return None
+        return {"name": call["name"], "arguments": json.dumps(call["arguments"])}
 
     def top_logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
