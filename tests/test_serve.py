@@ -750,3 +750,42 @@ def test_tools_return_well_formed_tool_calls_streamed_and_not(server):
         server.client.chat.completions.create(
             model=MODEL, messages=messages, tools=WEATHER, max_tokens=8,
             tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+          "{% endfor %}{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n"
+          "{% endif %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_jinja_chat_template_from_tokenizer_config_renders_as_transformers_does(tmp_path):
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from kvstack import AsyncLLM
+    from kvstack.engine.tokenizer import byte_level_tokenizer_json
+    from kvstack.serve.app import ServeConfig, build_app
+    from kvstack.serve.chat import ChatTemplate, JinjaTemplate
+
+    LLM("tiny", random_init=True, kv_budget="1MiB", block_tokens=16).model.save_pretrained(
+        tmp_path)
+    (tmp_path / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": {"content": "<|eos|>"}}))
+    template = ChatTemplate.for_model(tmp_path)
+    assert isinstance(template, JinjaTemplate)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    expected = ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    assert template.render(messages) == expected
+    assert '"name": "add"' in template.render(messages, [{"name": "add"}])
+    engine = AsyncLLM(LLM(tmp_path, kv_budget="1MiB", block_tokens=16, cache_dir=tmp_path))
+    with TestClient(build_app(engine, ServeConfig("m"))) as client:
+        tokens = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        assert engine.llm.tokenizer.decode(tokens) == expected
+        out = client.post("/v1/chat/completions", json={
+            "model": "m", "messages": messages, "max_tokens": 3}).json()
+        assert out["usage"]["prompt_tokens"] == len(tokens)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if"}))
+    with pytest.raises(ValueError, match="chat_template cannot be used"):
+        ChatTemplate.for_model(tmp_path)

@@ -254,15 +254,15 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        # The developer role is OpenAI's newer name for system; tools are listed in a
-        # system message first (the plain template has no place of its own for them).
+        # The developer role is OpenAI's newer name for system.
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": m.text()} for m in body.messages]
-        if functions := body.functions():
-            listed = [{k: f[k] for k in ("name", "description", "parameters") if k in f}
-                      for f in functions.values()]
-            messages.insert(0, {"role": "system", "content": "tools: " + json.dumps(listed)})
-        text = template.render(messages)
+        tools = [{k: f[k] for k in ("name", "description", "parameters") if k in f}
+                 for f in body.functions().values()]
+        try:
+            text = template.render(messages, tools)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         return await serve(body, request, [text], template.stop, "chat.completion")
