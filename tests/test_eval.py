@@ -311,3 +311,10 @@ def test_selection_finds_the_definition_in_each_top_k(data):
         assert all(question["value_mass"][k] <= question["mass"][k] for k in question["mass"])
     with pytest.raises(ValueError, match="no top-k selection"):
         selection(Model(preset("dense-tiny")), tokenizer, cache, [160], [0.5], 1)
+
+
+def test_eval_takes_the_bundled_model_by_name_as_every_command_does():
+    from kvstack.eval.quality import load_eval_model
+
+    model, tokenizer = load_eval_model("default")
+    assert model.config.vocab_size == tokenizer.get_vocab_size()
