@@ -93,8 +93,12 @@ class _Request(BaseModel):
         """Log-probabilities asked for: None, or how many of the likeliest tokens."""
         raise NotImplementedError
 
+    def tool_schema(self) -> str | None:
+        """The schema a tool call must follow (chat requests with tools); None here."""
+        return None
+
     def _json_schema(self) -> str | None:
-        tools = self.tool_schema() if isinstance(self, ChatRequest) else None
+        tools = self.tool_schema()
         if tools is not None:
             if (self.response_format or {"type": "text"}).get("type") != "text":
                 raise APIError(400, "a reply cannot be held to both a tool call and "
