@@ -662,7 +662,7 @@ def test_min_tokens_stop_token_ids_and_logit_bias_over_http(app_client):
 def test_every_refused_field_is_documented_and_refused_by_name(app_client):
     from kvstack.serve.protocol import UNSUPPORTED
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
     auth = {"Authorization": "Bearer sesame"}
     for field in UNSUPPORTED:
         assert f"`{field}`" in readme, field
