@@ -629,7 +629,7 @@ _PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "dense-v4.1-flash": lambda: dense_control(preset("deepseek-v4.1-flash")),
     "dense-tiny": lambda: dense_control(preset("tiny")),
     "default": lambda: ModelConfig.from_dict(_DEFAULT),
-    # Pinned to the shape the dense control in models/dense-default was trained with (four
+    # Pinned to the shape the dense control in kvstack/data/dense-default was trained with (four
     # query heads of 64 over one KV head of 64; the window is unused by dense attention but
     # kept as it was), so that this preset reproduces that config exactly.
     "dense-default": lambda: dense_control(

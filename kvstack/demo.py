@@ -16,7 +16,8 @@ from rich.table import Table
 from kvstack.engine import LLM, SamplingParams
 from kvstack.engine.llm import bundled_model
 
-REPO_CONTROL = Path(__file__).resolve().parent.parent / "models" / "dense-default"
+# Shipped beside the bundled model as package data, so an installed wheel shows both columns.
+BUNDLED_CONTROL = bundled_model().parent / "dense-default"
 DEMO_FILE = "inspect.py"  # a large, self-contained standard-library module
 
 
@@ -74,9 +75,11 @@ def demo(model: str | Path | None = None, control: str | Path | None = None,
     console = console or Console()
     why = "it holds no model.safetensors" if model else "the bundled model is not trained yet"
     model = Path(model) if model else bundled_model()
-    control = Path(control) if control else REPO_CONTROL
+    control = Path(control) if control else BUNDLED_CONTROL
     if not (model / "model.safetensors").is_file():
         raise ValueError(f"no model at {model}: {why}")
+    if not (control / "model.safetensors").is_file():
+        raise ValueError(f"no dense control at {control}: it holds no model.safetensors")
     limit = _max_seq_len(model) - max_tokens
     if context > limit:
         raise ValueError(f"--context {context:,} is more than the model takes: at most "
@@ -93,12 +96,9 @@ def demo(model: str | Path | None = None, control: str | Path | None = None,
                                     max_tokens))
     console.print("[bold]continuation[/bold] (greedy, bundled model):")
     console.print(sessions[0].text, markup=False, highlight=False)
-    if (control / "model.safetensors").is_file():
-        with console.status("the same with the dense control…"):
-            sessions.append(run_session("dense control (GQA bf16)", control, source, context,
-                                        max_tokens))
-    else:
-        console.print(f"[yellow]no dense control at {control}: its column is left out[/yellow]")
+    with console.status("the same with the dense control…"):
+        sessions.append(run_session("dense control (GQA bf16)", control, source, context,
+                                    max_tokens))
     rows = {s.name: figures(s) for s in sessions}
     table = Table(title=f"the same {sessions[0].prompt_tokens:,}-token session",
                   title_justify="left")

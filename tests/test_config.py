@@ -222,12 +222,12 @@ def test_unknown_preset():
 
 def test_the_default_presets_are_the_shipped_models_configs():
     """`--preset default` / `dense-default` must reproduce what kvstack/data/default and
-    models/dense-default were trained with: the model cards' commands rely on it (the
+    kvstack/data/dense-default were trained with: the model cards' commands rely on it (the
     bundled model's long-context stage adds its YaRN settings with --set)."""
     from kvstack.config import LONG_CONTEXT
 
     root = Path(__file__).resolve().parent.parent
     bundled = ModelConfig.from_json(root / "kvstack" / "data" / "default" / "config.json")
     assert preset("default").replace(**LONG_CONTEXT) == bundled
-    control = ModelConfig.from_json(root / "models" / "dense-default" / "config.json")
+    control = ModelConfig.from_json(root / "kvstack" / "data" / "dense-default" / "config.json")
     assert preset("dense-default") == control

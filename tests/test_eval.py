@@ -192,6 +192,8 @@ def test_demo_compares_the_session_with_the_dense_control(trained, tmp_path, cap
     assert stack["prefill_tokens_per_s"] > 0 and stack["decode_tokens_per_s"] > 0
     assert main(["demo", "--model", str(tmp_path / "nothing")]) == 2
     assert "holds no model.safetensors" in capsys.readouterr().err
+    assert main(["demo", "--model", str(trained), "--control", str(tmp_path / "nothing")]) == 2
+    assert "no dense control at" in capsys.readouterr().err
 
 
 def test_the_attention_probe_accounts_for_every_query_and_changes_nothing():
