@@ -131,6 +131,36 @@ def test_a_corrupt_block_file_fails_that_session_alone(tmp_path):
     assert fresh.resume("b").generate(GREEDY).token_ids
 
 
+def test_a_damaged_shared_block_heals_from_the_copy_the_prefix_cache_holds(tmp_path):
+    """Two sessions on one system prompt name the same first block file. Damaged, it fails
+    only the sessions that hold it while no tier has its bytes; an engine whose prefix
+    cache still holds them rewrites the file on resume, and then every session loads."""
+    system = list(range(1, 17))  # two full blocks of 8, shared
+    llm = tiny_llm(tmp_path)
+    for name, turn in (("a", [40, 41, 42]), ("b", [50, 51]), ("c", None)):
+        session = llm.session(name)
+        session.append(system + turn if turn else list(range(200, 230)))
+        session.generate(GREEDY)
+        session.save()
+        session.close()
+    shared = llm.disk.show("a").blocks[0]
+    assert shared == llm.disk.show("b").blocks[0] and shared not in llm.disk.show("c").blocks
+    path = llm.disk.block_path(shared)
+    path.write_bytes(b"\0" + path.read_bytes()[1:])
+
+    fresh = tiny_llm(tmp_path, enable_prefix_caching=False)  # no tier holds the bytes
+    for name in ("a", "b"):
+        with pytest.raises(ValueError, match=rf"session {name!r}.*{path.name}.*corrupt"):
+            fresh.resume(name)
+    assert fresh.resume("c").generate(GREEDY).token_ids
+
+    expected = tiny_llm(tmp_path / "reference").session("a")
+    expected.append(llm.disk.show("a").token_ids)
+    assert llm.resume("a").generate(GREEDY).token_ids == expected.generate(GREEDY).token_ids
+    assert llm.disk._intact(shared)
+    assert tiny_llm(tmp_path).resume("b").generate(GREEDY).token_ids
+
+
 def test_a_corrupt_manifest_record_fails_that_session_alone(tmp_path):
     llm = two_sessions(tmp_path)
     tokens_of_a = b"".join(t.to_bytes(4, "little") for t in llm.disk.show("a").token_ids)

@@ -55,7 +55,7 @@ import socket
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -524,9 +524,14 @@ class DiskTier:
             os.close(dir_fd)
 
     # ---- load --------------------------------------------------------------------------
-    def load(self, name: str, model_fingerprint: str) -> tuple[SavedSession, list[bytes]]:
+    def load(self, name: str, model_fingerprint: str,
+             spare: Callable[[SavedSession, int], bytes | None] | None = None,
+             ) -> tuple[SavedSession, list[bytes]]:
         """The session and its block payloads, every byte checked; a clear ValueError
-        naming the session and the file when anything is off."""
+        naming the session and the file when anything is off. A block file that is missing
+        or damaged is rewritten from `spare(saved, index)` (the bytes another tier still
+        holds of that block) when those bytes are the very ones the session names, so
+        blocks shared between sessions heal instead of failing each of them."""
         saved = self.show(name)
         if saved.format_version != FORMAT_VERSION:
             raise ValueError(f"session {name!r} was saved in format version "
@@ -537,18 +542,34 @@ class DiskTier:
                              f"{saved.model_fingerprint[:12]}…, this model "
                              f"{model_fingerprint[:12]}…) or other cache formats")
         payloads = []
-        for block_name in saved.blocks:
+        for index, block_name in enumerate(saved.blocks):
             path = self.block_path(block_name)
             try:
                 payload = path.read_bytes()
+                damage = ("is corrupt (its checksum does not match)"
+                          if hashlib.sha256(payload).hexdigest() != block_name else None)
             except OSError as e:
-                raise ValueError(f"session {name!r}: block file {path} is missing ({e})") \
-                    from None
-            if hashlib.sha256(payload).hexdigest() != block_name:
-                raise ValueError(f"session {name!r}: block file {path} is corrupt (its "
-                                 "checksum does not match)")
+                damage = f"is missing ({e})"
+            if damage is not None:
+                payload = self._repair(saved, index, spare)
+                if payload is None:
+                    raise ValueError(f"session {name!r}: block file {path} {damage}")
+                log.warning("session %r: block file %s %s; rewritten from the copy another "
+                            "tier holds", name, path, damage)
             payloads.append(payload)
         return saved, payloads
+
+    def _repair(self, saved: SavedSession, index: int,
+                spare: Callable[[SavedSession, int], bytes | None] | None) -> bytes | None:
+        """The good bytes of a saved session's damaged block, written back to its file; None
+        when no tier holds exactly those bytes."""
+        block_name = saved.blocks[index]
+        payload = spare(saved, index) if spare is not None else None
+        if payload is None or hashlib.sha256(payload).hexdigest() != block_name:
+            return None
+        with self._pinned({block_name}):
+            self._write_block(block_name, payload)
+        return payload
 
     # ---- the prefix cache's tier -------------------------------------------------------
     def put_prefix(self, chain_hash: str, payload: bytes) -> bool:

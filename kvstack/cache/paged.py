@@ -573,6 +573,27 @@ class PagedCache:
         self.register_full_blocks(store)
         return store
 
+    def cached_copy(self, token_ids: list[int], index: int,
+                    cache_salt: str | None = None) -> bytes | None:
+        """The packed rows the prefix cache holds, on the device or in host memory, for
+        full block `index` of token_ids (a saved session's own bytes, if it computed them
+        alike), or None. What repairs a session's damaged block file."""
+        if self.prefix_seed is None:
+            return None
+        seed = salted_seed(self.prefix_seed, cache_salt)
+        hashes = block_hashes(seed, token_ids[: (index + 1) * self.block_tokens],
+                              self.block_tokens)
+        if index >= len(hashes):
+            return None  # a partial last block is never named
+        chain_hash = hashes[index]
+        if chain_hash in self.manager.cached:
+            rows = self.pools.read_block(self.manager.cached[chain_hash]).cpu()
+        elif chain_hash in self.host.blocks:
+            rows = self.host.blocks[chain_hash]
+        else:
+            return None
+        return rows.numpy().tobytes()
+
     def held_bytes(self, store: PagedSequenceStore) -> int:
         """Device bytes of the blocks a store holds."""
         return len(store.block_table) * block_bytes(self.layout, self.block_tokens)

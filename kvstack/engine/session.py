@@ -141,7 +141,9 @@ class Session:
 
 def resume_session(llm: "LLM", name: str, cache_salt: str | None = None) -> Session:
     """`LLM.resume`: the saved blocks back into the pool as a kept request."""
-    saved, payloads = llm.disk.load(name, llm.fingerprint)
+    saved, payloads = llm.disk.load(name, llm.fingerprint, spare=lambda saved, index: (
+        llm.cache.cached_copy(saved.token_ids[: saved.held_tokens], index, cache_salt)
+        if saved.block_tokens == llm.cache.block_tokens else None))
     core = llm.core
     if payloads and saved.block_tokens != llm.cache.block_tokens:
         raise ValueError(f"session {name!r} was saved with blocks of {saved.block_tokens} "
