@@ -42,6 +42,24 @@ With `--torch-ops` the context and batch tables gain (t): (a) with `cpu_kernels=
 the same engine running torch's ops where (a) runs the C kernels of `kvstack.native`
 (packed reads, index scoring, the experts' grouped matmul), so the kernels' gain is a
 ratio of one run.
+
+With `--peer llama.cpp` the context tables gain (l): llama.cpp (llama-cpp-python, built by
+bench/peers/setup_llamacpp.sh into bench/.peers/llamacpp, skipped with a message where that
+venv is missing) decoding (c)'s very Llama: the same random weights saved as an HF
+directory with the bundled tokenizer (its first vocab_size ids), converted to GGUF (f16
+weights by default, `--gguf-type`) by bench/peers/hf_to_gguf.py, and driven by
+bench/peers/llamacpp_decode.py in that venv over a pipe. One row per KV cache type
+(`--peer-kv`: f16, q8_0, q4_0) and flash attention setting (`--peer-flash`: on, off);
+llama.cpp quantises the V cache only with flash attention on, so q8_0 and q4_0 run with it
+on only. Unlike (a), (b) and (c), its context is a real prefill of the context's tokens
+(llama.cpp's cache cannot be written from outside); a step is `Llama.eval` of one token and
+the argmax of its logits. Its bytes per token are computed, 2 (K and V) × n_layers ×
+n_kv_heads × head_dim × the type's bytes per element (f16 2, q8_0 34/32, q4_0 18/32: a
+block of 32 values and its f16 scale), and checked against the KV size llama.cpp logs. Its
+steps are timed inside the worker (no pipe round trip per step) and take their turn in each
+round with the other systems. The row's "(a) ÷ step" is (a)'s step time over llama.cpp's
+(below 1: kvstack faster). Threads: with --peer and no `--threads`, torch runs one thread,
+and llama.cpp always runs as many as torch (n_threads = n_threads_batch).
 """
 
 import argparse
@@ -51,7 +69,9 @@ import importlib.util
 import inspect
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -77,6 +97,24 @@ BLOCK_TOKENS = 64
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 SKIPPED_HF = "(c) skipped: transformers is not installed (pip install -e '.[bench]')"
+PEERS = Path(__file__).resolve().parent / "peers"
+LLAMACPP_PYTHON = Path(__file__).resolve().parent / ".peers" / "llamacpp" / "bin" / "python"
+# KV cache types llama.cpp's Python binding takes, and their bytes per element: q8_0 and
+# q4_0 store blocks of 32 values with one f16 scale (32 + 2 and 16 + 2 bytes).
+PEER_KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+@dataclass(frozen=True)
+class PeerMeasured:
+    name: str  # e.g. "llama.cpp q8_0 KV, FA on"
+    type_k: str
+    type_v: str
+    flash_attn: bool
+    tok_s: float
+    bytes_per_token: float  # computed from the shape and the type
+    logged_bytes_per_token: float | None  # llama.cpp's own KV size over its cells
+    prefill_s: float  # the real prefill that filled the context (not timed as decode)
+    stack_step_over_peer_step: float  # (a)'s step time ÷ this system's
 
 
 @dataclass(frozen=True)
@@ -105,6 +143,7 @@ class Row:
     hf_floor_bytes: int | None = None
     torch_ops_tok_s: float | None = None  # (t) with --torch-ops
     c_kernels_speedup: float | None = None  # (a)/(t) tokens/s
+    peers: tuple[PeerMeasured, ...] = ()  # (l) with --peer llama.cpp
 
 
 @dataclass(frozen=True)
@@ -166,6 +205,18 @@ def parse_args() -> argparse.Namespace:
                              "where (a) runs the C kernels (kvstack.native)")
     parser.add_argument("--layer-contexts", type=int, nargs="+", default=None,
                         help="also time each layer of (a)'s decode step at these contexts")
+    parser.add_argument("--peer", choices=["llama.cpp"], action="append", default=[],
+                        help="also measure llama.cpp (bench/peers/setup_llamacpp.sh) on (c)'s "
+                             "Llama")
+    parser.add_argument("--peer-kv", nargs="+", choices=sorted(PEER_KV_BYTES),
+                        default=["f16", "q8_0", "q4_0"],
+                        help="llama.cpp KV cache types (type_k = type_v)")
+    parser.add_argument("--peer-flash", nargs="+", choices=["on", "off"], default=["off", "on"],
+                        help="llama.cpp flash attention settings")
+    parser.add_argument("--gguf-type", choices=["f16", "f32"], default="f16",
+                        help="llama.cpp's weight type")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (and llama.cpp's); default torch's, or 1 with --peer")
     args = parser.parse_args()
     # Even contexts: the ratio-2 streams then hold whole groups and no partial one.
     if min(args.contexts) <= 0 or any(c % 2 for c in args.contexts):
@@ -186,23 +237,33 @@ def parse_args() -> argparse.Namespace:
 
 
 def time_interleaved(systems: dict[str, Callable[[], None]], steps: int,
-                     repeat: int) -> dict[str, float]:
+                     repeat: int,
+                     blocks: dict[str, Callable[[int], float]] | None = None
+                     ) -> dict[str, float]:
     """Decode steps/s of each system: warm-up steps of each first (lazy initialisation,
     allocator growth, a compiled step's compile), then `repeat` rounds in which each system
     runs `steps` steps in turn, and each system's best round (its least disturbed one).
     Interleaved, a change in the machine's load between rounds reaches every system alike:
     timed one after another, each system had its own stretch of a shared machine, and a
-    peer's figure moved by a third between runs while the ratio rode on it."""
+    peer's figure moved by a third between runs while the ratio rode on it.
+
+    `blocks` are systems in another process that run and time n steps themselves (the
+    seconds they return), so a pipe round trip per step does not count against them."""
+    blocks = blocks or {}
     for step in systems.values():
         for _ in range(WARMUP_STEPS):
             step()
-    best = dict.fromkeys(systems, float("inf"))
+    for block in blocks.values():
+        block(WARMUP_STEPS)
+    best = dict.fromkeys([*systems, *blocks], float("inf"))
     for _ in range(repeat):
         for name, step in systems.items():
             start = time.perf_counter()
             for _ in range(steps):
                 step()
             best[name] = min(best[name], time.perf_counter() - start)
+        for name, block in blocks.items():
+            best[name] = min(best[name], block(steps))
     return {name: steps / seconds for name, seconds in best.items()}
 
 
@@ -651,6 +712,101 @@ def with_compiled_batch(r: BatchRow, m: BatchMeasured) -> BatchRow:
         compiled_top_level_ops=None if m.ops is None else m.ops.top_level_ops)
 
 
+# ---- (l): llama.cpp, in its own venv -------------------------------------------------------
+def peer_specs(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    """The llama.cpp systems to run, and notes on the combinations left out."""
+    specs, notes = [], []
+    for kv in args.peer_kv:
+        for flash in args.peer_flash:
+            if flash == "off" and kv not in ("f16", "f32"):
+                notes.append(f"llama.cpp {kv} KV with FA off left out: llama.cpp quantises "
+                             "the V cache only with flash attention on")
+                continue
+            specs.append({"name": f"llama.cpp {kv} KV, FA {flash}", "type_k": kv,
+                          "type_v": kv, "flash_attn": flash == "on"})
+    return specs, notes
+
+
+class LlamaCpp:
+    """(c)'s Llama in llama.cpp: written as an HF directory, converted to GGUF, and decoded
+    by bench/peers/llamacpp_decode.py in the llama.cpp venv, a JSON line a request."""
+
+    def __init__(self, llama: Any, gguf_type: str, threads: int, log: Path) -> None:
+        self.tmp = tempfile.TemporaryDirectory(prefix="kvstack-llamacpp-")
+        hf_dir, gguf = Path(self.tmp.name) / "hf", Path(self.tmp.name) / "model.gguf"
+        llama.save_pretrained(hf_dir)
+        # The bundled tokenizer; the converter keeps its first vocab_size ids (a closed
+        # BPE: every merge's parts have lower ids than its result).
+        from kvstack.engine.llm import bundled_model
+
+        (hf_dir / "tokenizer.json").write_bytes((bundled_model() / "tokenizer.json")
+                                                .read_bytes())
+        subprocess.run([str(LLAMACPP_PYTHON), str(PEERS / "hf_to_gguf.py"), str(hf_dir),
+                        str(gguf), "--outtype", gguf_type], check=True,
+                       stdout=subprocess.DEVNULL)
+        self.log = log.open("w")
+        # OMP_NUM_THREADS too: ggml's CPU backend is built with OpenMP.
+        env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+        self.process = subprocess.Popen(
+            [str(LLAMACPP_PYTHON), str(PEERS / "llamacpp_decode.py"), "--model", str(gguf),
+             "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True, env=env)
+        hello = self.request(None)
+        self.version, self.system_info = hello["llama_cpp"], hello["system_info"]
+
+    def request(self, msg: dict[str, Any] | None) -> dict[str, Any]:
+        if msg is not None:
+            self.process.stdin.write(json.dumps(msg) + "\n")
+            self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the llama.cpp worker exited; its log: {self.log.name} "
+                               "(is bench/peers/setup_llamacpp.sh's build finished?)")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise RuntimeError(f"llama.cpp: {reply['error']}\n{reply.get('log_tail', '')}")
+        return reply
+
+    def open(self, context: int, n_ctx: int,
+             specs: list[dict[str, Any]]) -> tuple[dict[str, Callable[[int], float]],
+                                                  dict[str, Any]]:
+        """Prefill `context` tokens into one llama.cpp context per spec; returns a block
+        timer per spec (n steps -> seconds, timed in the worker) and what `open` told."""
+        opened = self.request({"op": "open", "context": context, "n_ctx": n_ctx,
+                               "systems": specs})["systems"]
+
+        def block(name: str) -> Callable[[int], float]:
+            return lambda n: self.request({"op": "steps", "name": name, "steps": n})["seconds"]
+
+        return {s["name"]: block(s["name"]) for s in specs}, opened
+
+    def close_contexts(self) -> None:
+        self.request({"op": "close"})
+
+    def quit(self) -> None:
+        try:
+            self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+        self.log.close()
+        self.tmp.cleanup()
+
+
+def peer_row(spec: dict[str, Any], tok_s: float, stack_tok_s: float, opened: dict[str, Any],
+             config: ModelConfig) -> PeerMeasured:
+    dense = dense_control(config)
+    kv_log = opened.get("kv_log")
+    return PeerMeasured(
+        name=spec["name"], type_k=spec["type_k"], type_v=spec["type_v"],
+        flash_attn=spec["flash_attn"], tok_s=tok_s,
+        bytes_per_token=config.n_layers * dense.n_kv_heads * config.head_dim
+        * (PEER_KV_BYTES[spec["type_k"]] + PEER_KV_BYTES[spec["type_v"]]),
+        logged_bytes_per_token=None if kv_log is None else kv_log["bytes_per_token"],
+        prefill_s=opened["prefill_s"], stack_step_over_peer_step=tok_s / stack_tok_s)
+
+
 # ---- report ----------------------------------------------------------------------------------
 def row(context: int, a: Measured, b: Measured, c: Measured | None) -> Row:
     return Row(
@@ -671,6 +827,8 @@ def render(console: Console, r: Row) -> None:
     # Short headers, explained in the caption printed after the tables.
     for name in ("tok/s", "B/token", "(a) ×tok/s", "÷B/token"):
         table.add_column(name, justify="right", no_wrap=True)
+    if r.peers:
+        table.add_column("(a) ÷ step", justify="right", no_wrap=True)
     table.add_row("(a) kvstack stack", f"{r.stack_tok_s:.1f}",
                   f"{r.stack_bytes_per_token:,.1f}", "", "")
     table.add_row("(b) dense control", f"{r.dense_tok_s:.1f}",
@@ -688,6 +846,11 @@ def render(console: Console, r: Row) -> None:
     if r.torch_ops_tok_s is not None:
         table.add_row("(t) stack, torch's ops", f"{r.torch_ops_tok_s:.1f}",
                       f"{r.stack_bytes_per_token:,.1f}", f"{r.c_kernels_speedup:.2f}×", "")
+    for p in r.peers:
+        table.add_row(f"(l) {p.name}", f"{p.tok_s:.1f}", f"{p.bytes_per_token:,.1f}",
+                      f"{r.stack_tok_s / p.tok_s:.2f}×",
+                      f"{p.bytes_per_token / r.stack_bytes_per_token:.2f}×",
+                      f"{p.stack_step_over_peer_step:.2f}")
     console.print(table)
 
 
@@ -754,8 +917,28 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
+def start_peer(args: argparse.Namespace, llama: Any) -> tuple[LlamaCpp | None, str | None]:
+    """llama.cpp's worker, or None and why it is skipped (never an error: the peer is
+    optional and built by hand)."""
+    if "llama.cpp" not in args.peer:
+        return None, None
+    if not LLAMACPP_PYTHON.exists():
+        return None, (f"(l) llama.cpp skipped: {LLAMACPP_PYTHON.parent.parent} is missing; "
+                      "build it once with bench/peers/setup_llamacpp.sh")
+    if llama is None:
+        return None, "(l) llama.cpp skipped: it decodes (c)'s Llama, which needs transformers"
+    log = Path(tempfile.gettempdir()) / "kvstack-bench-llamacpp.log"
+    try:
+        return LlamaCpp(llama, args.gguf_type, torch.get_num_threads(), log), None
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        return None, f"(l) llama.cpp skipped: it did not start ({e})"
+
+
 def main() -> None:
     args = parse_args()
+    # One thread each by default against llama.cpp, whose figures are quoted per thread.
+    if args.threads is not None or args.peer:
+        torch.set_num_threads(args.threads or 1)
     # Room past the longest context for the warm-up and timed steps.
     headroom = max(64, 1 + WARMUP_STEPS + args.steps * args.repeat)
     max_tokens = max(args.contexts) + headroom
@@ -765,9 +948,14 @@ def main() -> None:
     compiled_llm = engine(config, max_tokens, compile_decode=True) if args.compile else None
     torch_llm = engine(config, max_tokens, cpu_kernels="torch") if args.torch_ops else None
     llama = hf_model(config, max_tokens) if HAVE_TRANSFORMERS else None
+    peer, peer_skipped = start_peer(args, llama)
+    specs, peer_notes = peer_specs(args) if peer is not None else ([], [])
     rows = []
     for context in args.contexts:
         # Each context's systems timed interleaved (`time_interleaved`).
+        blocks, opened = {}, {}
+        if peer is not None:
+            blocks, opened = peer.open(context, max_tokens, specs)
         with ExitStack() as open_steps:
             systems = {"a": open_steps.enter_context(engine_step(stack_llm, context)),
                        "b": open_steps.enter_context(engine_step(dense_llm, context))}
@@ -777,7 +965,9 @@ def main() -> None:
                 systems["a'"] = open_steps.enter_context(engine_step(compiled_llm, context))
             if torch_llm is not None:
                 systems["t"] = open_steps.enter_context(engine_step(torch_llm, context))
-            tok_s = time_interleaved(systems, args.steps, args.repeat)
+            tok_s = time_interleaved(systems, args.steps, args.repeat, blocks)
+        if peer is not None:
+            peer.close_contexts()
         a = Measured(tok_s["a"], stack_llm.memory_report()["bytes_per_token"])
         b = Measured(tok_s["b"], dense_llm.memory_report()["bytes_per_token"])
         c = None if llama is None else Measured(tok_s["c"], hf_bytes_per_token)
@@ -785,7 +975,9 @@ def main() -> None:
             row(context, a, b, c),
             stack_floor_bytes=weight_reads(stack_llm.model, stack_llm.model.embed)
             + decode_step_reads(config, context),
-            hf_floor_bytes=None if llama is None else hf_reads(llama, context)))
+            hf_floor_bytes=None if llama is None else hf_reads(llama, context),
+            peers=tuple(peer_row(s, tok_s[s["name"]], a.tok_s, opened[s["name"]], config)
+                        for s in specs)))
         if compiled_llm is not None:
             t = tok_s["a'"]
             rows[-1] = dataclasses.replace(
@@ -794,6 +986,12 @@ def main() -> None:
         if torch_llm is not None:
             rows[-1] = dataclasses.replace(rows[-1], torch_ops_tok_s=tok_s["t"],
                                            c_kernels_speedup=a.tok_s / tok_s["t"])
+    peer_info = None
+    if peer is not None:
+        peer_info = {"llama_cpp": peer.version, "system_info": peer.system_info,
+                     "gguf_type": args.gguf_type, "threads": torch.get_num_threads(),
+                     "notes": peer_notes}
+        peer.quit()
     bandwidth = copy_bandwidth()
     batch_table, batch_notes = ([], []) if args.batches is None else measure_batches(args)
     layer_table = None if args.layer_contexts is None else measure_layers(args)
@@ -801,6 +999,8 @@ def main() -> None:
     if plot_path is not None:
         plot(rows, plot_path)
     skipped = [] if HAVE_TRANSFORMERS else [SKIPPED_HF]
+    if peer_skipped is not None:
+        skipped.append(peer_skipped)
     if not HAVE_MATPLOTLIB:
         skipped.append("plot skipped: matplotlib is not installed (pip install -e '.[bench]')")
 
@@ -827,6 +1027,7 @@ def main() -> None:
             "compile_seconds": (None if compiled_llm is None
                                 else compiled_llm.runner.compile_seconds),
             "stack_cpu_kernels": stack_llm.memory_report()["backend"]["cpu_kernels"],
+            "peer": peer_info,
         }
         if args.batches is not None:
             report["batch_context"] = args.batch_context
@@ -861,6 +1062,21 @@ def main() -> None:
                   f"(cpu_kernels={kernels})" + (
                       "; (t) = (a) with cpu_kernels='torch', (a) ×tok/s on its row = (a)'s "
                       "tokens/s over (t)'s" if torch_llm is not None else ""))
+    if peer_info is not None:
+        console.print(
+            f"(l) llama.cpp {peer_info['llama_cpp']} (llama-cpp-python), {args.gguf_type} "
+            f"weights of (c)'s Llama, {peer_info['threads']} thread(s) (n_threads = "
+            "n_threads_batch), context by a real prefill; B/token computed = 2 × "
+            f"{config.n_layers} layers × {dense.n_kv_heads} KV head(s) × {config.head_dim} × "
+            "bytes per element (f16 2, q8_0 34/32, q4_0 18/32); (a) ÷ step = (a)'s step "
+            "time over the row's (below 1: kvstack faster). llama.cpp's own log, KV bytes "
+            "per token: " + "; ".join(
+                f"{p.name} {p.logged_bytes_per_token:,.1f}" for p in rows[0].peers
+                if p.logged_bytes_per_token is not None), markup=False)
+        for line in peer_notes:
+            console.print(line, markup=False)
+        console.print(f"llama.cpp system info: {peer_info['system_info'].strip()}",
+                      markup=False)
     for line in skipped:
         console.print(line, markup=False)  # "[bench]" is not rich markup
     if args.batches is not None:
