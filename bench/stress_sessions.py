@@ -49,7 +49,7 @@ def worker(cache_dir: str, seed: int) -> None:
     print("ready", flush=True)  # killed from here on: a kill while loading proves little
     while True:
         name = rng.choice(NAMES)
-        if rng.random() < 0.1:
+        if rng.random() < 0.03:
             if llm.disk.has(name):
                 llm.disk.remove(name)
             continue
@@ -68,6 +68,7 @@ def worker(cache_dir: str, seed: int) -> None:
             llm.disk.remove(name)
             continue
         session.save()
+        print("saved", flush=True)
         session.close()
 
 
@@ -129,16 +130,19 @@ def main() -> int:
 
     workers = [start() for _ in range(args.workers)]
     ready: set[int] = set()
-    t0, kill = time.monotonic(), 0
+    t0, kill, saves = time.monotonic(), 0, 0
     while kill < args.kills:
-        time.sleep(rng.uniform(0.2, 1.5))
+        time.sleep(rng.uniform(0.3, 2.0))
         for w in workers:
             if w.poll() is not None:
                 print(f"a worker exited by itself with {w.returncode}: a fault, not a kill")
                 return 1
-            if (w.pid not in ready and select.select([w.stdout], [], [], 0)[0]
-                    and w.stdout.readline().strip() == "ready"):
+            while select.select([w.stdout], [], [], 0)[0]:
+                line = w.stdout.readline().strip()
+                if not line:
+                    break
                 ready.add(w.pid)
+                saves += line == "saved"
         candidates = [i for i, w in enumerate(workers) if w.pid in ready]
         if not candidates:
             continue
@@ -147,15 +151,15 @@ def main() -> int:
         workers[victim].wait()
         workers[victim] = start()
         kill += 1
-        print(f"kill {kill}/{args.kills} at {time.monotonic() - t0:.0f} s")
+        print(f"kill {kill}/{args.kills} at {time.monotonic() - t0:.0f} s, {saves} saves so far")
     for w in workers:
         w.send_signal(signal.SIGKILL)
         w.wait()
     problems = check(cache_dir)
     for p in problems:
         print("LOST:", p)
-    print(f"{args.kills} SIGKILLs of {args.workers} engines on one directory: "
-          f"{'nothing lost' if not problems else f'{len(problems)} problems'}")
+    print(f"{args.kills} SIGKILLs of {args.workers} engines on one directory, {saves} saves "
+          f"completed: {'nothing lost' if not problems else f'{len(problems)} problems'}")
     return 1 if problems else 0
 
 
