@@ -922,9 +922,10 @@ def start_peer(args: argparse.Namespace, llama: Any) -> tuple[LlamaCpp | None, s
     optional and built by hand)."""
     if "llama.cpp" not in args.peer:
         return None, None
-    if not LLAMACPP_PYTHON.exists():
-        return None, (f"(l) llama.cpp skipped: {LLAMACPP_PYTHON.parent.parent} is missing; "
-                      "build it once with bench/peers/setup_llamacpp.sh")
+    if not any(LLAMACPP_PYTHON.parent.parent.glob(
+            "lib/python*/site-packages/llama_cpp/__init__.py")):
+        return None, (f"(l) llama.cpp skipped: {LLAMACPP_PYTHON.parent.parent} has no "
+                      "llama_cpp; build it once with bench/peers/setup_llamacpp.sh")
     if llama is None:
         return None, "(l) llama.cpp skipped: it decodes (c)'s Llama, which needs transformers"
     log = Path(tempfile.gettempdir()) / "kvstack-bench-llamacpp.log"

