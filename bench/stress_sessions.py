@@ -12,7 +12,7 @@ killed `--kills` of them. Then it stops the rest and checks, in a fresh engine:
   greedy tokens as a reference engine given the session's token ids in one go;
 - no block file is left that no session or prefix entry names.
 
-    python bench/stress_sessions.py [--kills 100] [--workers 4] [--cache-dir DIR]
+    python bench/stress_sessions.py [--kills 100] [--workers 4] [--interval 1.2] [--cache-dir DIR]
 
 Prints one line per kill and a summary; exits 1 if anything was lost.
 """
@@ -111,6 +111,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--cache-dir", help="default: a new temporary directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--interval", type=float, default=1.2,
+                        help="mean seconds between kills (a busy machine needs more)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # DIR SEED: run one
     args = parser.parse_args()
     if args.worker:
@@ -132,7 +134,7 @@ def main() -> int:
     ready: set[int] = set()
     t0, kill, saves = time.monotonic(), 0, 0
     while kill < args.kills:
-        time.sleep(rng.uniform(0.3, 2.0))
+        time.sleep(rng.uniform(0.25, 1.75) * args.interval)
         for w in workers:
             if w.poll() is not None:
                 print(f"a worker exited by itself with {w.returncode}: a fault, not a kill")
