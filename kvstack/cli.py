@@ -339,7 +339,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"kvstack serve needs its extra ({e.name} is missing): pip install "
                          "-e '.[serve]'") from None
 
-    from kvstack.cache.paged import parse_bytes
+    from kvstack.units import parse_bytes
 
     name = args.served_model_name or (
         "kvstack-default" if args.model == "default" else Path(args.model).name)
@@ -570,7 +570,7 @@ def _shown(name: str) -> str:
 
 def _cmd_session(args: argparse.Namespace) -> int:
     from kvstack.cache.disk import MANIFEST, DamagedSession, DiskTier, SavedSession
-    from kvstack.cache.paged import parse_bytes
+    from kvstack.units import parse_bytes
 
     root = Path(args.cache_dir).expanduser()
     if args.action in ("list", "show", "recover") and not (root / MANIFEST).is_file():
@@ -927,11 +927,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from kvstack.cache.paged import parse_bytes
     from kvstack.engine.llm import bundled_model
     from kvstack.engine.tokenizer import byte_level_tokenizer_json
     from kvstack.model import Model
     from kvstack.model.checkpoint import INDEX_FILE, export_v41, save_kvstack
+    from kvstack.units import parse_bytes
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
