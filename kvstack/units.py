@@ -1,5 +1,9 @@
-"""Byte sizes as settings give them ("4GiB", "512MiB"), in plain Python: the settings
-objects that check them (`EngineConfig`, the server's) load without torch."""
+"""Quantities as people write and read them, in plain Python (no torch): byte sizes as
+settings give them ("4GiB", "512MiB") and as the command shows them, and the positive
+numbers the command's options take. The settings objects that check them (`EngineConfig`,
+the server's) and the command's parsers load without the engine."""
+
+import argparse
 
 
 def parse_bytes(budget: int | str, what: str = "kv_budget") -> int:
@@ -20,4 +24,28 @@ def parse_bytes(budget: int | str, what: str = "kv_budget") -> int:
         raise ValueError(f"{what} must be a byte count or a size like '4GiB', got {budget!r}")
     if value <= 0:
         raise ValueError(f"{what} must be positive, got {budget!r}")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a count that must be above 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number that must be above 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
