@@ -1,4 +1,4 @@
-"""Training data with no download: the running interpreter's standard library.
+"""Training and evaluation data with no download: the running interpreter's standard library.
 
 - The corpus: every `.py` file under the standard library (site-packages excluded), in
   sorted order of relative path; files that are not UTF-8 are skipped.
