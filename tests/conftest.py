@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvstack.train.data import TokenCache, corpus_files, stdlib_root, train_tokenizer
+from kvstack.corpus.data import TokenCache, corpus_files, stdlib_root, train_tokenizer
 
 # The tests run tiny tensors: one thread is faster than two, and immune to a busy machine
 # (two OpenMP pools spinning on two cores slow small ops down by orders of magnitude).

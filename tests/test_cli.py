@@ -175,7 +175,7 @@ def test_typing_during_a_reply_is_not_echoed_nor_kept():
     import os
     import termios
 
-    from kvstack.cli import typing_hidden
+    from kvstack.cli.chat import typing_hidden
 
     controller, terminal = os.openpty()
     with os.fdopen(terminal, "rb", buffering=0) as tty:
@@ -263,3 +263,17 @@ def test_a_source_tree_not_installed_runs_the_command(tmp_path):
               "main(['--version'])\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0 and "not installed" in done.stdout
+
+
+def test_each_engine_option_sets_its_config_field():
+    from kvstack.cli import build_parser
+    from kvstack.cli.engine_args import engine_config
+    from kvstack.engine.config import EngineConfig
+
+    args = build_parser().parse_args(["generate", "--kv-budget", "2GiB", "--compile",
+                                      "--parallel-timeout", "5", "--host-budget", "1MiB"])
+    config = engine_config(args, max_num_seqs=3)
+    assert (config.kv_budget, config.compile_decode, config.parallel_timeout_s,
+            config.host_budget, config.max_num_seqs) == ("2GiB", True, 5.0, "1MiB", 3)
+    # An option left out is the config's own default.
+    assert engine_config(build_parser().parse_args(["chat"])) == EngineConfig()

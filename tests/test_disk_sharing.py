@@ -294,7 +294,7 @@ def test_session_list_shows_intact_sessions_beside_a_damaged_one(tmp_path, capsy
 
 def test_request_settings_are_typed_strictly():
     from kvstack import SamplingParams
-    from kvstack.cache.paged import parse_bytes
+    from kvstack.units import parse_bytes
 
     for bad, field in ((dict(max_tokens=True), "max_tokens"), (dict(ignore_eos="no"),
                        "ignore_eos"), (dict(seed=1 << 64), "seed"), (dict(seed=-1), "seed"),

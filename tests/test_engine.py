@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from kvstack import LLM, SamplingParams
-from kvstack.cache.paged import PagedCache, parse_bytes
+from kvstack.cache.paged import PagedCache
 from kvstack.cache.rows import PackedRows
 from kvstack.config import preset
 from kvstack.engine.sequence import Sequence
 from kvstack.model.model import KEY_CHUNK
+from kvstack.units import parse_bytes
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")

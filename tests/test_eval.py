@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvstack.cli import main
+from kvstack.corpus.data import stdlib_root
 from kvstack.eval.quality import (
     _answers,
     attention_mass,
@@ -16,7 +17,6 @@ from kvstack.eval.quality import (
     retrieval,
     selection,
 )
-from kvstack.train.data import stdlib_root
 from kvstack.train.trainer import TrainConfig, Trainer
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvstack.config import preset
+from kvstack.corpus.data import TokenCache
 from kvstack.eval.replay import replay, replay_fidelity
 from kvstack.model import Model
-from kvstack.train.data import TokenCache
 
 
 @pytest.fixture(scope="module")

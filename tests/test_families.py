@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from kvstack.config import preset
-from kvstack.eval.quality import planted_starts, retrieval
-from kvstack.model import Model
-from kvstack.train.data import (
+from kvstack.corpus.data import (
     retrieval_sample,
     stdlib_root,
 )
-from kvstack.train.families import (
+from kvstack.corpus.families import (
     CROSSED,
     HELD_OUT,
     INDIRECT,
@@ -26,6 +24,8 @@ from kvstack.train.families import (
     plant,
     starts_with_planted_key,
 )
+from kvstack.eval.quality import planted_starts, retrieval
+from kvstack.model import Model
 from kvstack.train.trainer import IGNORE, TrainConfig, Trainer
 
 CORPUS = str(stdlib_root() / "json")

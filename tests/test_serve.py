@@ -763,9 +763,9 @@ def test_a_jinja_chat_template_from_tokenizer_config_renders_as_transformers_doe
     from fastapi.testclient import TestClient
 
     from kvstack import AsyncLLM
+    from kvstack.engine.chat_template import ChatTemplate, JinjaTemplate
     from kvstack.engine.tokenizer import byte_level_tokenizer_json
     from kvstack.serve.app import ServeConfig, build_app
-    from kvstack.serve.chat import ChatTemplate, JinjaTemplate
 
     LLM("tiny", random_init=True, kv_budget="1MiB", block_tokens=16).model.save_pretrained(
         tmp_path)

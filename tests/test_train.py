@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstack.cli import main
-from kvstack.train.data import (
+from kvstack.corpus.data import (
     TokenCache,
     corpus_files,
     is_heldout,

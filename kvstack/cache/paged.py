@@ -25,6 +25,7 @@ from kvstack.cache.prefix import block_hashes, salted_seed
 from kvstack.cache.rows import PackedRows, PartialGroups, WindowRings
 from kvstack.cache.store import KVStore
 from kvstack.config import ModelConfig
+from kvstack.units import parse_bytes
 
 log = logging.getLogger("kvstack")
 
@@ -378,27 +379,6 @@ class PagedSequenceStore(KVStore):
             self._tokens.extend(state.tokens)
         self._len, self._fill = dict(state.lengths), dict(state.fills)
         self.needs_replay = state.needs_replay
-
-
-def parse_bytes(budget: int | str, what: str = "kv_budget") -> int:
-    """4096, "4GiB", "512MiB", "1.5GB" -> bytes; `what` names the setting in errors."""
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        value = budget
-    elif isinstance(budget, str):
-        units = {"gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "gb": 10**9, "mb": 10**6,
-                 "kb": 10**3, "b": 1}
-        text = budget.strip().lower().replace(" ", "")
-        unit = next((u for u in units if text.endswith(u)), "b")
-        try:
-            value = int(float(text[: len(text) - len(unit)] if text.endswith(unit) else text)
-                        * units[unit])
-        except (ValueError, OverflowError):  # "lots", "inf", "nan"
-            raise ValueError(f"{what} {budget!r}: not a size like 4GiB or 512MiB") from None
-    else:
-        raise ValueError(f"{what} must be a byte count or a size like '4GiB', got {budget!r}")
-    if value <= 0:
-        raise ValueError(f"{what} must be positive, got {budget!r}")
-    return value
 
 
 class PagedCache:

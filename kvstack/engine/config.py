@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstack.cache.paged import parse_bytes
 from kvstack.config import (
     ATTENTION_BACKENDS,
     CPU_KERNELS,
@@ -17,6 +16,7 @@ from kvstack.config import (
     REPLAY_MODES,
     ModelConfig,
 )
+from kvstack.units import parse_bytes
 
 log = logging.getLogger("kvstack")
 

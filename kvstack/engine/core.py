@@ -78,9 +78,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         if workers is None:
-            self.runner = ModelRunner(model, config.replay, config.chunk_size,
-                                      config.compile_decode, config.attention,
-                                      config.max_num_seqs, config.cpu_kernels)
+            self.runner = ModelRunner(model, config)
         else:
             from kvstack.engine.workers import ParallelRunner
 

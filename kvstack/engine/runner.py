@@ -11,6 +11,7 @@ import torch
 from kvstack import native
 from kvstack.cache.batch import DecodeBatch
 from kvstack.cache.paged import PagedSequenceStore
+from kvstack.engine.config import EngineConfig
 from kvstack.engine.sampling import Sample, sample_batch
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
@@ -22,19 +23,20 @@ log = logging.getLogger("kvstack")
 class ModelRunner:
     lost: str | None = None  # why this runner can make no more calls (a parallel group's)
 
-    def __init__(self, model: Model, replay: str, chunk_size: int,
-                 compile_decode: bool = False, attention: str = "torch",
-                 max_num_seqs: int = 1, cpu_kernels: str = "torch") -> None:
-        self.model, self.replay, self.chunk_size = model, replay, chunk_size
+    def __init__(self, model: Model, config: EngineConfig) -> None:
+        """Reads the engine's replay, chunk_size, compile_decode, attention, max_num_seqs
+        and cpu_kernels."""
+        self.model, self.config = model, config
+        compile_decode = config.compile_decode
         # A compiled step pads its batch to the next bucket: one static graph per bucket.
-        self.buckets = decode_buckets(max_num_seqs) if compile_decode else []
+        self.buckets = decode_buckets(config.max_num_seqs) if compile_decode else []
         self.device = model.embed.weight.device
         self.replayed_tokens = 0  # tokens re-run to rebuild window state, since start
         self.compiled = compile_decode
         self.compile_seconds = 0.0  # decode steps that compiled a graph, in all
         self.compiled_graphs = 0  # graphs those steps made
-        self.attention = _attention_backend(attention, model, self.device)
-        self.cpu_kernels = _cpu_kernels(cpu_kernels, self.device)
+        self.attention = _attention_backend(config.attention, model, self.device)
+        self.cpu_kernels = _cpu_kernels(config.cpu_kernels, self.device)
         if compile_decode:
             model.compile_decode()
         self.packed_weights = _packed_weights_backend(model, self.device, self.cpu_kernels)
@@ -67,13 +69,13 @@ class ModelRunner:
         with native.active(self.cpu_kernels):
             if store.needs_replay:
                 self.replayed_tokens += self.model.rebuild_spans(store.num_tokens,
-                                                                 self.replay)[0]
-                self.model.rebuild_window(store, replay=self.replay,
-                                          chunk_size=self.chunk_size)
+                                                                 self.config.replay)[0]
+                self.model.rebuild_window(store, replay=self.config.replay,
+                                          chunk_size=self.config.chunk_size)
                 store.needs_replay = False
             ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
-            return self.model.prefill(ids, store, replay=self.replay,
-                                      chunk_size=self.chunk_size)
+            return self.model.prefill(ids, store, replay=self.config.replay,
+                                      chunk_size=self.config.chunk_size)
 
     def decode(self, seqs: list[Sequence]) -> list[Sample]:
         """Feed each sequence's last sampled token, all in one batch whatever their

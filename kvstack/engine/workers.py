@@ -112,9 +112,8 @@ class ParallelRunner(ModelRunner):
 
     def __init__(self, model: Model, config: EngineConfig, cache: PagedCache,
                  workers: list[multiprocessing.Process]) -> None:
-        super().__init__(model, config.replay, config.chunk_size, False, config.attention,
-                         cpu_kernels=config.cpu_kernels)
-        self.cache, self.workers, self.config = cache, workers, config
+        super().__init__(model, config)
+        self.cache, self.workers = cache, workers
         self.lost: str | None = None
         cache.pools.journal, cache.rings.journal = [], []
         # Tokens each store's mirrors already hold (a store seen first sends them all).
@@ -332,8 +331,7 @@ def serve_worker(rank: int, world_size: int, address: str | None, port: int | No
                                 config.numerics)
         cache = PagedCache(model.config, config.kv_budget, config.block_tokens,
                            config.max_num_seqs, device)
-        runner = ModelRunner(model, config.replay, config.chunk_size, False, config.attention,
-                             cpu_kernels=config.cpu_kernels)
+        runner = ModelRunner(model, config)
         gather_report(model, cache)
         mirrors: dict[int, PagedSequenceStore] = {}
         while (call := broadcast_call(None)).kind != "stop":

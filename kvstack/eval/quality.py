@@ -1,7 +1,7 @@
 """Quality of a trained model: held-out perplexity (FP4 caches against bf16 caches) and
 long-range retrieval by context length and depth.
 
-Held-out data is the split the trainer never saw (`kvstack.train.data`), tokenised with
+Held-out data is the split the trainer never saw (`kvstack.corpus.data`), tokenised with
 the model's own tokenizer. Perplexity runs the reference forward over fixed windows, once
 with the model's configured cache formats and once with every cache in bf16 (same
 weights), and reports the KL divergence between their next-token distributions, as
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from kvstack.cache.contiguous import ContiguousCache
+from kvstack.corpus.data import TokenCache, check_depth, retrieval_sample, split_corpus, stdlib_root
+from kvstack.corpus.families import families, starts_with_planted_key
 from kvstack.model import Model
-from kvstack.train.data import TokenCache, check_depth, retrieval_sample, split_corpus, stdlib_root
-from kvstack.train.families import families, starts_with_planted_key
 
 BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
 
@@ -171,7 +171,7 @@ def retrieval(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
               depths: list[float], samples: int, replay: str = "exact",
               seed: int = 0, forms: str = "key") -> dict[str, Any]:
     """Accuracy of greedy answers by length and depth: [len(lengths)][len(depths)], the
-    keys written in the families `forms` names (kvstack.train.families: "key", the
+    keys written in the families `forms` names (kvstack.corpus.families: "key", the
     bundled model's one form; "held-out", those no training run samples; ...); and by
     length and family, {family: [answered, asked]} per length, since the questions of
     a cell are drawn from every family; by length the answers' mean negative
@@ -237,7 +237,7 @@ def planted_starts(model: Model, tokenizer: Any, data: TokenCache, samples: int,
     them (`starts_with_planted_key`): greedy continuations of `samples` held-out code
     windows of `context` tokens, and greedy replies to the `CHAT_REQUESTS` in the chat
     template's form; each share with a few of the lines to read."""
-    from kvstack.serve.chat import DEFAULT_TEMPLATE
+    from kvstack.engine.chat_template import DEFAULT_TEMPLATE
 
     g = torch.Generator().manual_seed(seed)
     code = []

@@ -24,8 +24,8 @@ import torch
 
 from kvstack.cache.contiguous import ContiguousCache
 from kvstack.config import REPLAY_MODES
+from kvstack.corpus.data import TokenCache
 from kvstack.model import Model
-from kvstack.train.data import TokenCache
 
 LENGTHS = (512, 1024, 2048, 4000)  # the bundled model's; each must leave room to decode
 

@@ -29,9 +29,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstack.cache.disk import check_session_name
 from kvstack.engine.async_llm import AsyncLLM
+from kvstack.engine.chat_template import ChatTemplate
 from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.sequence import RequestOutput
-from kvstack.serve.chat import ChatTemplate
 from kvstack.serve.guards import RequestGate, guarded_protocol
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.protocol import (

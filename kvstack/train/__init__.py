@@ -1,1 +1,2 @@
-"""Training models of the family: data with no download, the trainer."""
+"""Training models of the family: the trainer (its data, shared with evaluation:
+`kvstack.corpus`)."""

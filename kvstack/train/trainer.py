@@ -35,11 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kvstack.config import ModelConfig, preset
-from kvstack.model import Model
-from kvstack.model.checkpoint import float_state_dict
-from kvstack.model.model import Compressor, Gate, Indexer, ModelOutput
-from kvstack.model.params import parameter_shapes
-from kvstack.train.data import (
+from kvstack.corpus.data import (
     MIN_VOCAB,
     TokenCache,
     retrieval_sample,
@@ -47,7 +43,11 @@ from kvstack.train.data import (
     stdlib_root,
     train_tokenizer,
 )
-from kvstack.train.families import HELD_OUT, families
+from kvstack.corpus.families import HELD_OUT, families
+from kvstack.model import Model
+from kvstack.model.checkpoint import float_state_dict
+from kvstack.model.model import Compressor, Gate, Indexer, ModelOutput
+from kvstack.model.params import parameter_shapes
 
 BIAS_STEP = 1e-3  # how far the routing bias moves per step toward balance
 
@@ -85,7 +85,7 @@ class TrainConfig:
     seed: int = 0
     retrieval_rate: float = 0.0  # share of rows replaced by a synthetic retrieval sample
     retrieval_keys: int = 1  # keys defined and asked in each retrieval sample
-    # The written forms of retrieval samples (kvstack.train.families: "key", the single
+    # The written forms of retrieval samples (kvstack.corpus.families: "key", the single
     # form of the bundled model's first stage; "six", the forms of its first long-context
     # stages; "trained", every family but the held-out ones; or names); held-out families
     # are refused, so that they measure generalisation.
@@ -140,7 +140,7 @@ class TrainConfig:
         held_out = [f.name for f in families(self.retrieval_families) if f in HELD_OUT]
         if held_out:
             raise ValueError(f"retrieval_families: {', '.join(held_out)} are held out from "
-                             "training (kvstack.train.families.HELD_OUT), so that retrieval "
+                             "training (kvstack.corpus.families.HELD_OUT), so that retrieval "
                              "on them measures generalisation")
         model = self.model_config()
         past_window = self.seq_len - min(model.window_size, self.seq_len - 1)

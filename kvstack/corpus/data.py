@@ -1,4 +1,4 @@
-"""Training data with no download: the running interpreter's standard library.
+"""Training and evaluation data with no download: the running interpreter's standard library.
 
 - The corpus: every `.py` file under the standard library (site-packages excluded), in
   sorted order of relative path; files that are not UTF-8 are skipped.
@@ -13,7 +13,7 @@
   (seed, step), so a resumed run sees exactly the data it would have seen.
 - Retrieval samples, mixed in at `retrieval_rate`: a key assigned a random value early in
   a window of real code and asked for at its end (`assert KEY_... == "`, or the forms of
-  other families: `kvstack.train.families`), with the depth, the length and where the
+  other families: `kvstack.corpus.families`), with the depth, the length and where the
   definitions lie recorded, so retrieval can be scored and the definitions left out of the
   loss; training samples can hold several keys.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstack.train.families import KEY, Family, plant
+from kvstack.corpus.families import KEY, Family, plant
 
 SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 MIN_VOCAB = 256 + len(SPECIALS)  # the byte-level alphabet and the special tokens
@@ -136,7 +136,7 @@ class RetrievalSample:
     depth: float  # where the key was defined, as a fraction of the sample
     length: int
     defines: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in ids
-    family: str = ""  # the written form of the scored key (kvstack.train.families)
+    family: str = ""  # the written form of the scored key (kvstack.corpus.families)
     # The scored key's definition, and the tokens in it that carry its value: [start, end)
     # in ids.
     definition: tuple[int, int] = (0, 0)

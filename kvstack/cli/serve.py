@@ -1,0 +1,85 @@
+"""`kvstack serve`: the OpenAI-compatible HTTP server over one engine."""
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from kvstack.cli.engine_args import add_engine_args, load_llm
+from kvstack.units import parse_bytes, positive_int
+
+
+def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, "
+                           "chat, streaming, sessions, /metrics)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--served-model-name", metavar="NAME",
+                       help="the model name requests give (default: the model directory's "
+                            "name, or kvstack-default for the bundled model)")
+    serve.add_argument("--api-key", action="append",
+                       help="require 'Authorization: Bearer KEY' on /v1; repeat it (or use "
+                            "--api-key-file) for several tenants, each seeing only its own "
+                            "sessions and prefix cache (default: $KVSTACK_API_KEY, else none)")
+    serve.add_argument("--api-key-file", metavar="FILE",
+                       help="API keys, one per line ('#' starts a comment)")
+    serve.add_argument("--share-prefix-cache", action="store_true",
+                       help="with several API keys: let their requests hit each other's "
+                            "cached prompt blocks (faster, but a hit tells one tenant that "
+                            "another sent that prefix)")
+    serve.add_argument("--max-num-seqs", type=positive_int, default=32,
+                       help="sequences decoded together at most (default: %(default)s)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="requests queued beyond the running batch before 429 "
+                            "(default: %(default)s)")
+    serve.add_argument("--grace-period", type=float, default=30.0,
+                       help="seconds a shutdown (SIGTERM) lets running requests finish "
+                            "(default: %(default)s)")
+    serve.add_argument("--default-max-tokens", type=int, default=1024,
+                       help="max_tokens of a request that sets none; 0: the rest of the "
+                            "context (default: %(default)s)")
+    serve.add_argument("--max-body-size", default="16MiB",
+                       help="a request body past this is refused (413) before it is read, "
+                            "as is one without the API key (401) (default: %(default)s)")
+    serve.add_argument("--request-timeout", type=float, default=30.0,
+                       help="seconds a request has to arrive whole, headers and body; a "
+                            "slower client is disconnected (default: %(default)s)")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections at most; past it a new one replaces the "
+                            "oldest that is still waiting for a request (default: "
+                            "%(default)s)")
+    serve.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstack.engine.async_llm import AsyncLLM
+    try:
+        from kvstack.serve.app import ServeConfig, bind, build_app, serve_app
+    except ImportError as e:
+        raise ValueError(f"kvstack serve needs its extra ({e.name} is missing): pip install "
+                         "-e '.[serve]'") from None
+
+    name = args.served_model_name or (
+        "kvstack-default" if args.model == "default" else Path(args.model).name)
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        text = Path(args.api_key_file).expanduser().read_text()
+        keys += [line.strip() for line in text.splitlines()
+                 if line.strip() and not line.lstrip().startswith("#")]
+    if not keys and os.environ.get("KVSTACK_API_KEY"):
+        keys = [os.environ["KVSTACK_API_KEY"]]
+    config = ServeConfig(
+        name, tuple(dict.fromkeys(keys)), args.share_prefix_cache, args.max_waiting,
+        host=args.host, port=args.port, grace_period_s=args.grace_period,
+        max_body_bytes=parse_bytes(args.max_body_size, "--max-body-size"),
+        request_timeout_s=args.request_timeout, max_connections=args.max_connections,
+        default_max_tokens=args.default_max_tokens)
+    # A port in use is said before the model loads (by rank 0 alone: under torchrun the
+    # other ranks serve as workers inside load_llm and never listen).
+    sock = bind(config) if int(os.environ.get("RANK", "0")) == 0 else None
+    engine = AsyncLLM(load_llm(args, max_num_seqs=args.max_num_seqs))
+    logging.getLogger("kvstack").info("kvstack serve: %s on http://%s:%d/v1", name,
+                                      args.host, args.port)
+    serve_app(build_app(engine, config), config, sock)
+    return 0
