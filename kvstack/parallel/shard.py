@@ -40,21 +40,34 @@ class TorchShard:
         return torch.cat(parts, dim=-1)
 
 
+# How long the ranks a process spawns may take to join: a cold start (Python, torch) on a
+# busy machine takes far longer than a collective may wait once they run.
+START_TIMEOUT_S = 120.0
+
+
 def init_group(rank: int, world_size: int, address: str | None, port: int | None,
                device: torch.device, timeout_s: float) -> None:
     """Join the group of `world_size` processes rendezvousing at address:port (None:
     where torchrun's environment says, MASTER_ADDR and MASTER_PORT, on any number of
     machines); a collective that waits longer than timeout_s for a rank fails instead of
-    hanging."""
+    hanging. Spawned ranks get START_TIMEOUT_S (at least) to join."""
     if address is None and int(os.environ.get("WORLD_SIZE", "0")) != world_size:
         raise ValueError(f"tensor_parallel_size {world_size} under torchrun needs that many "
                          f"ranks; WORLD_SIZE is {os.environ.get('WORLD_SIZE', 'unset')}")
     if device.type == "cuda":  # NCCL's collectives run on the rank's current device
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method="env://" if address is None
-                            else f"tcp://{address}:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if address is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank,
+                                world_size=world_size, timeout=timeout)
+        return
+    # Rank 0's store waits for every rank to connect under the start-up deadline; the
+    # group's collectives keep timeout_s.
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=max(timeout_s, START_TIMEOUT_S)))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
 
 
 def _cut(t: torch.Tensor, split: Split, rank: int, pad_to: int | None = None) -> torch.Tensor:
