@@ -956,7 +956,7 @@ def main() -> None:
         # Each context's systems timed interleaved (`time_interleaved`).
         blocks, opened = {}, {}
         if peer is not None:
-            blocks, opened = peer.open(context, max_tokens, specs)
+            blocks, opened = peer.open(context, context + headroom, specs)
         with ExitStack() as open_steps:
             systems = {"a": open_steps.enter_context(engine_step(stack_llm, context)),
                        "b": open_steps.enter_context(engine_step(dense_llm, context))}

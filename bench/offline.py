@@ -4,9 +4,10 @@ same model shape, the same prompts, one thread each, taking turns in one run.
 (a) kvstack: a random-init model of bench/prefill.py's shape (dim 256, 8 layers, 4 heads of
 64, the compressed stack) with the bundled tokenizer's 2,048-token vocabulary, `threads=1`.
 (v) vLLM: bench/decode.py's HF Llama peer of the same width, depth, KV heads and active FFN
-width, saved as an HF directory and loaded by vLLM's CPU build in bfloat16, run by
-bench/peers/vllm_offline.py inside bench/.peers/vllm (bench/peers/setup_vllm.sh; skipped
-with a message where that venv is missing) with OMP_NUM_THREADS=1,
+width, saved as an HF directory and loaded by vLLM's CPU build in bfloat16
+(`--vllm-dtype`), run by bench/peers/vllm_offline.py inside bench/.peers/vllm
+(bench/peers/setup_vllm.sh; skipped with a message where that venv is missing) with
+OMP_NUM_THREADS=1,
 VLLM_CPU_OMP_THREADS_BIND=nobind (a shared machine: no pinning) and VLLM_CPU_KVCACHE_SPACE=1.
 
 The workload: `--prompts` prompts (32) of `--prompt-tokens` random token ids (1,024), all
@@ -51,7 +52,7 @@ class Vllm:
                                        "TOKENIZERS_PARALLELISM": "false"}
         self.process = subprocess.Popen(
             [str(VLLM_PYTHON), str(PEERS / "vllm_offline.py"), "--model", str(model_dir),
-             "--max-num-seqs", str(args.prompts),
+             "--max-num-seqs", str(args.prompts), "--dtype", args.vllm_dtype,
              "--max-model-len", str(args.prompt_tokens + args.max_tokens + 64)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
             env=env)
@@ -101,6 +102,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=2, help="rounds; each keeps its best")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="vLLM's weights and activations; bfloat16 runs emulated on a CPU "
+                             "without AVX512-BF16 (vLLM logs a oneDNN fallback there)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -175,7 +179,7 @@ def main() -> None:
         print(f"{name:<16}{row['seconds']:>10.2f}{row['output_tok_s']:>12.1f}"
               f"{row['total_tok_s']:>13.1f}{ratio:>9}")
     print(f"(a) × = kvstack's tokens/s over the row's; torch {torch.__version__}"
-          + (f", vLLM {version}" if version else "")
+          + (f", vLLM {version} in {args.vllm_dtype}" if version else "")
           + f"; load average {' '.join(f'{x:.2f}' for x in load)}")
     if skipped:
         print(skipped)

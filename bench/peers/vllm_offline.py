@@ -33,8 +33,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, seed=0)
     import vllm
 
