@@ -765,8 +765,6 @@ class Attention(nn.Module):
                                                              store, topks[-1]))
             if spec.ratio and not ctx.dense:
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
-            if ctx.instruments is not None and spec.index in ctx.instruments.window_only:
-                all_kv = selected = None  # window and sink only
             if kernel:
                 outs.append(store.attend(spec.index, spec.kv_source, q[:, block], selected,
                                          self.sink))
@@ -776,14 +774,7 @@ class Attention(nn.Module):
                                          n_entries))
         if ctx.target_rows is not None and self.indexer is not None and n_entries:
             self._collect_rows(x, qr, q, positions, store, ctx, n_entries)
-        if topks:
-            ctx.topk[spec.index] = torch.cat(topks, dim=1)
-            if ctx.collect:
-                ctx.index_scores[spec.index] = torch.cat(scores, dim=1)
-                if not ctx.dense:
-                    ctx.index_entries[spec.index] = ctx.topk[spec.index]
-        if pools:
-            ctx.pool[spec.kv_source] = torch.cat(pools, dim=1)
+        self._publish(ctx, topks, pools, scores)
         out = torch.cat(outs, dim=1)  # [B, n, H, D]
         out = rotate(out, positions, self.freqs, inverse=True)
         groups = out.reshape(b, n, self.local_groups, -1)
@@ -794,6 +785,20 @@ class Attention(nn.Module):
             low_rank = torch.einsum("bngd,grd->bngr", groups, wo_a)
         return all_reduce(self.wo_b(low_rank.flatten(2)), self.shard)
 
+    def _publish(self, ctx: StepContext, topks: list[torch.Tensor], pools: list[torch.Tensor],
+                 scores: list[torch.Tensor]) -> None:
+        """Hand the query blocks' top-k [B, n, k] and candidate pools [B, n, kb] to later
+        layers, and, with collect, the indexer's scores to the output."""
+        spec = self.spec
+        if topks:
+            ctx.topk[spec.index] = torch.cat(topks, dim=1)
+            if ctx.collect:
+                ctx.index_scores[spec.index] = torch.cat(scores, dim=1)
+                if not ctx.dense:
+                    ctx.index_entries[spec.index] = ctx.topk[spec.index]
+        if pools:
+            ctx.pool[spec.kv_source] = torch.cat(pools, dim=1)
+
     def _attend(self, q: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
                 window_positions: torch.Tensor, store: KVStore, all_kv: torch.Tensor | None,
                 selected: torch.Tensor | None, ctx: StepContext,
@@ -801,7 +806,11 @@ class Attention(nn.Module):
         """One softmax, with the sink, over the window and the chosen compressed entries
         for queries q [B, q, H, D] at `positions`."""
         c, spec, tools = self.config, self.spec, ctx.instruments
-        scale = c.head_dim**-0.5 * (1.0 if tools is None else tools.logit_factor(spec.index))
+        scale = c.head_dim**-0.5
+        if tools is not None:  # only here: instruments turn the kernel path off
+            scale *= tools.logit_factor(spec.index)
+            if spec.index in tools.window_only:
+                all_kv = selected = None  # window and sink only
         t, s = positions[:, :, None], window_positions[:, None, :]
         in_window = (s <= t) & (s > t - c.window_size)  # [P, q, m]
         if window.shape[1] > c.window_size + q.shape[1]:
