@@ -707,8 +707,7 @@ class Attention(nn.Module):
                    self.freqs)
         window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
         # A kernel backend reads the ring itself, once the new entry is in it.
-        kernel = (store.kernels and ctx.instruments is None
-                  and not (ctx.collect or ctx.dense))
+        kernel = store.kernels and ctx.instruments is None and not (ctx.collect or ctx.dense)
         if kernel:
             store.write_window(spec.index, window, start)
         else:
