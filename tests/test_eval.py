@@ -198,14 +198,15 @@ def test_demo_compares_the_session_with_the_dense_control(trained, tmp_path, cap
 
 def test_the_attention_probe_accounts_for_every_query_and_changes_nothing():
     from kvstack.config import Mode, preset
-    from kvstack.model import Model
+    from kvstack.model import Instruments, Model
 
     torch.manual_seed(0)
     model = Model(preset("tiny")).eval()
     ids = torch.randint(0, 512, (2, 40))
+    probed = Instruments(probe=True)
     with torch.no_grad():
-        plain, probed = model(ids), model(ids, probe=True)
-    assert torch.equal(plain.logits, probed.logits)
+        plain, out = model(ids), model(ids, instruments=probed)
+    assert torch.equal(plain.logits, out.logits)
     assert sorted(probed.attention_mass) == list(range(model.config.n_layers))
     w = model.config.window_size
     for layer, mass in probed.attention_mass.items():
@@ -245,22 +246,24 @@ def test_attention_probe_over_held_out_windows(trained, data):
 
 def test_a_knocked_out_layer_attends_to_its_window_and_sink_only():
     from kvstack.config import preset
-    from kvstack.model import Model
+    from kvstack.model import Instruments, Model
 
     torch.manual_seed(0)
     model = Model(preset("tiny")).eval()
     ids = torch.randint(0, 512, (1, 80))
     compressed = [spec.index for spec in model.config.layers if spec.ratio]
+    plain = Instruments(probe=True)
     with torch.no_grad():
-        plain = model(ids, probe=True)
+        plain_logits = model(ids, instruments=plain).logits
         for layer in compressed:
-            out = model(ids, probe=True, window_only=frozenset({layer}))
+            out = Instruments(probe=True, window_only=frozenset({layer}))
+            logits = model(ids, instruments=out).logits
             assert (out.attention_mass[layer][..., 1:3] == 0).all()
             for earlier in range(layer):
                 torch.testing.assert_close(out.attention_mass[earlier],
                                            plain.attention_mass[earlier], rtol=0, atol=0,
                                            equal_nan=True)
-            assert not torch.equal(out.logits, plain.logits)
+            assert not torch.equal(logits, plain_logits)
 
 
 def test_knockout_leaves_out_each_compressed_layer_in_turn(trained, data):

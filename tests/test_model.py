@@ -2,6 +2,7 @@
 
 import copy
 import gc
+import inspect
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from kvstack.cache.contiguous import ContiguousCache
 from kvstack.cache.layout import CacheLayout
 from kvstack.config import Mode, ModelConfig, preset
+from kvstack.model.instruments import Instruments
 from kvstack.model.model import (
     Attention,
     Gate,
@@ -575,14 +577,50 @@ def test_trunk_picks_rank_entries_by_the_layers_own_attention_logits(monkeypatch
         return logits
 
     monkeypatch.setattr(Attention, "_trunk_logits", recorded)
-    picked = model(ids, collect=True, trunk_picks=True).index_entries
+    picked = model(ids, collect=True, instruments=Instruments(trunk_picks=True)).index_entries
     indexed = model(ids, collect=True).index_entries
     assert set(seen) == set(picked) == {1, 3, 4, 6}
     for layer, logits in seen.items():
         assert torch.equal(picked[layer], select_topk(logits.logsumexp(1), 3))
     assert any(not torch.equal(picked[k], indexed[k]) for k in picked)
     plain = model(ids).logits
-    assert torch.equal(model(ids, logit_scale={4: 1.0}).logits, plain)
-    assert not torch.allclose(model(ids, logit_scale={4: 3.0}).logits, plain)
+
+    def scaled(factors: dict[int, float]) -> torch.Tensor:
+        return model(ids, instruments=Instruments(logit_scale=factors)).logits
+
+    assert torch.equal(scaled({4: 1.0}), plain)
+    assert not torch.allclose(scaled({4: 3.0}), plain)
     with pytest.raises(ValueError, match="logit_scale: no layer 8"):
-        model(ids, logit_scale={8: 2.0})
+        scaled({8: 2.0})
+
+
+def test_the_forward_takes_research_probes_only_through_instruments():
+    """Model.forward's keywords are what inference and training need; the probes of
+    `kvstack eval` are settings of an Instruments object, which refuses a sharded model
+    where it reads every head."""
+    params = set(inspect.signature(Model.forward).parameters)
+    assert not params & {"probe", "window_only", "trunk_picks", "logit_scale"}
+    assert "instruments" in params
+    with pytest.raises(ValueError, match="probe and trunk_picks read every head"):
+        Instruments(trunk_picks=True).attach(8, sharded=True)
+    Instruments(window_only=frozenset({4}), logit_scale={4: 2.0}).attach(8, sharded=True)
+
+
+def test_a_forward_with_idle_instruments_is_the_plain_forward():
+    """Instruments that ask for nothing change no logit, and record nothing."""
+    model = make_model()
+    ids = tokens(2, 80)
+    idle = Instruments()
+    with torch.no_grad():
+        plain, instrumented = model(ids), model(ids, instruments=idle)
+    assert torch.equal(plain.logits, instrumented.logits)
+    assert idle.attention_mass == {}
+
+
+def test_instruments_reused_record_only_the_last_forward():
+    model = make_model()
+    probe = Instruments(probe=True)
+    with torch.no_grad():
+        model(tokens(1, 40), instruments=probe)
+        model(tokens(1, 24), instruments=probe)
+    assert {mass.shape for mass in probe.attention_mass.values()} == {(1, 24, 5)}

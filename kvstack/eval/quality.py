@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kvstack.cache.contiguous import ContiguousCache
 from kvstack.corpus.data import TokenCache, check_depth, retrieval_sample, split_corpus, stdlib_root
 from kvstack.corpus.families import families, starts_with_planted_key
-from kvstack.model import Model
+from kvstack.model import Instruments, Model
 
 BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
 
@@ -151,7 +151,9 @@ def attention_mass(model: Model, data: TokenCache, seq_len: int, windows: int,
     rows: dict[int, list[torch.Tensor]] = {}
     for i in range(windows):
         ids = data.batch(1, seq_len, seed, i)[:, :-1]
-        for layer, mass in model(ids, probe=True).attention_mass.items():
+        probe = Instruments(probe=True)
+        model(ids, instruments=probe)
+        for layer, mass in probe.attention_mass.items():
             rows.setdefault(layer, []).append(mass[0, from_position:].double())
     layers = []
     for layer, parts in sorted(rows.items()):
@@ -285,7 +287,8 @@ def knockout(model: Model, tokenizer: Any, data: TokenCache, length: int,
     def score(window_only: frozenset[int]) -> dict[str, float]:
         nll, exact = 0.0, 0
         for q in questions:
-            logits = model(torch.tensor([q.ids]), window_only=window_only).logits
+            logits = model(torch.tensor([q.ids]),
+                           instruments=Instruments(window_only=window_only)).logits
             logp = F.log_softmax(logits[0, q.answer_start - 1 : -1].double(), dim=-1)
             answer = torch.tensor(q.ids[q.answer_start :])
             nll += -logp.gather(-1, answer[:, None]).mean().item()
@@ -354,8 +357,9 @@ def selection(model: Model, tokenizer: Any, data: TokenCache, lengths: list[int]
 def _selection_of(model: Model, sample: Any, pickers: list[Any], trunk_picks: bool = False,
                   logit_scale: dict[int, float] | None = None) -> dict[str, Any]:
     """One question's figures for `selection`."""
-    out = model(torch.tensor([sample.ids]), collect=True, trunk_picks=trunk_picks,
-                logit_scale=logit_scale)
+    out = model(torch.tensor([sample.ids]), collect=True,
+                instruments=Instruments(trunk_picks=trunk_picks,
+                                        logit_scale=dict(logit_scale or {})))
     at = sample.answer_start - 1  # the query that predicts the answer's first token
     answer = torch.tensor(sample.ids[sample.answer_start :])
     exact = bool((out.logits[0, at:-1].argmax(-1) == answer).all())

@@ -3,7 +3,8 @@
 from kvstack._lazy import lazy_exports
 
 __getattr__ = lazy_exports(__name__, {
+    "Instruments": "kvstack.model.instruments",
     "Model": "kvstack.model.model",
     "ModelOutput": "kvstack.model.model",
 })
-__all__ = ["Model", "ModelOutput"]
+__all__ = ["Instruments", "Model", "ModelOutput"]

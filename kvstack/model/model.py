@@ -30,6 +30,7 @@ from kvstack.cache.store import KVStore
 from kvstack.config import NUMERICS, REPLAY_MODES, LayerSpec, Mode, ModelConfig
 from kvstack.formats import straight_through
 from kvstack.model.engram import Engram, EngramHash
+from kvstack.model.instruments import Instruments
 from kvstack.model.packed import Experts, PackedExperts, PackedLinear
 from kvstack.model.params import check_fits_memory
 
@@ -366,27 +367,17 @@ class StepContext:
 
     dense: bool = False  # attend to every visible compressed entry (training warm-up)
     collect: bool = False  # keep indexer scores and attention targets (indexer loss)
-    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B,n,k]
-    pool: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> blocks [B,n,kb]
-    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N or k]
-    attention_targets: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N or k]
-    index_entries: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,k], sparse
-    probe: bool = False  # keep where each layer's attention went (`attention_mass`)
-    attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,5]
-    # Layers that attend to their window and sink only, their compressed entries left out
-    # (their streams, indexers and top-k still serve later layers): what each layer's
-    # compressed attention is needed for (`kvstack eval knockout`).
-    window_only: frozenset[int] = frozenset()
     # [B, R] query positions at which each index source also scores every visible entry
     # and keeps the trunk's attention over them as its target (index_scores,
     # attention_targets [B, R, N]), while attention stays sparse: dense indexer targets
     # for rows too long for a [T, N] matrix.
     target_rows: torch.Tensor | None = None
-    # What a perfect indexer would buy (`kvstack eval selection`): each picking layer
-    # ranks entries by its own attention logits (logsumexp over heads) instead of its
-    # indexer's scores; and layer -> a factor on its attention logits (sharper or flatter).
-    trunk_picks: bool = False
-    logit_scale: dict[int, float] = field(default_factory=dict)
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B,n,k]
+    pool: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> blocks [B,n,kb]
+    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N or k]
+    attention_targets: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N or k]
+    index_entries: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,k], sparse
+    instruments: Instruments | None = None  # research probes (`kvstack eval`) only
 
 
 class Compressor(nn.Module):
@@ -716,8 +707,7 @@ class Attention(nn.Module):
                    self.freqs)
         window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
         # A kernel backend reads the ring itself, once the new entry is in it.
-        kernel = store.kernels and not (ctx.probe or ctx.collect or ctx.dense
-                                        or ctx.trunk_picks or ctx.logit_scale)
+        kernel = store.kernels and ctx.instruments is None and not (ctx.collect or ctx.dense)
         if kernel:
             store.write_window(spec.index, window, start)
         else:
@@ -731,7 +721,8 @@ class Attention(nn.Module):
         # A Reindex layer scores only its candidate pools where a query block's pools
         # hold fewer keys than the stream (a decode step, once the stream outgrows one
         # pool); decided once per call, so every block's top-k has one width.
-        score_pools = (spec.uses_candidates and not (ctx.collect or ctx.trunk_picks)
+        trunk_picks = ctx.instruments is not None and ctx.instruments.trunk_picks
+        score_pools = (spec.uses_candidates and not (ctx.collect or trunk_picks)
                        and n_entries > 0
                        and min(n, QUERY_BLOCK) * c.candidate_topk_blocks
                        * c.candidate_block_size < n_entries)
@@ -757,9 +748,8 @@ class Attention(nn.Module):
                     # whole stream need none: a [block, N] graph kept for every block
                     # made a 16K-token training row outgrow 24 GB.
                     with torch.set_grad_enabled(torch.is_grad_enabled() and ctx.dense):
-                        s = (self._trunk_logits(q[:, block], positions[:, block], store,
-                                                n_entries).logsumexp(1)
-                             if ctx.trunk_picks else
+                        s = (self._trunk_picks(q[:, block], positions[:, block], store,
+                                               n_entries) if trunk_picks else
                              self.indexer.scores(xi, qri, positions[:, block], store,
                                                  n_entries))
                     if ctx.collect and ctx.dense:  # every visible entry is attended
@@ -774,8 +764,6 @@ class Attention(nn.Module):
                                                              store, topks[-1]))
             if spec.ratio and not ctx.dense:
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
-            if spec.index in ctx.window_only:
-                all_kv = selected = None  # window and sink only
             if kernel:
                 outs.append(store.attend(spec.index, spec.kv_source, q[:, block], selected,
                                          self.sink))
@@ -785,14 +773,7 @@ class Attention(nn.Module):
                                          n_entries))
         if ctx.target_rows is not None and self.indexer is not None and n_entries:
             self._collect_rows(x, qr, q, positions, store, ctx, n_entries)
-        if topks:
-            ctx.topk[spec.index] = torch.cat(topks, dim=1)
-            if ctx.collect:
-                ctx.index_scores[spec.index] = torch.cat(scores, dim=1)
-                if not ctx.dense:
-                    ctx.index_entries[spec.index] = ctx.topk[spec.index]
-        if pools:
-            ctx.pool[spec.kv_source] = torch.cat(pools, dim=1)
+        self._publish(ctx, topks, pools, scores)
         out = torch.cat(outs, dim=1)  # [B, n, H, D]
         out = rotate(out, positions, self.freqs, inverse=True)
         groups = out.reshape(b, n, self.local_groups, -1)
@@ -803,14 +784,32 @@ class Attention(nn.Module):
             low_rank = torch.einsum("bngd,grd->bngr", groups, wo_a)
         return all_reduce(self.wo_b(low_rank.flatten(2)), self.shard)
 
+    def _publish(self, ctx: StepContext, topks: list[torch.Tensor], pools: list[torch.Tensor],
+                 scores: list[torch.Tensor]) -> None:
+        """Hand the query blocks' top-k [B, n, k] and candidate pools [B, n, kb] to later
+        layers, and, with collect, the indexer's scores to the output."""
+        spec = self.spec
+        if topks:
+            ctx.topk[spec.index] = torch.cat(topks, dim=1)
+            if ctx.collect:
+                ctx.index_scores[spec.index] = torch.cat(scores, dim=1)
+                if not ctx.dense:
+                    ctx.index_entries[spec.index] = ctx.topk[spec.index]
+        if pools:
+            ctx.pool[spec.kv_source] = torch.cat(pools, dim=1)
+
     def _attend(self, q: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
                 window_positions: torch.Tensor, store: KVStore, all_kv: torch.Tensor | None,
                 selected: torch.Tensor | None, ctx: StepContext,
                 n_entries: int) -> torch.Tensor:
         """One softmax, with the sink, over the window and the chosen compressed entries
         for queries q [B, q, H, D] at `positions`."""
-        c, spec = self.config, self.spec
-        scale = c.head_dim**-0.5 * ctx.logit_scale.get(spec.index, 1.0)
+        c, spec, tools = self.config, self.spec, ctx.instruments
+        scale = c.head_dim**-0.5
+        if tools is not None:  # only here: instruments turn the kernel path off
+            scale *= tools.logit_factor(spec.index)
+            if spec.index in tools.window_only:
+                all_kv = selected = None  # window and sink only
         t, s = positions[:, :, None], window_positions[:, None, :]
         in_window = (s <= t) & (s > t - c.window_size)  # [P, q, m]
         if window.shape[1] > c.window_size + q.shape[1]:
@@ -834,8 +833,8 @@ class Attention(nn.Module):
         sink = self.sink.float().view(1, -1, 1, 1).expand(*logits[0].shape[:3], 1)
         probs = torch.cat([*logits, sink], dim=-1).softmax(-1)
         m = window.shape[1]
-        if ctx.probe:
-            self._record_mass(probs, m, positions, selected, ctx)
+        if tools is not None and tools.probe:
+            tools.record_mass(spec, c.window_size, probs, m, positions, selected)
         out = torch.einsum("bhqk,bkd->bqhd", probs[..., :m], window.float())
         if entries is not None:
             p = probs[..., m:-1]
@@ -866,6 +865,13 @@ class Attention(nn.Module):
         ctx.index_scores[self.spec.index] = self.indexer.scores(
             x[at, rows].detach(), qr[at, rows].detach(), pos, store, n_entries)
 
+    def _trunk_picks(self, q: torch.Tensor, positions: torch.Tensor, store: KVStore,
+                     n_entries: int) -> torch.Tensor:
+        """What a perfect indexer would rank entries by (Instruments.trunk_picks): the
+        layer's own attention logits of queries q [B, q, H, D], logsumexp over heads:
+        [B, q, N]."""
+        return self._trunk_logits(q, positions, store, n_entries).logsumexp(1)
+
     def _trunk_logits(self, q: torch.Tensor, positions: torch.Tensor, store: KVStore,
                       n_entries: int) -> torch.Tensor:
         """Attention logits of queries q [B, q, H, D] at `positions` over every entry of
@@ -875,28 +881,6 @@ class Attention(nn.Module):
         visible = torch.arange(n_entries, device=q.device) < _visible(positions, self.spec)
         return (logits * self.config.head_dim**-0.5).masked_fill(~visible[:, None],
                                                                  float("-inf"))
-
-    def _record_mass(self, probs: torch.Tensor, m: int, positions: torch.Tensor,
-                     selected: torch.Tensor | None, ctx: StepContext) -> None:
-        """Per query, averaged over heads: attention on the window, on compressed entries
-        whose group ends inside the window ("near", the window holds those tokens raw) and
-        beyond it ("far"), on the sink; and the share of the selected entries that are near
-        (NaN without a top-k). [B, q, 5], appended to ctx.attention_mass[layer]."""
-        c, r = self.config, self.spec.ratio
-        p = probs.mean(1)  # [B, q, m + k + 1]
-        compressed = p[..., m:-1]
-        top_k = selected is not None
-        if not top_k:  # dense or window-only: every entry, in order
-            selected = torch.arange(compressed.shape[-1], device=p.device).expand_as(compressed)
-        far = (selected >= 0) & (selected * r + r - 1 <= positions[..., None] - c.window_size)
-        far_mass = (compressed * far).sum(-1)
-        chosen = (selected >= 0).sum(-1)
-        near_share = torch.where((chosen > 0) & top_k, 1 - far.sum(-1) / chosen.clamp(min=1),
-                                 float("nan"))
-        row = torch.stack((p[..., :m].sum(-1), compressed.sum(-1) - far_mass, far_mass,
-                           p[..., -1], near_share), dim=-1)
-        prev = ctx.attention_mass.get(self.spec.index)
-        ctx.attention_mass[self.spec.index] = row if prev is None else torch.cat((prev, row), 1)
 
     def _collect_target(self, p: torch.Tensor, ctx: StepContext) -> None:
         """The attention distribution over compressed entries, summed over heads and
@@ -1039,8 +1023,6 @@ class ModelOutput:
     # (sparse), column c being entry index_entries[layer][..., c] (-1: none).
     index_scores: dict[int, torch.Tensor]
     attention_targets: dict[int, torch.Tensor]
-    # layer -> [B, T, 5]: window, near and far compressed, sink, near share (probe=True)
-    attention_mass: dict[int, torch.Tensor] = field(default_factory=dict)
     index_entries: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def dense_targets(self, layer: int, n_entries: int) -> torch.Tensor:
@@ -1257,18 +1239,14 @@ class Model(nn.Module):
         return ids.long().to(self.embed.weight.device)
 
     # ---- reference forward -------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, dense: bool = False,
-                collect: bool = False, probe: bool = False,
-                window_only: frozenset[int] = frozenset(),
-                target_rows: torch.Tensor | None = None, trunk_picks: bool = False,
-                logit_scale: dict[int, float] | None = None) -> ModelOutput:
-        """Every layer over every token. `dense`: attend to all visible compressed
-        entries (the warm-up); `collect`: also return indexer scores and targets; `probe`:
-        also return where each layer's attention went; `window_only`: layers whose
-        attention leaves their compressed entries out; `target_rows` [B, R]: indexer
-        scores and attention targets over every visible entry at these query positions
-        alone, attention staying sparse; `trunk_picks`, `logit_scale`: what a perfect
-        indexer and sharper attention would buy (StepContext)."""
+    def forward(self, input_ids: torch.Tensor, *, dense: bool = False, collect: bool = False,
+                target_rows: torch.Tensor | None = None,
+                instruments: Instruments | None = None) -> ModelOutput:
+        """Every layer over every token. Training asks for more: `dense`, attend to all
+        visible compressed entries (the warm-up); `collect`, also return indexer scores
+        and targets; `target_rows` [B, R], indexer scores and attention targets over every
+        visible entry at these query positions alone, attention staying sparse. Research
+        probes go through `instruments`, which records what they ask for."""
         ids = self._check_ids(input_ids)
         if target_rows is not None:
             if collect or dense:
@@ -1280,24 +1258,20 @@ class Model(nn.Module):
                 raise ValueError(f"target_rows must be [{ids.shape[0]}, R] positions in "
                                  f"0..{ids.shape[1] - 1}, got {tuple(target_rows.shape)}")
             target_rows = target_rows.long().to(ids.device)
-        unknown = sorted(set(logit_scale or {}) - set(range(self.config.n_layers)))
-        if unknown:
-            raise ValueError(f"logit_scale: no layer {unknown[0]} (the model has "
-                             f"{self.config.n_layers})")
-        if self.shard is not None and (collect or probe or trunk_picks
-                                       or target_rows is not None):
-            raise ValueError("collect, probe, trunk_picks and target_rows read every head's "
-                             "attention, and this rank holds a shard of them")
+        if self.shard is not None and (collect or target_rows is not None):
+            raise ValueError("collect and target_rows read every head's attention, and this "
+                             "rank holds a shard of them")
+        if instruments is not None:
+            instruments.attach(self.config.n_layers, self.shard is not None)
         if ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"{ids.shape[1]} tokens exceed max_seq_len "
                              f"{self.config.max_seq_len}")
         store = ReferenceStore(self.config, ids.shape[0], ids.device)
-        ctx = StepContext(dense=dense, collect=collect, probe=probe, window_only=window_only,
-                          target_rows=target_rows, trunk_picks=trunk_picks,
-                          logit_scale=dict(logit_scale or {}))
+        ctx = StepContext(dense=dense, collect=collect, target_rows=target_rows,
+                          instruments=instruments)
         s = self._run(self._states(ids, 0, store), 0, store, range(self.config.n_layers), ctx)
         return ModelOutput(self._logits(s), ctx.index_scores, ctx.attention_targets,
-                           ctx.attention_mass, ctx.index_entries)
+                           ctx.index_entries)
 
     # ---- incremental -------------------------------------------------------------------
     def decoder_span(self, replay: str) -> int:
