@@ -104,7 +104,7 @@ def decoded_apart(rows: torch.Tensor, d: int) -> torch.Tensor:
     their own tables, then multiplied (dequantize instead looks each code byte up in one
     table of every scale and code byte pair)."""
     q = unpack_rows(rows, "fp4_ue8m0_32", d)
-    values = e2m1_decode_packed(q.codes).view(*q.scales.shape, FORMATS["fp4_ue8m0_32"].block)
+    values = e2m1_decode_packed(q.codes).view(*q.scales.shape, FORMATS["fp4_ue8m0_32"].scale_block)
     return (values * ue8m0_decode(q.scales)[..., None]).flatten(-2)
 
 

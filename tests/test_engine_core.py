@@ -13,7 +13,7 @@ from kvstack.cache import rows as rows_module
 from kvstack.config import preset
 from kvstack.engine.output import Detokenizer
 from kvstack.engine.tokenizer import ByteTokenizer, JsonTokenizer
-from kvstack.model.model import Block, Model, grouped_mm, grouped_mm_by_group
+from kvstack.model.model import Layer, Model, grouped_mm, grouped_mm_by_group
 from kvstack.model.packed import PackedExperts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -108,7 +108,7 @@ def fail_layer(monkeypatch, llm: LLM, when) -> list[int]:
     monkeypatch.setattr(runner, "decode", record_decode)
     monkeypatch.setattr(runner, "prefill", record_prefill)
     layer = llm.model.layers[5]
-    forward = Block.forward
+    forward = Layer.forward
 
     def failing(self, s, start, store, ctx):
         if self is layer and when(batch[0], len(failures)):
@@ -116,7 +116,7 @@ def fail_layer(monkeypatch, llm: LLM, when) -> list[int]:
             raise RuntimeError("injected fault")
         return forward(self, s, start, store, ctx)
 
-    monkeypatch.setattr(Block, "forward", failing)
+    monkeypatch.setattr(Layer, "forward", failing)
     return failures
 
 
@@ -393,7 +393,7 @@ def test_a_decode_step_gone_non_finite_is_recomputed_not_sampled(monkeypatch, al
     ids = [llm.add_request(p, GREEDY) for p in prompts(2)]
     llm.step()
     llm.step()
-    layer, forward = llm.model.layers[5], Block.forward
+    layer, forward = llm.model.layers[5], Layer.forward
     poisoned = []
 
     def poisoning(self, s, start, store, ctx):
@@ -403,7 +403,7 @@ def test_a_decode_step_gone_non_finite_is_recomputed_not_sampled(monkeypatch, al
             out.x[0] = float("nan")
         return out
 
-    monkeypatch.setattr(Block, "forward", poisoning)
+    monkeypatch.setattr(Layer, "forward", poisoning)
     done = {}
     while len(done) < 2:
         done |= {o.request_id: o for o in llm.step() if o.finished}

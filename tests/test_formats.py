@@ -256,7 +256,7 @@ def test_dequantize_is_each_code_times_its_scale_for_every_byte_pair(fmt):
     f = FORMATS[fmt]
     byte = torch.arange(256)
     code = byte[None, :].expand(256, 256)  # one row per scale byte, every code byte in it
-    per = f.code_bytes(f.block)  # code bytes per block: one scale each
+    per = f.code_bytes(f.scale_block)  # code bytes per block: one scale each
     codes = code.repeat_interleave(per, dim=1).to(torch.uint8)  # [256, 256 * per]
     scales = byte[:, None].expand(256, 256).to(torch.uint8)  # [256, 256 blocks]
     got = dequantize(Quantized(fmt, codes, scales)).view(256, 256, per, -1)[:, :, 0]

@@ -44,7 +44,7 @@ def element_scales(q) -> torch.Tensor:
     """The scale of every element, [..., d]."""
     f = FORMATS[q.fmt]
     scale = e4m3_decode(q.scales) if f.scale == "e4m3" else ue8m0_decode(q.scales)
-    return scale.repeat_interleave(f.block, dim=-1)
+    return scale.repeat_interleave(f.scale_block, dim=-1)
 
 
 def half_step(fmt: str, m: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,7 @@ def _element_values(q) -> torch.Tensor:
         v = torch.stack((e2m1_decode(q.codes & 0x7), e2m1_decode((q.codes >> 4) & 0x7)), -1)
     else:
         v = e4m3_decode(q.codes & 0x7F)
-    return v.reshape(*q.scales.shape, f.block)
+    return v.reshape(*q.scales.shape, f.scale_block)
 
 
 @settings(max_examples=150, deadline=None)

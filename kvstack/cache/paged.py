@@ -78,7 +78,9 @@ class BlockManager:
                     self.on_evict(b, chain_hash)
         return blocks
 
-    def release(self, blocks: list[int]) -> None:
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; a block no one references goes back to the
+        free list (still findable by its chain hash until handed out again)."""
         # Last block first: a sequence's tail is the least likely to be shared, so it
         # is handed out again before its head.
         for b in reversed(blocks):
@@ -238,9 +240,9 @@ class PagedSequenceStore(KVStore):
         self.block_hashes = list(hashes)
         self.needs_replay = self.pools.layout.window_bytes_per_sequence > 0
 
-    def release(self) -> None:
+    def free_blocks(self) -> None:
         """Give every block back (the sequence finished or was preempted)."""
-        self.manager.release(self.block_table)
+        self.manager.free(self.block_table)
         self.block_table = []
         self._table = self._table[:0]
 
@@ -461,7 +463,7 @@ class PagedCache:
         return store
 
     def close_sequence(self, store: PagedSequenceStore) -> None:
-        store.release()
+        store.free_blocks()
         self._free_slots.append(self.open.pop(id(store))[1])
 
     def report(self, context: int) -> dict[str, Any]:

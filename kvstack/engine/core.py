@@ -110,7 +110,7 @@ class EngineCore:
         conversation's own cache salt. cache_salt: the prefix-cache partition the request
         reads and adds to (None: the shared one); requests of other salts never hit its
         blocks (tenants of one server). hold_kept: with keep_cache, the kept cache is not
-        evicted for room until `release_hold` (or a few seconds): its owner saves it."""
+        evicted for room until `end_hold` (or a few seconds): its owner saves it."""
         if self.failure is not None:
             raise EngineError(self.failure)
         if not isinstance(params, SamplingParams):
@@ -167,7 +167,7 @@ class EngineCore:
         return request_id
 
     @locked
-    def release_hold(self, request_id: str) -> None:
+    def end_hold(self, request_id: str) -> None:
         """Its owner has saved the kept cache: it may be evicted for room again."""
         if (seq := self.requests.get(request_id)) is not None:
             seq.hold_kept = False

@@ -123,7 +123,7 @@ class Scheduler:
         if victim is None:
             return False
         del self.kept[victim.request_id]
-        self._release(victim)
+        self._free(victim)
         return True
 
     @staticmethod
@@ -143,7 +143,7 @@ class Scheduler:
         return self.kept.pop(request_id, None)
 
     def preempt(self, seq: Sequence) -> None:
-        self._release(seq)
+        self._free(seq)
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
@@ -158,14 +158,14 @@ class Scheduler:
         if keep_cache and seq.store is not None:
             self.keep(seq)
         else:
-            self._release(seq)
+            self._free(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def release(self, seq: Sequence) -> None:
         self.kept.pop(seq.request_id, None)
-        self._release(seq)
+        self._free(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _free(self, seq: Sequence) -> None:
         if seq.store is not None:
             self.cache.close_sequence(seq.store)
             seq.store = None

@@ -39,7 +39,7 @@ class Sequence:
     cache_salt: str | None = None  # the prefix-cache partition it reads and writes
     end_ids: frozenset[int] = frozenset()  # tokens that end it (eos unless ignored, stop ids)
     grammar: "Matcher | None" = None  # its structured-output matcher (json_schema)
-    # Its kept cache is evicted only after its owner saved it (`release_hold`) or
+    # Its kept cache is evicted only after its owner saved it (`end_hold`) or
     # KEPT_HOLD_S after it finished: a session's save must find the blocks it just wrote.
     hold_kept: bool = False
     preemptions: int = 0

@@ -65,7 +65,7 @@ def quantize(x: torch.Tensor, fmt: str, check: bool = True) -> Quantized:
         codes = x.to(torch.bfloat16).contiguous().view(torch.uint8)
         return Quantized(fmt, codes, codes.new_empty((*x.shape[:-1], 0)))
 
-    blocks = x.reshape(*x.shape[:-1], d // f.block, f.block)
+    blocks = x.reshape(*x.shape[:-1], d // f.scale_block, f.scale_block)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     if f.scale == "e4m3":
         scale_bytes = e4m3_encode_sixth(amax)
@@ -84,7 +84,7 @@ def quantize(x: torch.Tensor, fmt: str, check: bool = True) -> Quantized:
         codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
     else:
         codes = e4m3_encode(scaled).reshape(x.shape)
-    return Quantized(fmt, codes, scale_bytes.reshape(*x.shape[:-1], d // f.block))
+    return Quantized(fmt, codes, scale_bytes.reshape(*x.shape[:-1], d // f.scale_block))
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
@@ -102,7 +102,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
     # The lookups hand back new contiguous values, so these reshapes are views and the
     # scale multiplies them in place (0.9x the time of a new product, same sizes).
     values = e2m1_decode_packed(q.codes) if f.element == "e2m1" else e4m3_decode(q.codes)
-    values = values.view(*q.scales.shape, f.block)
+    values = values.view(*q.scales.shape, f.scale_block)
     scale = e4m3_decode(q.scales) if f.scale == "e4m3" else ue8m0_decode(q.scales)
     return values.mul_(scale[..., None]).flatten(-2)
 

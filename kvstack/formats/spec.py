@@ -1,5 +1,5 @@
 """The storage formats of the KV cache as facts (design.md section 3): names, element and
-scale kinds, block sizes, bytes per entry. No torch here, so that configs, plans and the
+scale kinds, scale blocks, bytes per entry. No torch here, so that configs, plans and the
 `kvstack` command read them without loading it; the codecs are in `quantized`."""
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ BF16_MAX = (2 - 2**-7) * 2.0**127  # the largest finite bfloat16
 class Format:
     name: str
     element: str  # "e2m1" | "e4m3" | "bf16"
-    block: int  # elements per scale; 1 for bf16, which has no scales
+    scale_block: int  # elements per scale; 1 for bf16, which has no scales
     scale: str | None  # "e4m3" | "ue8m0" | None
     # Largest magnitude stored without the dequantised value overflowing float32; None
     # when the format saturates instead (fp4_e4m3_16 clamps at 6 * 448 by its rule).
@@ -21,7 +21,7 @@ class Format:
         return {"e2m1": d // 2, "e4m3": d, "bf16": 2 * d}[self.element]
 
     def scale_bytes(self, d: int) -> int:
-        return d // self.block if self.scale else 0
+        return d // self.scale_block if self.scale else 0
 
 
 FORMATS: dict[str, Format] = {
@@ -44,9 +44,10 @@ def get_format(fmt: str) -> Format:
 
 
 def check_width(f: Format, d: int) -> None:
-    if d <= 0 or d % f.block or (f.element == "e2m1" and d % 2):
+    if d <= 0 or d % f.scale_block or (f.element == "e2m1" and d % 2):
         raise ValueError(
-            f"format {f.name}: width {d} is not a positive multiple of its block of {f.block}"
+            f"format {f.name}: width {d} is not a positive multiple of its scale block of "
+            f"{f.scale_block}"
         )
 
 

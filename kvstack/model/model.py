@@ -34,7 +34,7 @@ from kvstack.model.instruments import Instruments
 from kvstack.model.packed import Experts, PackedExperts, PackedLinear
 from kvstack.model.params import check_fits_memory
 
-QUERY_BLOCK = 256  # queries scored at once: bounds the [block, keys] score matrices
+QUERY_TILE = 256  # queries scored at once: bounds the [tile, keys] score matrices
 KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
 GATHER_FLOATS = 1 << 22  # per-query gathers of selected rows: floats held at once
 
@@ -373,7 +373,7 @@ class StepContext:
     # for rows too long for a [T, N] matrix.
     target_rows: torch.Tensor | None = None
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> [B,n,k]
-    pool: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> blocks [B,n,kb]
+    pool: dict[int, torch.Tensor] = field(default_factory=dict)  # kv source -> spans [B,n,kb]
     index_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N or k]
     attention_targets: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N or k]
     index_entries: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,k], sparse
@@ -509,15 +509,15 @@ class Indexer(nn.Module):
         return s.masked_fill(~visible, float("-inf"))
 
     def select_in_pool(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
-                       store: KVStore, blocks: torch.Tensor, n_entries: int) -> torch.Tensor:
-        """The top-k of each query's candidate pool, blocks [B, n, kb] -> entries [B, n, k]
+                       store: KVStore, spans: torch.Tensor, n_entries: int) -> torch.Tensor:
+        """The top-k of each query's candidate pool, spans [B, n, kb] -> entries [B, n, k]
         (-1 for none), scoring only the kb * candidate_block_size keys the pool holds, so
         the work does not grow with the stream. It selects what scoring every entry and
         masking to the pool selects: the pool is scored in entry order, so ties still go
         to the earlier entry."""
         bs = self.config.candidate_block_size
-        blocks = blocks.sort(dim=-1).values
-        entries = (blocks[..., None] * bs + torch.arange(bs, device=x.device)).flatten(-2)
+        spans = spans.sort(dim=-1).values
+        entries = (spans[..., None] * bs + torch.arange(bs, device=x.device)).flatten(-2)
         visible = entries < _visible(positions, self.spec)  # [B, n, K]
         s = self._scores_of(x, qr, positions, store, entries.clamp(max=n_entries - 1))
         chosen = select_topk(s.masked_fill(~visible, float("-inf")), self.config.index_topk)
@@ -544,32 +544,33 @@ def _visible(positions: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
     return ((positions + 1) // spec.ratio)[..., None]
 
 
-def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, spec: LayerSpec,
-                     config: ModelConfig) -> torch.Tensor:
-    """Per query, its candidate pool as block indices: scores [B, q, N] -> [B, q, kb].
-    Blocks of candidate_block_size entries score their max; the block holding the newest
-    visible entry is always kept; the best candidate_topk_blocks blocks form the pool."""
+def candidate_pool(scores: torch.Tensor, positions: torch.Tensor, spec: LayerSpec,
+                   config: ModelConfig) -> torch.Tensor:
+    """Per query, its candidate pool as span indices: scores [B, q, N] -> [B, q, kb]. A
+    span is a run of candidate_block_size entries (DeepSeek's "candidate block"); each
+    scores its max, the span holding the newest visible entry is always kept, and the best
+    candidate_topk_blocks spans form the pool."""
     bs = config.candidate_block_size
     total = scores.shape[-1]
-    n_blocks = -(-total // bs)
+    n_spans = -(-total // bs)
     # Detached: the pool is indices, so no gradient flows through it. With a graph, the
-    # in-place scatter_ below would make block_scores hold a graph that saved block_scores
+    # in-place scatter_ below would make span_scores hold a graph that saved span_scores
     # (the gather), a cycle that backward never reaches to free: a leak every step.
-    padded = F.pad(scores.detach(), (0, n_blocks * bs - total), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (n_blocks, bs)).amax(-1)  # [B, q, blocks]
-    newest = (_visible(positions, spec) - 1).expand(block_scores.shape[0], -1, -1)  # [B, q, 1]
-    newest_block = newest.clamp(min=0) // bs
-    kept = torch.where(newest >= 0, float("inf"), block_scores.gather(-1, newest_block))
-    block_scores.scatter_(-1, newest_block, kept)
-    return first_k_descending(block_scores, min(config.candidate_topk_blocks, n_blocks))
+    padded = F.pad(scores.detach(), (0, n_spans * bs - total), value=float("-inf"))
+    span_scores = padded.unflatten(-1, (n_spans, bs)).amax(-1)  # [B, q, spans]
+    newest = (_visible(positions, spec) - 1).expand(span_scores.shape[0], -1, -1)  # [B, q, 1]
+    newest_span = newest.clamp(min=0) // bs
+    kept = torch.where(newest >= 0, float("inf"), span_scores.gather(-1, newest_span))
+    span_scores.scatter_(-1, newest_span, kept)
+    return first_k_descending(span_scores, min(config.candidate_topk_blocks, n_spans))
 
 
-def pool_mask(blocks: torch.Tensor, total: int, config: ModelConfig) -> torch.Tensor:
-    """Block indices [B, q, kb] -> the entries they hold, bool [B, q, total]."""
+def pool_mask(spans: torch.Tensor, total: int, config: ModelConfig) -> torch.Tensor:
+    """Span indices [B, q, kb] -> the entries they hold, bool [B, q, total]."""
     bs = config.candidate_block_size
-    n_blocks = -(-total // bs)
-    in_pool = torch.zeros(*blocks.shape[:2], n_blocks, dtype=torch.bool, device=blocks.device)
-    in_pool.scatter_(-1, blocks, True)
+    n_spans = -(-total // bs)
+    in_pool = torch.zeros(*spans.shape[:2], n_spans, dtype=torch.bool, device=spans.device)
+    in_pool.scatter_(-1, spans, True)
     return in_pool.repeat_interleave(bs, dim=-1)[..., :total]
 
 
@@ -598,10 +599,10 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class SelectedEntries:
-    """The compressed entries a block of queries selected ([B, q, k], -1 for none), read
+    """The compressed entries a tile of queries selected ([B, q, k], -1 for none), read
     from the store in bounded pieces and never as a float copy of the whole stream.
 
-    With few heads, the distinct rows the block shares are read KEY_CHUNK at a time and
+    With few heads, the distinct rows the tile shares are read KEY_CHUNK at a time and
     scored with matmuls (each row dequantised once per pass); with many heads, each query's
     own k rows are gathered, a few queries at a time. Logits and the weighted sum are two
     passes, so a piece is never kept."""
@@ -718,57 +719,57 @@ class Attention(nn.Module):
         n_entries = store.stream_len(spec.kv_source) if spec.ratio else 0
         all_kv = (store.read_stream(spec.kv_source, "kv", 0, n_entries)
                   if spec.ratio and ctx.dense else None)
-        # A Reindex layer scores only its candidate pools where a query block's pools
+        # A Reindex layer scores only its candidate pools where a query tile's pools
         # hold fewer keys than the stream (a decode step, once the stream outgrows one
-        # pool); decided once per call, so every block's top-k has one width.
+        # pool); decided once per call, so every tile's top-k has one width.
         trunk_picks = ctx.instruments is not None and ctx.instruments.trunk_picks
         score_pools = (spec.uses_candidates and not (ctx.collect or trunk_picks)
                        and n_entries > 0
-                       and min(n, QUERY_BLOCK) * c.candidate_topk_blocks
+                       and min(n, QUERY_TILE) * c.candidate_topk_blocks
                        * c.candidate_block_size < n_entries)
-        # Query blocks end to end (score, pool, top-k, attend), so no [n, N] matrix is
+        # Query tiles end to end (score, pool, top-k, attend), so no [n, N] matrix is
         # ever whole unless `collect` asks for the scores.
         outs, topks, pools, scores = [], [], [], []
-        for i in range(0, n, QUERY_BLOCK):
-            block = slice(i, i + QUERY_BLOCK)
+        for i in range(0, n, QUERY_TILE):
+            tile = slice(i, i + QUERY_TILE)
             selected = None  # [B, q, k] entry indices, -1 for none; None = all visible
             if self.indexer is not None:
                 # Detached as in DeepSeek-V3.2: the KL loss trains the indexer alone (it
                 # reached the trunk through qr and x otherwise, a third of the
                 # cross-entropy's gradient on some compressors), and the cross-entropy
                 # never reaches the indexer (its scores only pick entries).
-                xi, qri = x[:, block].detach(), qr[:, block].detach()
-                pool = ctx.pool[spec.kv_source][:, block] if spec.uses_candidates else None
+                xi, qri = x[:, tile].detach(), qr[:, tile].detach()
+                pool = ctx.pool[spec.kv_source][:, tile] if spec.uses_candidates else None
                 if score_pools:
-                    topks.append(self.indexer.select_in_pool(xi, qri, positions[:, block],
+                    topks.append(self.indexer.select_in_pool(xi, qri, positions[:, tile],
                                                              store, pool, n_entries))
                 else:
                     # Sparse attention trains the indexer on the entries it selected
                     # alone (scored again below, with a gradient), so the scores of the
-                    # whole stream need none: a [block, N] graph kept for every block
+                    # whole stream need none: a [tile, N] graph kept for every tile
                     # made a 16K-token training row outgrow 24 GB.
                     with torch.set_grad_enabled(torch.is_grad_enabled() and ctx.dense):
-                        s = (self._trunk_picks(q[:, block], positions[:, block], store,
+                        s = (self._trunk_picks(q[:, tile], positions[:, tile], store,
                                                n_entries) if trunk_picks else
-                             self.indexer.scores(xi, qri, positions[:, block], store,
+                             self.indexer.scores(xi, qri, positions[:, tile], store,
                                                  n_entries))
                     if ctx.collect and ctx.dense:  # every visible entry is attended
                         scores.append(s)
                     if spec.is_candidate_source:
-                        pools.append(candidate_blocks(s, positions[:, block], spec, c))
+                        pools.append(candidate_pool(s, positions[:, tile], spec, c))
                     elif pool is not None:
                         s = s.masked_fill(~pool_mask(pool, n_entries, c), float("-inf"))
                     topks.append(select_topk(s, c.index_topk))
                     if ctx.collect and not ctx.dense:
-                        scores.append(self.indexer.scores_at(xi, qri, positions[:, block],
+                        scores.append(self.indexer.scores_at(xi, qri, positions[:, tile],
                                                              store, topks[-1]))
             if spec.ratio and not ctx.dense:
-                selected = topks[-1] if topks else ctx.topk[spec.index_source][:, block]
+                selected = topks[-1] if topks else ctx.topk[spec.index_source][:, tile]
             if kernel:
-                outs.append(store.attend(spec.index, spec.kv_source, q[:, block], selected,
+                outs.append(store.attend(spec.index, spec.kv_source, q[:, tile], selected,
                                          self.sink))
             else:
-                outs.append(self._attend(q[:, block], positions[:, block], window,
+                outs.append(self._attend(q[:, tile], positions[:, tile], window,
                                          window_positions, store, all_kv, selected, ctx,
                                          n_entries))
         if ctx.target_rows is not None and self.indexer is not None and n_entries:
@@ -786,7 +787,7 @@ class Attention(nn.Module):
 
     def _publish(self, ctx: StepContext, topks: list[torch.Tensor], pools: list[torch.Tensor],
                  scores: list[torch.Tensor]) -> None:
-        """Hand the query blocks' top-k [B, n, k] and candidate pools [B, n, kb] to later
+        """Hand the query tiles' top-k [B, n, k] and candidate pools [B, n, kb] to later
         layers, and, with collect, the indexer's scores to the output."""
         spec = self.spec
         if topks:
@@ -813,7 +814,7 @@ class Attention(nn.Module):
         t, s = positions[:, :, None], window_positions[:, None, :]
         in_window = (s <= t) & (s > t - c.window_size)  # [P, q, m]
         if window.shape[1] > c.window_size + q.shape[1]:
-            # A block of a long chunk sees only part of its keys: cut to them (a decode
+            # A tile of a long chunk sees only part of its keys: cut to them (a decode
             # step's ring and token are all seen, and need no look at the mask).
             seen = torch.nonzero(in_window.flatten(0, 1).any(0)).flatten()
             lo, hi = int(seen[0]), int(seen[-1]) + 1
@@ -925,10 +926,10 @@ class DenseAttention(nn.Module):
         keys, values = heads("k"), heads("v")
         q = q.transpose(1, 2)  # [B, H, n, D]
         outs = []
-        for i in range(0, q.shape[2], QUERY_BLOCK):
-            block = positions[:, i : i + QUERY_BLOCK]
-            causal = (torch.arange(total, device=x.device) <= block[..., None])[:, None]
-            outs.append(F.scaled_dot_product_attention(q[:, :, i : i + QUERY_BLOCK], keys,
+        for i in range(0, q.shape[2], QUERY_TILE):
+            tile = positions[:, i : i + QUERY_TILE]
+            causal = (torch.arange(total, device=x.device) <= tile[..., None])[:, None]
+            outs.append(F.scaled_dot_product_attention(q[:, :, i : i + QUERY_TILE], keys,
                                                        values, attn_mask=causal))
         return self.wo(torch.cat(outs, dim=2).transpose(1, 2).flatten(2))
 
@@ -960,7 +961,9 @@ class TokenStates:
                            join([p.engram_rows for p in parts]))
 
 
-class Block(nn.Module):
+class Layer(nn.Module):
+    """One transformer layer: attention and feed-forward, each behind its residual mix."""
+
     def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -1048,7 +1051,7 @@ class Model(nn.Module):
         c = self.config = config
         self.embed = nn.Embedding(c.vocab_size, c.dim)
         self.engram_hash = _engram_hash(c, token_map) if c.engram_layer_ids else None
-        self.layers = nn.ModuleList(Block(c, spec) for spec in c.layers)
+        self.layers = nn.ModuleList(Layer(c, spec) for spec in c.layers)
         if c.hc_mult > 1 and not c.single_pass_hc:  # per-site: the head collapses on its own
             self.hc_head_fn = nn.Parameter(torch.empty(c.hc_mult, c.hc_mult * c.dim))
             self.hc_head_base = nn.Parameter(torch.zeros(c.hc_mult))
@@ -1164,7 +1167,7 @@ class Model(nn.Module):
         # and the parameters. So the whole step is one graph per batch-size bucket, traced
         # from this model's own copy of `_decode_layers`' code: one guard check a step
         # (once per layer they cost 13 % of a batch-1 step), and no walk past another
-        # model's graphs (when every layer of every model shared Block.forward's code, a
+        # model's graphs (when every layer of every model shared Layer.forward's code, a
         # second model's batch-1 step took 1.7x what it takes on its own code: 18.9
         # against 11.4 ms, one thread, the decode benchmark's model). A step's graphs are
         # a handful per bucket: room for more, and running out of it fails rather than
@@ -1216,8 +1219,8 @@ class Model(nn.Module):
         """Every layer over a decode step's one token per sequence (what compile_decode
         traces as one graph)."""
         ctx = StepContext()
-        for block in self.layers:
-            s = block(s, start, store, ctx)
+        for layer in self.layers:
+            s = layer(s, start, store, ctx)
         return s
 
     def _run(self, s: TokenStates, start: int | torch.Tensor, store: KVStore, layers: range,

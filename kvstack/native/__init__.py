@@ -263,7 +263,7 @@ def _decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     tables = decode_tables(fmt)
     if tables is None:
         raise ValueError(f"format {fmt}: the C kernels decode block-scaled formats only")
-    return f.block, int(f.element == "e2m1"), *tables
+    return f.scale_block, int(f.element == "e2m1"), *tables
 
 
 def decodes(fmt: str) -> bool:

@@ -81,7 +81,7 @@ class HttpSessions:
                     try:
                         session.save()
                     finally:
-                        self.llm.core.release_hold(final.request_id)
+                        self.llm.core.end_hold(final.request_id)
 
                 await asyncio.to_thread(save)
                 self.metrics.sessions_saved.inc()
