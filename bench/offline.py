@@ -43,6 +43,19 @@ VLLM_PYTHON = Path(__file__).resolve().parent / ".peers" / "vllm" / "bin" / "pyt
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def bf16_note(dtype: str) -> str | None:
+    """A warning where vLLM's bfloat16 is emulated: without AVX512-BF16 (or AMX) its oneDNN
+    bf16 matmuls fail and it falls back to torch's, several times slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    if dtype != "bfloat16" or "avx512_bf16" in flags or "amx_bf16" in flags:
+        return None
+    return ("note: this CPU has no AVX512-BF16: vLLM's bfloat16 runs emulated; "
+            "--vllm-dtype float32 shows vLLM at its best here")
+
+
 class Vllm:
     """vLLM's LLM in its venv, a JSON line a request."""
 
@@ -183,6 +196,8 @@ def main() -> None:
           + f"; load average {' '.join(f'{x:.2f}' for x in load)}")
     if skipped:
         print(skipped)
+    elif note := bf16_note(args.vllm_dtype):
+        print(note)
     sys.stdout.flush()
 
 

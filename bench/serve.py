@@ -68,6 +68,19 @@ SKIPPED_VLLM = (f"(c) vLLM skipped: {VLLM_PYTHON.parent.parent} has no vllm; bui
 # core binding on a shared machine.
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
+
+def bf16_note(dtype: str) -> str | None:
+    """A warning where vLLM's bfloat16 is emulated: without AVX512-BF16 (or AMX) its oneDNN
+    bf16 matmuls fail and it falls back to torch's, several times slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    if dtype != "bfloat16" or "avx512_bf16" in flags or "amx_bf16" in flags:
+        return None
+    return ("note: this CPU has no AVX512-BF16: vLLM's bfloat16 runs emulated; "
+            "--vllm-dtype float32 shows vLLM at its best here")
+
 SOURCES = ("json.decoder", "argparse", "textwrap", "difflib", "csv", "configparser",
            "shlex", "fractions", "heapq", "bisect", "calendar", "pprint")
 QUESTIONS = ("\n# where is the parser built?\n", "\n# what does main return?\n",
@@ -324,6 +337,8 @@ def main() -> None:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for line in skipped:
         print(line)
+    if "(c) vLLM CPU serve" in rows and (note := bf16_note(args.vllm_dtype)):
+        print(note)
 
 
 if __name__ == "__main__":
