@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstack.engine import LLM, SamplingParams
-from kvstack.engine.llm import bundled_model
+from kvstack.engine.loading import bundled_model
 
 # Shipped beside the bundled model as package data, so an installed wheel shows both columns.
 BUNDLED_CONTROL = bundled_model().parent / "dense-default"

@@ -310,7 +310,7 @@ def test_another_tokenizer_is_another_fingerprint(tmp_path):
     import shutil
 
     from kvstack import LLM
-    from kvstack.engine.llm import bundled_model
+    from kvstack.engine.loading import bundled_model
 
     shutil.copytree(bundled_model(), tmp_path / "m")
     same = LLM(tmp_path / "m", kv_budget="16MiB", threads=1, cache_dir=tmp_path / "c")

@@ -21,7 +21,7 @@ def test_every_file_the_package_reads_at_run_time_is_package_data():
 
 def test_the_demo_reads_both_models_from_the_package():
     from kvstack.demo import BUNDLED_CONTROL
-    from kvstack.engine.llm import bundled_model
+    from kvstack.engine.loading import bundled_model
 
     package = ROOT / "kvstack"
     for model in (bundled_model(), BUNDLED_CONTROL):

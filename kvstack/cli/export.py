@@ -27,7 +27,7 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvstack.engine.llm import bundled_model
+    from kvstack.engine.loading import bundled_model
     from kvstack.engine.tokenizer import byte_level_tokenizer_json
     from kvstack.model import Model
     from kvstack.model.checkpoint import INDEX_FILE, export_v41, save_kvstack

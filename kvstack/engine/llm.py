@@ -11,7 +11,6 @@ runs the step; its settings are one `EngineConfig` (given whole, or as keyword a
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -20,66 +19,19 @@ import torch
 from kvstack import native
 from kvstack.cache.disk import DiskTier, check_session_name
 from kvstack.cache.paged import PagedCache
-from kvstack.config import ModelConfig, preset
+from kvstack.config import ModelConfig
 from kvstack.engine.config import EngineConfig, retain_freed_memory
 from kvstack.engine.core import EngineCore
+from kvstack.engine.loading import bundled_model, load_model
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput
 from kvstack.engine.session import Session, resume_session
-from kvstack.engine.tokenizer import ByteTokenizer, JsonTokenizer, Tokenizer
-from kvstack.model import Model
 
 log = logging.getLogger("kvstack")
 
 Prompt = str | list[int]
-
-
-def bundled_model() -> Path:
-    """Where the package keeps the bundled default model."""
-    return Path(str(resources.files("kvstack") / "data" / "default"))
-
-
-def _tokenizer(model: str | Path | ModelConfig, random_init: bool) -> Tokenizer:
-    """The model's tokenizer, once the model directory is checked to hold what loads."""
-    if random_init:
-        return ByteTokenizer()
-    directory = bundled_model() if str(model) == "default" else Path(model)
-    if str(model) == "default" and not (directory / "model.safetensors").is_file():
-        raise ValueError("no bundled default model yet: pass a model directory, or a "
-                         "preset name with random_init=True")
-    if not directory.is_dir():
-        raise ValueError(f"model {directory}: not a directory (nor random_init=True with "
-                         "a preset name)")
-    for name in ("config.json", "tokenizer.json"):
-        if not (directory / name).is_file():
-            raise ValueError(f"model {directory}: {name} is missing (or not a regular file)")
-    # A FIFO, socket or device under a weights name would block or never end the read.
-    for path in directory.glob("*.safetensors*"):
-        if not path.is_file():
-            raise ValueError(f"model {directory}: {path.name} is not a regular file")
-    return JsonTokenizer(directory / "tokenizer.json")
-
-
-def _check_vocab(model: Model, tokenizer: Tokenizer, name: object) -> None:
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"model {name}: the tokenizer has {tokenizer.vocab_size} tokens, the "
-                         f"model's vocabulary only {model.config.vocab_size}")
-
-
-def _load(model: str | Path | ModelConfig, random_init: bool, seed: int,
-          device: torch.device, numerics: str) -> tuple[Model, Tokenizer]:
-    tokenizer = _tokenizer(model, random_init)
-    if random_init:
-        torch.manual_seed(seed)
-        loaded = Model(model if isinstance(model, ModelConfig) else preset(str(model)))
-        loaded.set_numerics(numerics)
-    else:
-        directory = bundled_model() if str(model) == "default" else Path(model)
-        loaded = Model.from_pretrained(directory, numerics=numerics)
-    _check_vocab(loaded, tokenizer, model)
-    return loaded.to(device).eval(), tokenizer
 
 
 class LLM:
@@ -108,7 +60,7 @@ class LLM:
             self.model, self.tokenizer, model_fingerprint, workers = start_rank_zero(
                 model, random_init, seed, config)
         else:
-            self.model, self.tokenizer = _load(model, random_init, seed, device,
+            self.model, self.tokenizer = load_model(model, random_init, seed, device,
                                                config.numerics)
             model_fingerprint = self.model.fingerprint()
         # Where the weights came from (None for random weights): files stored with the

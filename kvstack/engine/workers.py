@@ -86,7 +86,7 @@ def load_sharded(source: ModelSource, plan_of: PlanOf, shard: TorchShard,
     be in one process, so that caches and sessions are shared with unsharded engines).
     A checkpoint (kvstack's or DeepSeek's) is read slice by slice, only what the rank
     holds; random weights are made whole (seeded alike on every rank) and then cut."""
-    from kvstack.engine.llm import _load, bundled_model
+    from kvstack.engine.loading import bundled_model, load_model
     from kvstack.model.checkpoint import is_v41_checkpoint
 
     if not source.random_init:
@@ -96,7 +96,7 @@ def load_sharded(source: ModelSource, plan_of: PlanOf, shard: TorchShard,
         model = read(directory, plan, shard)
         model.set_numerics(numerics)
         return model.to(device).eval(), model.fingerprint()
-    model, _ = _load(source.model, source.random_init, source.seed, torch.device("cpu"),
+    model, _ = load_model(source.model, source.random_init, source.seed, torch.device("cpu"),
                      numerics)
     fingerprint = model.fingerprint()
     shard_model(model, plan_of(model.config), shard)
@@ -217,13 +217,13 @@ def start_rank_zero(model: str | Path | ModelConfig, random_init: bool, seed: in
     """Rank 0 of a sharded model (the LLM's process): the other ranks spawned on this
     machine (or started by torchrun), the group joined, this rank's shard loaded. Returns
     the shard, the tokenizer, the whole model's fingerprint and the worker processes."""
-    from kvstack.engine.llm import _check_vocab, _tokenizer, bundled_model
+    from kvstack.engine.loading import bundled_model, check_vocab, load_tokenizer
 
     if dist.is_initialized():
         raise ValueError("this process already belongs to a torch.distributed group (another "
                          "sharded LLM, or training): one sharded engine per process")
     # A bad path or a split that does not divide fails before anything starts.
-    tokenizer = _tokenizer(model, random_init)
+    tokenizer = load_tokenizer(model, random_init)
     if isinstance(model, ModelConfig):
         model_config = model
     elif random_init:
@@ -244,7 +244,7 @@ def start_rank_zero(model: str | Path | ModelConfig, random_init: bool, seed: in
                    config.parallel_timeout_s)
         loaded, fingerprint = load_sharded(source, plan_for(config), TorchShard(), device,
                                            config.numerics)
-        _check_vocab(loaded, tokenizer, model)
+        check_vocab(loaded, tokenizer, model)
     except BaseException as e:
         for p in workers:
             p.kill()

@@ -35,7 +35,7 @@ BF16 = dict(kv_format="bf16", index_format="bf16", window_format="bf16")
 def load_eval_model(directory: str | Path) -> tuple[Model, Any]:
     from tokenizers import Tokenizer
 
-    from kvstack.engine.llm import bundled_model
+    from kvstack.engine.loading import bundled_model
 
     # "default" is the bundled model, as every other command takes it.
     directory = bundled_model() if str(directory) == "default" else Path(directory)
