@@ -4,7 +4,8 @@
 #
 # -DGGML_NATIVE=ON so ggml uses the CPU's own instruction set (AVX2/FMA/F16C
 # on the bench machine): a generic build would understate llama.cpp.
-# About 20 minutes on 2 cores.
+# About 20 minutes on 2 idle cores (40 on a busy shared machine). Pinned to the
+# version the bench figures were taken with (LLAMA_CPP_PYTHON_VERSION= for another).
 #
 # The HF -> GGUF conversion is bench/peers/hf_to_gguf.py on the `gguf` package's
 # writer (numpy only), not the sdist's convert_hf_to_gguf.py: that one imports
@@ -23,6 +24,6 @@ command -v cmake >/dev/null || "$pip" install -q cmake
 
 if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
   CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="${JOBS:-2}" \
-    "$pip" install -v --no-cache-dir llama-cpp-python
+    "$pip" install -v --no-cache-dir "llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 fi
 "$venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'ok')"
