@@ -7,14 +7,14 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint bench clean
 
+# The editable install finds `kvstack` after the path entries, so a clone directory named
+# kvstack in a script's directory would be imported as an empty namespace package; the
+# .pth written last puts the checkout on the path, where the real package wins.
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev,bench,serve,kernels]"
-	# The editable install finds `kvstack` after the path entries, so a clone directory
-	# named kvstack in a script's directory would be imported as an empty namespace
-	# package; the checkout on the path makes the real package win.
 	$(BIN)/python -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], \
 	    'kvstack-checkout.pth').write_text('$(CURDIR)\n')"
 	touch $@

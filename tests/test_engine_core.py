@@ -599,3 +599,54 @@ def test_compiled_decode_refuses_packed_experts(monkeypatch):
     monkeypatch.setattr(model.layers[1].ffn, "experts", PackedExperts([]))
     with pytest.raises(ValueError, match="packed"):
         model.compile_decode("aot_eager")
+
+
+@pytest.mark.parametrize("replay", ["bounded", "exact"])
+def test_a_prompt_prefilled_in_parts_gives_the_tokens_of_one_prefill(replay):
+    """A step budget far below the prompts' lengths spreads each prompt over several steps
+    (the encoder over leading parts, the decoder over the last); every request, joining
+    while others decode, gets the greedy tokens of an engine that prefills each prompt
+    whole."""
+    g = torch.Generator().manual_seed(3)
+    long_prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 41, 170)]
+    whole = tiny(replay=replay, max_num_batched_tokens=4096, kv_budget="8MiB")
+    expected = [o.token_ids for o in whole.generate(long_prompts, GREEDY)]
+    parted = tiny(replay=replay, max_num_batched_tokens=24, kv_budget="8MiB")
+    parts = []
+    prefill_part = parted.runner.prefill_part
+    parted.runner.prefill_part = lambda seq, n: (parts.append(n), prefill_part(seq, n))[1]
+    assert [o.token_ids for o in parted.generate(long_prompts, GREEDY)] == expected
+    final = parted.model.final_prefill_tokens(replay)
+    assert len(parts) > 10 and max(parts) <= 24 and final > 1
+
+
+def test_a_long_prompt_stalls_no_running_stream():
+    """While a long prompt is prefilled in parts, every step still decodes the requests
+    already running: each gains one token a step."""
+    llm = tiny(max_num_batched_tokens=32, kv_budget="8MiB")
+    running = llm.add_request(prompts(1)[0], SamplingParams(max_tokens=60, temperature=0,
+                                                            ignore_eos=True))
+    llm.step()  # its prefill
+    long_id = llm.add_request(list(range(1, 250)), GREEDY)
+    steps_until_first_token = 0
+    while True:
+        outs = {o.request_id: o for o in llm.step()}
+        steps_until_first_token += 1
+        assert running in outs  # the running stream moved in this step too
+        if long_id in outs:
+            break
+    assert steps_until_first_token > 5  # the prompt took several steps, the stream with it
+
+
+def test_a_prompt_part_keeps_room_for_the_decoder_span():
+    """A part is cut so that the last part holds at least the decoder span; a prompt that
+    cannot be cut so runs whole, over the budget, when nothing else prefills."""
+    from kvstack.engine.scheduler import Scheduler, StepPlan
+
+    sched = Scheduler(tiny().cache, 4, 100, final_prefill_tokens=20)
+    seq = types.SimpleNamespace(num_tokens=110, store=types.SimpleNamespace(num_tokens=0))
+    plan = StepPlan()
+    assert sched._plan_part(plan, seq, 100) == 90  # leaves 20 for the last part
+    seq.store.num_tokens = 90
+    assert sched._plan_part(StepPlan(), seq, 15) == 20  # 20 left: whole, over the budget
+    assert sched._plan_part(plan, seq, 15) == 0  # the step already prefills a part

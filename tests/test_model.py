@@ -624,3 +624,25 @@ def test_instruments_reused_record_only_the_last_forward():
         model(tokens(1, 40), instruments=probe)
         model(tokens(1, 24), instruments=probe)
     assert {mass.shape for mass in probe.attention_mass.values()} == {(1, 24, 5)}
+
+
+@pytest.mark.parametrize("replay", ["bounded", "exact"])
+def test_a_prompt_prefilled_in_parts_equals_one_prefill(replay):
+    """prefill_part over the leading parts (the encoder and the decoder's stream) and then
+    prefill over a last part that holds the decoder span compute what one prefill of the
+    whole prompt computes: the same logits, and the same next decode."""
+
+    torch.manual_seed(0)
+    model = Model(preset("tiny")).eval()
+    ids = torch.randint(0, 512, (1, 200))
+    assert model.final_prefill_tokens(replay) <= 80
+    whole = ContiguousCache(model.config, max_tokens=256)
+    parts = ContiguousCache(model.config, max_tokens=256)
+    expected = model.prefill(ids, whole, replay=replay, chunk_size=64)
+    model.prefill_part(ids[:, :70], parts, chunk_size=64)
+    model.prefill_part(ids[:, 70:120], parts, chunk_size=64)
+    got = model.prefill(ids[:, 120:], parts, replay=replay, chunk_size=64)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    token = expected.argmax(-1)
+    torch.testing.assert_close(model.decode(token, parts), model.decode(token, whole),
+                               rtol=1e-5, atol=1e-5)

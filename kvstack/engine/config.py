@@ -73,7 +73,10 @@ class EngineConfig:
     kv_budget: int | str = "1GiB"  # bytes for the device pools and window rings
     block_tokens: int = 64  # tokens per cache block (a multiple of every ratio)
     max_num_seqs: int = 8  # sequences holding a window-ring slot at once
-    max_num_batched_tokens: int = 16384  # prompt tokens a prefill step admits
+    # Tokens a step feeds: one per decoding sequence, the rest prompt tokens; a longer
+    # prompt is prefilled in parts over several steps. At a CPU's few thousand prompt
+    # tokens a second, a part holds the running streams for under a second.
+    max_num_batched_tokens: int = 2048
     chunk_size: int = 512  # tokens per prefill chunk
     replay: str = "bounded"  # window rebuild after a prefix hit or a resume
     enable_prefix_caching: bool = True

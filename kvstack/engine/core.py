@@ -76,7 +76,8 @@ class EngineCore:
                                 config.host_budget_bytes, disk_tier,
                                 pad_slot=config.compile_decode)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens,
+                                   model.final_prefill_tokens(config.replay))
         if workers is None:
             self.runner = ModelRunner(model, config)
         else:
@@ -200,14 +201,15 @@ class EngineCore:
     # ---- the step ----------------------------------------------------------------------
     @locked
     def step(self) -> list[RequestOutput]:
-        """One scheduler step: prefill the admitted sequences or decode the running ones.
-        Returns the output of every request that moved (and of every one that finished,
-        however); each also goes to the front end waiting for it."""
-        seqs, is_prefill = self.scheduler.schedule()
+        """One scheduler step: decode the running sequences, then prefill prompts (or
+        parts of long ones) in the rest of the step's token budget. Returns the output of
+        every request that moved (and of every one that finished, however); each also goes
+        to the front end waiting for it."""
+        plan = self.scheduler.schedule()
         moved = self.scheduler.take_unservable()
         for seq in moved:
             self._finish(seq, "length")
-        if not seqs:
+        if not plan:
             self._idle_steps = self._idle_steps + 1 if self.scheduler.has_work else 0
             if self._idle_steps > 1 and not self.scheduler.holding:
                 raise EngineError(
@@ -216,28 +218,38 @@ class EngineCore:
                     f"({self.cache.free_blocks} free blocks)")
             return self._outputs(moved)
         self._idle_steps = 0
-        if is_prefill:
-            for seq in seqs:
-                try:
-                    sampled = self.runner.prefill(seq)
-                except EngineError as e:
-                    self._stop(e)
-                except Exception as e:  # one request must not stop the others
-                    self._fault([seq], e)
-                    continue
-                self._advance(seq, sampled)
-        else:
+        if plan.decode:
+            moved += plan.decode
             try:
-                samples = self.runner.decode(seqs)
+                samples = self.runner.decode(plan.decode)
             except EngineError as e:
                 self._stop(e)
             except Exception as e:
-                self._fault(seqs, e)
+                self._fault(plan.decode, e)
             else:
-                for seq, sampled in zip(seqs, samples, strict=True):
+                for seq, sampled in zip(plan.decode, samples, strict=True):
                     seq.suspect, seq.faults = False, 0  # it steps again: start over
                     self._advance(seq, sampled)
-        return self._outputs(moved + seqs)
+        for seq, n in plan.prefill:
+            final = n == seq.num_tokens - seq.store.num_tokens
+            try:
+                if final:
+                    sampled = self.runner.prefill(seq)
+                else:
+                    self.runner.prefill_part(seq, n)
+            except EngineError as e:
+                self._stop(e)
+            except Exception as e:  # one request must not stop the others
+                self._fault([seq], e)
+                moved.append(seq)
+                continue
+            if final:
+                seq.prefilling = False
+                self._advance(seq, sampled)
+                moved.append(seq)
+            else:  # no token yet: nothing to report, but its full blocks are named
+                self.cache.register_full_blocks(seq.store)
+        return self._outputs(moved)
 
     def wait(self, request_id: str) -> RequestOutput:
         """The request's newest output, stepping the engine until there is one (the

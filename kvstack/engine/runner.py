@@ -61,11 +61,18 @@ class ModelRunner:
         """The prefill's last logits [1, V]."""
         return self.prefill_store(seq.store, seq.all_ids[seq.store.num_tokens :])
 
+    def prefill_part(self, seq: Sequence, n: int) -> None:
+        """Feed the next n of the tokens the sequence's store lacks, a leading part of a
+        prompt prefilled over several steps (`Model.prefill_part`): no token comes of it."""
+        start = seq.store.num_tokens
+        self.prefill_store(seq.store, seq.all_ids[start : start + n], final=False)
+
     @torch.no_grad()
-    def prefill_store(self, store: PagedSequenceStore, fresh: list[int]) -> torch.Tensor:
-        """Prefill `fresh` ids after what the store holds; the last logits [1, V]. A store
-        started on cached blocks first rebuilds its window rings and partial groups by
-        replay (`bounded` or `exact`)."""
+    def prefill_store(self, store: PagedSequenceStore, fresh: list[int],
+                      final: bool = True) -> torch.Tensor | None:
+        """Prefill `fresh` ids after what the store holds; the last logits [1, V] (a part
+        that is not the prompt's last: None). A store started on cached blocks first
+        rebuilds its window rings and partial groups by replay (`bounded` or `exact`)."""
         with native.active(self.cpu_kernels):
             if store.needs_replay:
                 self.replayed_tokens += self.model.rebuild_spans(store.num_tokens,
@@ -74,6 +81,9 @@ class ModelRunner:
                                           chunk_size=self.config.chunk_size)
                 store.needs_replay = False
             ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
+            if not final:
+                self.model.prefill_part(ids, store, chunk_size=self.config.chunk_size)
+                return None
             return self.model.prefill(ids, store, replay=self.config.replay,
                                       chunk_size=self.config.chunk_size)
 

@@ -1,15 +1,22 @@
 """Continuous batching: who runs in the next step.
 
-A step either prefills waiting sequences (FIFO, up to max_num_seqs holding cache and a
-token budget per step) or decodes every running one. A sequence admitted from scratch
-starts on the cached blocks of its longest cached prefix (the prefix cache). When blocks or
-window-ring slots run out, the caches kept for a follow-up turn go first (oldest first),
-then the newest running sequence is preempted: its blocks are freed and it goes back to the
-front of the queue, to be recomputed later. The caller never sees an exception for it.
+A step decodes every running sequence that has its prompt in cache, and prefills prompts
+in the rest of the step's token budget (max_num_batched_tokens, one token per decode):
+waiting sequences are admitted FIFO while max_num_seqs allows, and a prompt longer than
+what the budget leaves is prefilled in parts over several steps, so that it stalls no
+running stream for long and no prompt waits for a long one ahead of it. A prompt's last
+part holds at least the decoder span (CED runs the decoder there only), and a part is cut
+so that the last one can; a prompt too short to cut runs whole. A sequence admitted from
+scratch starts on the cached blocks of its longest cached prefix (the prefix cache). When
+blocks or window-ring slots run out, the caches kept for a follow-up turn go first (oldest
+first), then the newest running sequence is preempted: its blocks are freed and it goes
+back to the front of the queue, to be recomputed later. The caller never sees an
+exception for it.
 """
 
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 from kvstack.cache.paged import PagedCache
 from kvstack.engine.sequence import Sequence, Status
@@ -17,14 +24,29 @@ from kvstack.engine.sequence import Sequence, Status
 KEPT_HOLD_S = 10.0  # the longest a held kept cache waits for its owner's save
 
 
+@dataclass
+class StepPlan:
+    """What one step runs: a decode batch, then prompt parts (a sequence and how many of
+    the tokens its store lacks it feeds; the last part of a prompt samples a token)."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
 class Scheduler:
-    def __init__(self, cache: PagedCache, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+    def __init__(self, cache: PagedCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 final_prefill_tokens: int = 1) -> None:
+        """final_prefill_tokens: the fewest tokens the last part of a prompt prefilled in
+        parts may hold (`Model.final_prefill_tokens`)."""
         if max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got "
                              f"{max_num_batched_tokens}")
         self.cache = cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.final_prefill_tokens = final_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Finished sequences whose cache is kept for a follow-up turn, oldest first.
@@ -40,29 +62,47 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences of the next step, and whether it is a prefill step."""
-        batch: list[Sequence] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
-            seq = self.waiting[0]
-            new = seq.num_tokens - (seq.store.num_tokens if seq.store else 0)
-            if batch and tokens + new > self.max_num_batched_tokens:
-                break
-            if not self._admit(seq):
-                break
-            seq.status = Status.RUNNING
-            self.waiting.popleft()
-            batch.append(seq)
-            tokens += new
-        if batch:
-            self.running += batch
-            return batch, True
+    def schedule(self) -> StepPlan:
+        """The next step: the decode batch first, then prompt parts in what remains of
+        the token budget."""
+        plan = StepPlan(decode=self._decoding())
+        # A sequence whose batch failed decodes alone until it has stepped once, so that
+        # one failing request cannot fail the others again.
+        suspects = [s for s in plan.decode if s.suspect]
+        if suspects:
+            return StepPlan(decode=suspects[:1])
+        budget = self.max_num_batched_tokens - len(plan.decode)
+        for seq in self.running:
+            if seq.prefilling and budget > 0:
+                budget -= self._plan_part(plan, seq, budget)
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and self._admit(self.waiting[0])):
+            seq = self.waiting.popleft()
+            seq.status, seq.prefilling = Status.RUNNING, True
+            self.running.append(seq)
+            budget -= self._plan_part(plan, seq, budget)
+        return plan
 
+    def _plan_part(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        """Plan the sequence's next prompt part within `budget` tokens: all that is left
+        when it fits, else as much as leaves the last part its decoder span, else (the
+        step has no other part) all that is left, over the budget. The tokens planned."""
+        left = seq.num_tokens - seq.store.num_tokens
+        part = left if left <= budget else min(budget, left - self.final_prefill_tokens)
+        if part <= 0:
+            if plan.prefill:
+                return 0
+            part = left
+        plan.prefill.append((seq, part))
+        return part
+
+    def _decoding(self) -> list[Sequence]:
+        """The running sequences with their prompt in cache, each with room for its next
+        token: the newest running sequences are preempted to make it."""
         decoding = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:
-                continue  # preempted below by an older sequence
+            if seq.status is not Status.RUNNING or seq.prefilling:
+                continue  # preempted below by an older sequence, or still prefilling
             while not self._reserve(seq):
                 victim = self.running[-1]  # the newest yields first
                 if victim is seq and len(self.running) == 1:
@@ -73,10 +113,7 @@ class Scheduler:
                     break
             else:
                 decoding.append(seq)
-        # A sequence whose batch failed decodes alone until it has stepped once, so that
-        # one failing request cannot fail the others again.
-        suspects = [s for s in decoding if s.suspect]
-        return (suspects[:1] if suspects else decoding), False
+        return decoding
 
     def take_unservable(self) -> list[Sequence]:
         taken, self.unservable = self.unservable, []

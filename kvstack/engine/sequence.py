@@ -45,6 +45,7 @@ class Sequence:
     preemptions: int = 0
     faults: int = 0  # steps that failed while advancing it (rolled back, recomputed)
     suspect: bool = False  # its last batch failed: it decodes alone next
+    prefilling: bool = False  # admitted, its prompt not yet all in cache
     detokenizer: "Detokenizer | None" = None  # its text, token by token
     # Prompt tokens whose cache was reused: found in the prefix cache at admission, or held
     # by the kept cache of the conversation it continues.

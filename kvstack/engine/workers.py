@@ -144,16 +144,17 @@ class ParallelRunner(ModelRunner):
                     return
                 self._last_call = time.monotonic()
 
-    def prefill_store(self, store: PagedSequenceStore, fresh: list[int]) -> torch.Tensor:
-        return self._run("prefill", [store], list(fresh),
-                         lambda: super(ParallelRunner, self).prefill_store(store, fresh))
+    def prefill_store(self, store: PagedSequenceStore, fresh: list[int],
+                      final: bool = True) -> torch.Tensor | None:
+        return self._run("prefill" if final else "prefill_part", [store], list(fresh),
+                         lambda: super(ParallelRunner, self).prefill_store(store, fresh, final))
 
     def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:
         return self._run("decode", stores, list(tokens),
                          lambda: super(ParallelRunner, self).decode_logits(stores, tokens))
 
     def _run(self, kind: str, stores: list[PagedSequenceStore], tokens: list[int],
-             local: Callable[[], torch.Tensor]) -> torch.Tensor:
+             local: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         if self.lost is not None:
             raise WorkerLost(self.lost)
         pools, rings = self.cache.pools, self.cache.rings
@@ -349,8 +350,8 @@ def serve_worker(rank: int, world_size: int, address: str | None, port: int | No
                         state.slot, model.config.max_seq_len)
                 mirrors[state.slot].follow(state)
                 stores.append(mirrors[state.slot])
-            if call.kind == "prefill":
-                runner.prefill_store(stores[0], call.tokens)
+            if call.kind in ("prefill", "prefill_part"):
+                runner.prefill_store(stores[0], call.tokens, final=call.kind == "prefill")
             else:
                 runner.decode_logits(stores, call.tokens)
     finally:

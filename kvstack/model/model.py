@@ -1314,7 +1314,34 @@ class Model(nn.Module):
         The encoder runs over every token, the decoder's stream is written for every token,
         and the decoder layers run over the last `decoder_span` tokens only. Without CED
         every layer runs over every token."""
-        _check_replay(replay)
+        span = min(self.decoder_span(replay), input_ids.shape[-1])
+        s = self._encode(input_ids, cache, chunk_size, keep=span)
+        c = self.config
+        if c.n_encoder_layers:
+            s = self._run_chunked(s, cache.num_tokens - span, cache,
+                                  range(c.n_encoder_layers, c.n_layers), chunk_size)
+        return self._logits(s[-1:])[:, 0]
+
+    @torch.no_grad()
+    def prefill_part(self, input_ids: torch.Tensor, cache: KVStore,
+                     chunk_size: int = 512) -> None:
+        """A prompt's leading part, when it is prefilled over several calls (a long prompt
+        spread over engine steps): the encoder over input_ids [B, n] and the decoder's
+        stream, which is all a later `prefill` needs of these tokens as long as it holds at
+        least `final_prefill_tokens(replay)` of its own. Together the calls compute what one
+        `prefill` of the whole prompt computes."""
+        self._encode(input_ids, cache, chunk_size, keep=0)
+
+    def final_prefill_tokens(self, replay: str) -> int:
+        """The fewest tokens the last call of a prompt prefilled in parts must hold: the
+        decoder span it runs the decoder over (1 without CED)."""
+        return self.decoder_span(replay) if self.config.n_encoder_layers else 1
+
+    def _encode(self, input_ids: torch.Tensor, cache: KVStore, chunk_size: int,
+                keep: int) -> "TokenStates | None":
+        """Append input_ids to the cache and run the encoder (every layer without CED) over
+        them in chunks, writing the decoder's stream; the token states of the last `keep`
+        tokens as the encoder leaves them (without CED: the last chunk's), else None."""
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         ids = self._check_ids(input_ids)
@@ -1323,21 +1350,19 @@ class Model(nn.Module):
         start, n = cache.num_tokens, ids.shape[1]
         cache.append_tokens(ids)
         enc = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
-        span = min(self.decoder_span(replay), n) if c.n_encoder_layers else 0
-        tail = []  # token states of the decoder span as the encoder leaves them
+        tail = []  # token states of the last `keep` tokens as the encoder leaves them
         s = None
         for i in range(0, n, chunk_size):
             chunk = self._states(ids[:, i : i + chunk_size], start + i, cache)
             s = self._run(chunk, start + i, cache, range(enc))
             if c.n_encoder_layers:
                 self.layers[enc].write_stream(s, start + i, cache)
-                keep = max(0, n - span - i)
-                if keep < s.x.shape[1]:
-                    tail.append(s[keep:])
-        if c.n_encoder_layers:
-            s = self._run_chunked(TokenStates.cat(tail), start + n - span, cache,
-                                  range(enc, c.n_layers), chunk_size)
-        return self._logits(s[-1:])[:, 0]
+                skip = max(0, n - keep - i)
+                if skip < s.x.shape[1]:
+                    tail.append(s[skip:])
+        if not c.n_encoder_layers:
+            return s
+        return TokenStates.cat(tail) if tail else None
 
     @torch.no_grad()
     def decode(self, token_ids: torch.Tensor | list[int], cache: KVStore) -> torch.Tensor:
