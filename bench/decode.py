@@ -1074,6 +1074,12 @@ def main() -> None:
             "per token: " + "; ".join(
                 f"{p.name} {p.logged_bytes_per_token:,.1f}" for p in rows[0].peers
                 if p.logged_bytes_per_token is not None), markup=False)
+        console.print(f"llama.cpp's prefills that filled the contexts ({peer_info['threads']} "
+                      "thread(s), not timed as decode), seconds: " + "; ".join(
+                          (f"{r.context // 1024}K " if r.context >= 1024 else f"{r.context} ")
+                          + " / ".join(
+                              f"{p.prefill_s:.0f}" for p in r.peers) for r in rows)
+                      + " (in the rows' order)", markup=False)
         for line in peer_notes:
             console.print(line, markup=False)
         console.print(f"llama.cpp system info: {peer_info['system_info'].strip()}",
