@@ -928,7 +928,7 @@ def start_peer(args: argparse.Namespace, llama: Any) -> tuple[LlamaCpp | None, s
                       "llama_cpp; build it once with bench/peers/setup_llamacpp.sh")
     if llama is None:
         return None, "(l) llama.cpp skipped: it decodes (c)'s Llama, which needs transformers"
-    log = Path(tempfile.gettempdir()) / "kvstack-bench-llamacpp.log"
+    log = Path(tempfile.gettempdir()) / f"kvstack-bench-llamacpp-{os.getpid()}.log"
     try:
         return LlamaCpp(llama, args.gguf_type, torch.get_num_threads(), log), None
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:

@@ -144,7 +144,7 @@ def main() -> None:
             hf_model(config, max_len).save_pretrained(hf_dir)
             PreTrainedTokenizerFast(
                 tokenizer_file=str(bundled_model() / "tokenizer.json")).save_pretrained(hf_dir)
-            log = Path(tempfile.gettempdir()) / "kvstack-bench-vllm-offline.log"
+            log = Path(tempfile.gettempdir()) / f"kvstack-bench-vllm-offline-{os.getpid()}.log"
             try:
                 vllm = Vllm(hf_dir, args, log)
             except (OSError, RuntimeError) as e:
