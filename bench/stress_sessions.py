@@ -12,7 +12,8 @@ killed `--kills` of them. Then it stops the rest and checks, in a fresh engine:
   greedy tokens as a reference engine given the session's token ids in one go;
 - no block file is left that no session or prefix entry names.
 
-    python bench/stress_sessions.py [--kills 100] [--workers 4] [--interval 1.2] [--cache-dir DIR]
+    python bench/stress_sessions.py [--kills 100] [--workers 4] [--interval 1.2]
+        [--disk-prefix-cache] [--cache-dir DIR]
 
 Prints one line per kill and a summary; exits 1 if anything was lost.
 """
@@ -39,12 +40,12 @@ def engine(cache_dir: str, **settings):
     return LLM("tiny", random_init=True, seed=0, cache_dir=cache_dir, **settings)
 
 
-def worker(cache_dir: str, seed: int) -> None:
+def worker(cache_dir: str, seed: int, disk_prefix_cache: bool) -> None:
     """Forever: pick a session, resume or start it, add a turn, save; sometimes remove."""
     from kvstack import SamplingParams
 
     rng = random.Random(seed)
-    llm = engine(cache_dir)
+    llm = engine(cache_dir, disk_prefix_cache=disk_prefix_cache)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     print("ready", flush=True)  # killed from here on: a kill while loading proves little
     while True:
@@ -113,10 +114,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interval", type=float, default=1.2,
                         help="mean seconds between kills (a busy machine needs more)")
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # DIR SEED: run one
+    parser.add_argument("--disk-prefix-cache", action="store_true",
+                        help="the workers also write every named block through to the "
+                        "directory's prefix cache, which they then share")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # DIR SEED PREFIX: one
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]))
+        worker(args.worker[0], int(args.worker[1]), args.worker[2] == "1")
         return 0
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvstack-stress-")
     rng = random.Random(args.seed)
@@ -127,7 +131,8 @@ def main() -> int:
         nonlocal started
         started += 1
         return subprocess.Popen([sys.executable, __file__, "--worker", cache_dir,
-                                 str(args.seed * 1000 + started)], env=env,
+                                 str(args.seed * 1000 + started),
+                                 str(int(args.disk_prefix_cache))], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     workers = [start() for _ in range(args.workers)]
