@@ -737,7 +737,7 @@ class LlamaCpp:
         llama.save_pretrained(hf_dir)
         # The bundled tokenizer; the converter keeps its first vocab_size ids (a closed
         # BPE: every merge's parts have lower ids than its result).
-        from kvstack.engine.llm import bundled_model
+        from kvstack.engine.loading import bundled_model
 
         (hf_dir / "tokenizer.json").write_bytes((bundled_model() / "tokenizer.json")
                                                 .read_bytes())

@@ -17,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-from kvstack.engine.llm import bundled_model
+from kvstack.engine.loading import bundled_model
 from kvstack.engine.tokenizer import JsonTokenizer
 
 FILLER = ("def handler_{i}(request):\n    values = [x * {i} for x in request.items]\n"

@@ -35,7 +35,7 @@ from decode import hf_model  # bench/ is on the path: the same Llama as the othe
 from prefill import bench_config
 
 from kvstack import LLM, SamplingParams
-from kvstack.engine.llm import bundled_model
+from kvstack.engine.loading import bundled_model
 from kvstack.engine.tokenizer import JsonTokenizer
 
 PEERS = Path(__file__).resolve().parent / "peers"

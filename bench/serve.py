@@ -56,7 +56,7 @@ from prefill import bench_config
 from rich.console import Console
 from rich.table import Table
 
-from kvstack.engine.llm import bundled_model
+from kvstack.engine.loading import bundled_model
 from kvstack.engine.tokenizer import JsonTokenizer
 from kvstack.model import Model
 from kvstack.model.checkpoint import save_kvstack

@@ -29,7 +29,7 @@ import torch
 
 from kvstack.cache.contiguous import ContiguousCache
 from kvstack.config import ModelConfig, preset
-from kvstack.engine.llm import bundled_model
+from kvstack.engine.loading import bundled_model
 from kvstack.engine.tokenizer import byte_level_tokenizer_json
 from kvstack.model import Model
 from kvstack.model.checkpoint import (
