@@ -33,27 +33,13 @@ from pathlib import Path
 import torch
 from decode import hf_model  # bench/ is on the path: the same Llama as the other peers
 from prefill import bench_config
+from vllm_peer import VLLM_ENV, VLLM_PYTHON, bf16_note, have_vllm
 
 from kvstack import LLM, SamplingParams
 from kvstack.engine.loading import bundled_model
 from kvstack.engine.tokenizer import JsonTokenizer
 
 PEERS = Path(__file__).resolve().parent / "peers"
-VLLM_PYTHON = Path(__file__).resolve().parent / ".peers" / "vllm" / "bin" / "python"
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def bf16_note(dtype: str) -> str | None:
-    """A warning where vLLM's bfloat16 is emulated: without AVX512-BF16 (or AMX) its oneDNN
-    bf16 matmuls fail and it falls back to torch's, several times slower than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    if dtype != "bfloat16" or "avx512_bf16" in flags or "amx_bf16" in flags:
-        return None
-    return ("note: this CPU has no AVX512-BF16: vLLM's bfloat16 runs emulated; "
-            "--vllm-dtype float32 shows vLLM at its best here")
 
 
 class Vllm:
@@ -131,10 +117,8 @@ def main() -> None:
                 for _ in range(n)]
 
     skipped, vllm = None, None
-    have_vllm = any(VLLM_PYTHON.parent.parent.glob(
-        "lib/python*/site-packages/vllm/__init__.py"))
     with tempfile.TemporaryDirectory(prefix="kvstack-offline-") as tmp:
-        if not have_vllm:
+        if not have_vllm():
             skipped = (f"(v) vLLM skipped: {VLLM_PYTHON.parent.parent} has no vllm; build it "
                        "once with bench/peers/setup_vllm.sh")
         else:

@@ -55,31 +55,15 @@ from decode import hf_model  # bench/ is on the path: the same peer as the decod
 from prefill import bench_config
 from rich.console import Console
 from rich.table import Table
+from vllm_peer import VLLM_ENV, VLLM_PYTHON, bf16_note, have_vllm
 
 from kvstack.engine.loading import bundled_model
 from kvstack.engine.tokenizer import JsonTokenizer
 from kvstack.model import Model
 from kvstack.model.checkpoint import save_kvstack
 
-VLLM_PYTHON = Path(__file__).resolve().parent / ".peers" / "vllm" / "bin" / "python"
 SKIPPED_VLLM = (f"(c) vLLM skipped: {VLLM_PYTHON.parent.parent} has no vllm; build it once "
                 "with bench/peers/setup_vllm.sh")
-# vLLM's CPU backend: 1 GiB of KV cache (what the bench model needs many times over), no
-# core binding on a shared machine.
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def bf16_note(dtype: str) -> str | None:
-    """A warning where vLLM's bfloat16 is emulated: without AVX512-BF16 (or AMX) its oneDNN
-    bf16 matmuls fail and it falls back to torch's, several times slower than float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    if dtype != "bfloat16" or "avx512_bf16" in flags or "amx_bf16" in flags:
-        return None
-    return ("note: this CPU has no AVX512-BF16: vLLM's bfloat16 runs emulated; "
-            "--vllm-dtype float32 shows vLLM at its best here")
 
 SOURCES = ("json.decoder", "argparse", "textwrap", "difflib", "csv", "configparser",
            "shlex", "fractions", "heapq", "bisect", "calendar", "pprint")
@@ -282,8 +266,7 @@ def main() -> None:
             results["(b) transformers serve"] = serve_and_measure(hf, str(peer), texts, args,
                                                                   False)
         skipped = []
-        if "vllm" in args.peer and not any(
-                VLLM_PYTHON.parent.parent.glob("lib/python*/site-packages/vllm/__init__.py")):
+        if "vllm" in args.peer and not have_vllm():
             skipped.append(SKIPPED_VLLM)
         elif "vllm" in args.peer:
             vllm = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model",
