@@ -80,7 +80,10 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.status, seq.prefilling = Status.RUNNING, True
             self.running.append(seq)
-            budget -= self._plan_part(plan, seq, budget)
+            planned = self._plan_part(plan, seq, budget)
+            if not planned:
+                break  # it prefills first next step; no one is admitted to wait behind it
+            budget -= planned
         return plan
 
     def _plan_part(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
