@@ -29,7 +29,7 @@ class Instruments:
 
     def attach(self, n_layers: int, sharded: bool) -> None:
         """Check the settings against the model a forward is about to run, and drop what
-        an earlier forward recorded (probe rows are appended query block by block)."""
+        an earlier forward recorded (probe rows are appended query tile by query tile)."""
         unknown = sorted(set(self.logit_scale) - set(range(n_layers)))
         if unknown:
             raise ValueError(f"logit_scale: no layer {unknown[0]} (the model has {n_layers})")
@@ -43,7 +43,7 @@ class Instruments:
 
     def record_mass(self, spec: LayerSpec, window_size: int, probs: torch.Tensor, m: int,
                     positions: torch.Tensor, selected: torch.Tensor | None) -> None:
-        """From one query block's attention probs [B, H, q, m + k + 1] (window, compressed
+        """From one query tile's attention probs [B, H, q, m + k + 1] (window, compressed
         entries, sink), per query, averaged over heads: attention on the window, on
         compressed entries whose group ends inside the window ("near", the window holds
         those tokens raw) and beyond it ("far"), on the sink; and the share of the
