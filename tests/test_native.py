@@ -1,6 +1,7 @@
 """The C kernels (kvstack.native) against the torch ops they stand in for."""
 
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -10,11 +11,11 @@ import torch
 
 from kvstack import LLM, SamplingParams, native
 from kvstack.cache.batch import _scores
-from kvstack.cache.rows import _rows_at
+from kvstack.cache.rows import PackedRows, _rows_at
 from kvstack.config import preset
 from kvstack.engine.config import EngineConfig
 from kvstack.formats import dequantize, pack_rows, quantize, unpack_rows
-from kvstack.model.model import grouped_mm_by_group
+from kvstack.model.model import HyperConnection, RMSNorm, grouped_mm_by_group, rotate
 
 pytestmark = pytest.mark.skipif(not native.resolve("auto"), reason="no C compiler here")
 
@@ -71,6 +72,114 @@ def test_grouped_mm_equals_a_matmul_per_group():
     for weights in (w, w.contiguous()):
         got = native.grouped_mm(x, weights, ends)
         assert torch.allclose(got, grouped_mm_by_group(x, weights, ends), atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["fp4_ue8m0_32", "fp8_ue8m0_32", "fp4_e4m3_16"])
+def test_quantize_writes_the_codecs_bytes_and_values_bit_for_bit(fmt):
+    """Every magnitude from subnormal to saturating, both zeros, the codes' tie points at
+    several scales, NaN and infinity unchecked; checked, the codecs' own errors."""
+    g = torch.Generator().manual_seed(0)
+    ties = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 16).view(2, 64)
+    parts = [torch.randn(64, 64, generator=g) * 10.0 ** torch.randint(-30, 31, (64, 1),
+                                                                      generator=g),
+             ties, -ties, ties * 3.7, ties * 2.0**-130, torch.zeros(1, 64), -torch.zeros(1, 64),
+             torch.full((1, 64), float("nan")), torch.full((1, 64), float("inf"))]
+    x = torch.cat(parts).view(-1, 2, 64)  # leading dims, as a batch's entries come
+    rows, values = native.quantize(x, fmt, check=False)
+    q = quantize(x, fmt, check=False)
+    assert torch.equal(rows, pack_rows(q))
+    assert torch.equal(values.view(torch.int32), dequantize(q).view(torch.int32))
+    for bad in (torch.full((1, 64), float("nan")), torch.full((1, 64), 3e38)):
+        if fmt == "fp4_e4m3_16" and bad.isfinite().all():
+            continue  # this format saturates instead
+        with pytest.raises(ValueError) as want:
+            quantize(bad, fmt)
+        with pytest.raises(ValueError, match=re.escape(str(want.value))):
+            native.quantize(bad, fmt)
+
+
+@pytest.mark.parametrize("h", [2, 4])
+def test_hyper_connection_ops_equal_torchs(h):
+    """Mixes (Sinkhorn included), collapse and spread for a batch of tokens."""
+    config = preset("tiny").replace(hc_mult=h)
+    hc = HyperConnection(config)
+    g = torch.Generator().manual_seed(h)
+    with torch.no_grad():
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * 0.1)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g))
+        hc.scale.copy_(torch.rand(3, generator=g) + 0.5)
+    x = torch.randn(3, 2, h, config.dim, generator=g)
+    out = torch.randn(3, 2, config.dim, generator=g)
+    want = hc.mixes(x)  # outside an engine step: torch's ops
+    with torch.no_grad(), native.active(True):
+        got = hc.mixes(x)
+        for a, b in zip(got, want, strict=True):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        pre, post, comb = want
+        assert torch.allclose(HyperConnection.collapse(x, pre),
+                              (pre.unsqueeze(-1) * x).sum(2), rtol=1e-5, atol=1e-5)
+        spread = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.einsum("bnki,bnkd->bnid",
+                                                                       comb, x)
+        assert torch.allclose(HyperConnection.post(out, x, post, comb), spread, rtol=1e-5,
+                              atol=1e-5)
+
+
+def test_rope_and_rmsnorm_equal_torchs():
+    """RoPE with and without heads, positions shared by the batch or per sequence, both
+    directions, a part left unrotated; RMSNorm over the last dim."""
+    g = torch.Generator().manual_seed(0)
+    freqs = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    cases = [(torch.randn(3, 5, 4, 64, generator=g), torch.randint(0, 70000, (3, 5))),
+             (torch.randn(3, 1, 64, generator=g), torch.randint(0, 70000, (3, 1))),
+             (torch.randn(2, 6, 2, 64, generator=g), torch.arange(6)[None])]
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    for x, positions in cases:
+        for inverse in (False, True):
+            want = rotate(x, positions, freqs, inverse)
+            with torch.no_grad(), native.active(True):
+                got = rotate(x, positions, freqs, inverse)
+            assert torch.equal(got[..., :48], x[..., :48])
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+        want = norm(x)
+        with torch.no_grad(), native.active(True):
+            assert torch.allclose(norm(x), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("ring_fmt", "kv_fmt"), [("fp8_ue8m0_32", "fp4_e4m3_16"),
+                                                  ("fp4_ue8m0_32", "fp8_ue8m0_32")])
+def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt):
+    """Rings with stale and empty rows, selections with holes and none at all, entries
+    through a block table, a sink that dominates and one that vanishes: the softmax over
+    the torch codecs' dequantised rows."""
+    g = torch.Generator().manual_seed(1)
+    b, h, d, window, per, n_blocks, k = 4, 3, 64, 8, 4, 6, 5
+    cpu = torch.device("cpu")
+    ring = PackedRows(ring_fmt, d, (5, window), cpu)
+    ring.data[:], _ = ring.pack(torch.randn(5, window, d, generator=g) * 3)
+    slots, positions = torch.tensor([1, 3, 0, 4]), torch.tensor([30, 2, 0, 12])
+    ring_positions = torch.full((5, window), -1)
+    ring_positions[1, torch.arange(23, 31) % window] = torch.arange(23, 31)
+    ring_positions[3] = torch.tensor([0, 1, 2, 13, 14, 15, 16, 17])  # 13..: stale
+    ring_positions[4, torch.arange(5, 13) % window] = torch.arange(5, 13)
+    pool = PackedRows(kv_fmt, d, (n_blocks + 1, per), cpu)
+    pool.data[:n_blocks], _ = pool.pack(torch.randn(n_blocks, per, d, generator=g))
+    block_table = torch.stack([torch.randperm(n_blocks, generator=g) for _ in range(b)])
+    selected = torch.tensor([[0, 5, 9, -1, 22], [-1] * k, [3, -1, 1, 2, 7], [4, 8, -1, -1, 0]])
+    q = torch.randn(b, h, d, generator=g) * 2
+    sink = torch.tensor([0.5, 8.0, -40.0])
+    out = native.sparse_attention(q, sink, ring.data, ring_fmt, ring_positions, slots,
+                                  positions, pool.data, kv_fmt, block_table, selected, window)
+    for i in range(b):
+        t, held = int(positions[i]), ring_positions[int(slots[i])]
+        keys = [ring.read(ring.data[int(slots[i]), (held >= 0) & (held <= t) & (held > t - 8)])]
+        keys += [pool.read(pool.data[block_table[i, e // per], e % per])[None]
+                 for e in selected[i][selected[i] >= 0].tolist()]
+        rows = torch.cat(keys)
+        logits = torch.cat((q[i] @ rows.T * d**-0.5, sink[:, None]), dim=1)
+        want = logits.softmax(-1)[:, :-1] @ rows
+        assert torch.allclose(out[i], want, atol=1e-5, rtol=1e-5), i
 
 
 def test_the_engine_decodes_the_same_tokens_with_the_c_kernels_as_with_torch():

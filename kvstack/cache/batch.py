@@ -32,8 +32,10 @@ class DecodeBatch(KVStore):
     def __init__(self, stores: list[PagedSequenceStore], kernels: bool = False,
                  rows: int | None = None) -> None:
         """kernels: attention and index scores by the Triton kernels (`attend`,
-        `index_scores`). rows: the batch padded to this many rows (a compiled step's
-        batch-size bucket, so that one graph serves every batch up to it). A pad row is
+        `index_scores`); without them, on a CPU step that runs the C kernels
+        (`kvstack.native`), attention is `attend` by those. rows: the batch padded to this
+        many rows (a compiled step's batch-size bucket, so that one graph serves every
+        batch up to it). A pad row is
         a sequence at position 0 with no blocks: it reads and writes the rings' pad slot,
         its stream entries go to the null block, and its logits are the caller's to drop."""
         if not stores:
@@ -58,8 +60,11 @@ class DecodeBatch(KVStore):
                              "(PagedCache(pad_slot=True))")
         super().__init__(stores[0].config, rows, pools.device)
         self.stores, self.pools = stores, pools
-        self.kernels = kernels
         self.rings, self.partials = stores[0].rings, stores[0].partials
+        self.triton = kernels
+        self.c_attention = (not kernels and native.enabled() and pools.device.type == "cpu"
+                            and all(native.decodes(r.fmt) for r in self.rings.rows.values())
+                            and all(native.decodes(r.fmt) for r in pools.rows.values()))
         dev, null = self.device, pools.null_block
         lengths = [s.num_tokens for s in stores] + [0] * pad  # the new tokens' positions
         width = max(len(s.block_table) for s in stores)
@@ -211,27 +216,39 @@ class DecodeBatch(KVStore):
         rows = self.pools.rows[source, "index"]
         args = (q[:, 0], w[:, 0], rows.data, self.block_table, self.positions, n_entries,
                 self.pools.ratios[source])
-        if self.kernels:
+        if self.triton:
             from kvstack.cache.kernels import index_scores
 
             return index_scores(*args)[:, None]
         return score_index_keys(*args, rows.fmt, rows.width)[:, None]
 
+    def attends(self) -> bool:
+        """Whether `attend` runs this step's attention: the Triton kernel, or the C one;
+        never inside a traced step, whose graph holds the model's own math."""
+        return self.triton or (self.c_attention and not torch.compiler.is_compiling())
+
     def attend(self, layer: int, source: int | None, q: torch.Tensor,
                selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
-        """With `kernels`: q [B, 1, H, D] over the layer's window ring (the new entry
+        """Where `attends()`: q [B, 1, H, D] over the layer's window ring (the new entry
         written) and the selected entries of source's stream ([B, 1, k], -1 for none;
-        None for none at all), with the sink: [B, 1, H, D], by the Triton kernel."""
-        from kvstack.cache.kernels import sparse_attention
-
-        ring = self.rings.rows[layer].data
+        None for none at all), with the sink: [B, 1, H, D]."""
+        ring = self.rings.rows[layer]
         if selected is None or source is None:
-            pool, chosen = ring, torch.full((self.batch_size, 0), -1, device=self.device)
+            pool = ring
+            chosen = torch.full((self.batch_size, 0), -1, dtype=torch.long, device=self.device)
         else:
-            pool, chosen = self.pools.rows[source, "kv"].data, selected[:, 0]
-        out = sparse_attention(q[:, 0], sink, ring, self.rings.pos[layer], self.slots,
-                               self.positions, pool, self.block_table, chosen,
-                               self.config.window_size)
+            pool, chosen = self.pools.rows[source, "kv"], selected[:, 0]
+        if self.triton:
+            from kvstack.cache.kernels import sparse_attention
+
+            out = sparse_attention(q[:, 0], sink, ring.data, self.rings.pos[layer], self.slots,
+                                   self.positions, pool.data, self.block_table, chosen,
+                                   self.config.window_size)
+        else:
+            out = native.sparse_attention(
+                q[:, 0], sink, ring.data, ring.fmt, self.rings.pos[layer], self.slots,
+                self.positions, pool.data, pool.fmt,
+                self.block_table, chosen, self.config.window_size)
         return out[:, None].type_as(q)
 
 

@@ -27,6 +27,8 @@ class PackedRows:
              check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for values [..., width], and the values a read of them will give back
         (check: as `quantize`'s)."""
+        if native.fuses(values) and native.decodes(self.fmt):
+            return native.quantize(values, self.fmt, check=check)
         q = quantize(values, self.fmt, check)
         return pack_rows(q), dequantize(q)
 

@@ -24,11 +24,14 @@ from kvstack.config import ModelConfig
 
 
 class KVStore(ABC):
-    # Whether a decode step's attention is `attend` (a kernel reading the packed rows)
-    # rather than the model's own math over what the read methods hand back; and whether
-    # its indexer's scores are `index_scores` (the store scoring its packed keys itself).
-    kernels = False
+    # Whether its indexer's scores are `index_scores` (the store scoring its packed keys
+    # itself).
     scores_index_keys = False
+
+    def attends(self) -> bool:
+        """Whether a decode step's attention is `attend` (a kernel reading the packed
+        rows) rather than the model's own math over what the read methods hand back."""
+        return False
 
     def __init__(
         self, config: ModelConfig, batch_size: int, device: torch.device | str = "cpu"

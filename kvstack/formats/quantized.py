@@ -27,7 +27,7 @@ from kvstack.formats.codecs import (
     pow2,
     ue8m0_decode,
 )
-from kvstack.formats.spec import bytes_per_entry, check_width, get_format
+from kvstack.formats.spec import Format, bytes_per_entry, check_width, get_format
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,7 @@ def quantize(x: torch.Tensor, fmt: str, check: bool = True) -> Quantized:
     check_width(f, d)
     x = x.to(torch.float32)
     if check and x.numel():
-        magnitude = x.abs().amax().item()  # NaN if any element is NaN
-        if not math.isfinite(magnitude):
-            raise ValueError(f"format {fmt}: input holds NaN or infinite values")
-        if f.max_magnitude is not None and magnitude > f.max_magnitude:
-            raise ValueError(
-                f"format {fmt}: input magnitude {magnitude:.6g} is above {f.max_magnitude:.6g}, "
-                "the largest this format stores without overflowing float32"
-            )
+        check_magnitude(f, x.abs().amax().item())  # NaN if any element is NaN
     if f.element == "bf16":
         codes = x.to(torch.bfloat16).contiguous().view(torch.uint8)
         return Quantized(fmt, codes, codes.new_empty((*x.shape[:-1], 0)))
@@ -85,6 +78,18 @@ def quantize(x: torch.Tensor, fmt: str, check: bool = True) -> Quantized:
     else:
         codes = e4m3_encode(scaled).reshape(x.shape)
     return Quantized(fmt, codes, scale_bytes.reshape(*x.shape[:-1], d // f.scale_block))
+
+
+def check_magnitude(f: Format, magnitude: float) -> None:
+    """Raise naming the format when values of this largest magnitude (NaN where any value
+    is NaN) cannot be stored."""
+    if not math.isfinite(magnitude):
+        raise ValueError(f"format {f.name}: input holds NaN or infinite values")
+    if f.max_magnitude is not None and magnitude > f.max_magnitude:
+        raise ValueError(
+            f"format {f.name}: input magnitude {magnitude:.6g} is above {f.max_magnitude:.6g}, "
+            "the largest this format stores without overflowing float32"
+        )
 
 
 def dequantize(q: Quantized) -> torch.Tensor:

@@ -70,6 +70,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native.fuses(x, self.weight):
+            return native.rmsnorm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).type_as(x)
@@ -103,6 +105,8 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
     positions [P, n] with P = 1 or B. Angles in the precision of freqs (float64 by
     default, so a position rotates the same in any chunk)."""
     rd = freqs.shape[0] * 2
+    if freqs.dtype == torch.float64 and x.dim() in (3, 4) and native.fuses(x):
+        return native.rope(x, positions, freqs, inverse)
     angles = positions.to(freqs.dtype)[..., None] * freqs.to(positions.device)
     cos, sin = angles.cos().float(), angles.sin().float()
     if inverse:
@@ -334,6 +338,9 @@ class HyperConnection(nn.Module):
     def mixes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, n, h, dim] -> pre [B, n, h], post [B, n, h], comb [B, n, h, h]."""
         h, c = self.h, self.config
+        if native.fuses(x, self.fn, self.scale, self.base):
+            return native.hc_mixes(x, self.fn, self.scale, self.base, c.norm_eps, c.hc_eps,
+                                   c.hc_sinkhorn_iters)
         mix = hc_weights(x, self.fn, c.norm_eps)
         pre = torch.sigmoid(mix[..., :h] * self.scale[0] + self.base[:h]) + c.hc_eps
         post = 2 * torch.sigmoid(mix[..., h : 2 * h] * self.scale[1] + self.base[h : 2 * h])
@@ -348,12 +355,16 @@ class HyperConnection(nn.Module):
     @staticmethod
     def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """sum_i pre_i * copy i: [B, n, h, dim] -> [B, n, dim]."""
+        if native.fuses(x, pre):
+            return native.hc_collapse(x, pre)
         return (pre.unsqueeze(-1) * x.float()).sum(2).type_as(x)
 
     @staticmethod
     def post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor) -> torch.Tensor:
         # copy i <- post_i * out + sum_k comb[k, i] * copy k
+        if native.fuses(out, x, post, comb):
+            return native.hc_post(out, x, post, comb)
         mixed = torch.einsum("bnki,bnkd->bnid", comb, x.float())
         return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).type_as(x)
 
@@ -483,7 +494,11 @@ class Indexer(nn.Module):
         if c.index_query_format != "none":  # V4.1 scores FP4 queries against FP4 keys
             # Unchecked: a query only ranks entries, and anything non-finite reaches the
             # logits, which the engine checks once per step.
-            q = straight_through(q, c.index_query_format, check=False)
+            if native.fuses(q) and native.decodes(c.index_query_format):
+                rounded = native.quantize(q, c.index_query_format, rows=False, check=False)[1]
+                q = q + (rounded - q)  # straight_through's forward, rounding included
+            else:
+                q = straight_through(q, c.index_query_format, check=False)
         return q, self.wweights(x).float() * (di**-0.5 * hi**-0.5)
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
@@ -708,7 +723,7 @@ class Attention(nn.Module):
                    self.freqs)
         window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
         # A kernel backend reads the ring itself, once the new entry is in it.
-        kernel = store.kernels and ctx.instruments is None and not (ctx.collect or ctx.dense)
+        kernel = store.attends() and ctx.instruments is None and not (ctx.collect or ctx.dense)
         if kernel:
             store.write_window(spec.index, window, start)
         else:

@@ -1,6 +1,7 @@
 """CPU kernels in C: the decode step's costliest torch sequences over the packed cache
-(`kernels.c`), and matmuls on weights as DeepSeek's V4.1 checkpoint stores them
-(`weights.c`).
+(`kernels.c`), matmuls on weights as DeepSeek's V4.1 checkpoint stores them
+(`weights.c`), and the step's small per-token ops, each one call where torch dispatches
+tens of ops on a few hundred floats (`step.c`: hyper-connections, RoPE, RMSNorm).
 
 Torch runs the cache's reads, index scoring and the float experts' grouped matmul as tens
 of ops over float copies (a batch-32 step of the decode benchmark's model made 4,500 of its
@@ -39,11 +40,13 @@ from pathlib import Path
 import torch
 
 from kvstack.config import CPU_KERNELS
-from kvstack.formats import decode_tables, get_format
+from kvstack.formats import bytes_per_entry, decode_tables, get_format
+from kvstack.formats.quantized import check_magnitude
+from kvstack.formats.spec import check_width
 
 log = logging.getLogger("kvstack")
 
-SOURCES = (Path(__file__).with_name("kernels.c"), Path(__file__).with_name("weights.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "weights.c", "step.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 
@@ -64,6 +67,9 @@ _SIGNATURES = {
     "kv_read_rows": [_P, _I, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int],
     "kv_index_scores": [_P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int, _P, _P,
                         _I, _I, _P, ctypes.c_int],
+    "kv_sparse_attention": [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P,
+                            _I, _I, _P, _I, _P, _I, _I, ctypes.c_int, _P, _P, _I, _I, _I,
+                            ctypes.c_float, _P, _P, _P, ctypes.c_int],
     "kv_grouped_mm": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
     "kv_packed_linear": [_P, _I, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int, _P,
                          ctypes.c_int, ctypes.c_int],
@@ -71,8 +77,16 @@ _SIGNATURES = {
     "kv_fp8_dequantize": [_P, _P, _I, _I, _P, _P, _P, ctypes.c_int],
     "kv_fp4_grouped": [_P, _I, _P, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int, ctypes.c_int],
     "kv_weights_isa": [],
+    "kv_hc_mixes": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P, _P,
+                    ctypes.c_int],
+    "kv_hc_collapse": [_P, _P, _I, _I, _I, _P],
+    "kv_hc_post": [_P, _P, _P, _P, _I, _I, _I, _P],
+    "kv_rope": [_P, _I, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P],
+    "kv_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
+    "kv_quantize": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P],
 }
-_RESTYPES = {"kv_weights_isa": ctypes.c_int, "kv_fp8_has_nan": ctypes.c_int}
+_RESTYPES = {"kv_weights_isa": ctypes.c_int, "kv_fp8_has_nan": ctypes.c_int,
+             "kv_quantize": ctypes.c_float}
 
 
 def _cpu_flags() -> str:
@@ -303,6 +317,37 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
     return out
 
 
+def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ring_fmt: str,
+                     ring_positions: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, pool: torch.Tensor, kv_fmt: str,
+                     block_table: torch.Tensor, selected: torch.Tensor,
+                     window_size: int) -> torch.Tensor:
+    """`kvstack.cache.kernels.sparse_attention` from the packed rows on a CPU, for any
+    block-scaled ring and stream formats: q [B, H, D] over each sequence's window ring
+    rows (ring [slots, W, bytes], ring_positions [slots, W]) at its slot and the entries
+    it selected (selected [B, k], -1 for none, from pool [blocks, per, bytes] through
+    block_table), the sink [H] in the denominator: [B, H, D] float32, within float
+    rounding of the model's softmax over the values the store hands back."""
+    b, h, d = q.shape
+    w, k = ring.shape[1], selected.shape[1]
+    ring_block, ring_packed, ring_elem, ring_scale = _decoding(ring_fmt)
+    kv_block, kv_packed, kv_elem, kv_scale = _decoding(kv_fmt)
+    q = q.float().contiguous()
+    ring, pool = ring.contiguous(), pool.contiguous()
+    ints = [t.to(torch.int64).contiguous()
+            for t in (ring_positions, slots, positions, block_table, selected)]
+    rows = torch.empty(w + k, d, dtype=torch.float32)  # one sequence's decoded rows
+    logits = torch.empty(w + k, dtype=torch.float32)
+    out = torch.empty(b, h, d, dtype=torch.float32)
+    _load().kv_sparse_attention(
+        _ptr(q), _ptr(sink.float().contiguous()), _ptr(ring), ring.shape[2], _ptr(ints[0]),
+        _ptr(ints[1]), _ptr(ints[2]), w, window_size, ring_block, ring_packed,
+        _ptr(ring_elem), _ptr(ring_scale), _ptr(pool), pool.shape[1], pool.shape[2],
+        _ptr(ints[3]), ints[3].shape[1], _ptr(ints[4]), k, kv_block, kv_packed, _ptr(kv_elem),
+        _ptr(kv_scale), b, h, d, d**-0.5, _ptr(rows), _ptr(logits), _ptr(out), _threads())
+    return out
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Rows ends[g-1]:ends[g] of x [M, K] times w[g] [K, N] (float32, any strides of w;
     ends [G] int32): [M, N], rows past ends[-1] zero. Within float rounding of torch's."""
@@ -398,3 +443,105 @@ def fp4_grouped(x: torch.Tensor, pointers: torch.Tensor, experts: torch.Tensor,
                                experts.numel(), out_features, _ptr(elem), _ptr(scale),
                                _ptr(out), ISAS.index(weights_isa()), _threads())
     return out
+
+
+# The step's small ops (step.c). The model asks `fuses(...)` for its tensors: inside an
+# engine step that chose the C kernels, for float32 CPU tensors outside autograd and
+# outside a traced graph (a compiled step fuses them itself).
+def fuses(*tensors: torch.Tensor) -> bool:
+    """Whether the model's small ops on these tensors run in step.c."""
+    return (_on is True and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+             norm_eps: float, hc_eps: float,
+             iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`HyperConnection.mixes` of x [..., h, dim]: pre [..., h], post [..., h], comb
+    [..., h, h], within float rounding of torch's."""
+    *lead, h, dim = x.shape
+    if (2 + h) * h > 64:
+        raise ValueError(f"hc_mixes: at most 6 residual copies, got {h}")
+    x = x.contiguous()
+    n = x.numel() // (h * dim)
+    pre, post = x.new_empty(*lead, h), x.new_empty(*lead, h)
+    comb = x.new_empty(*lead, h, h)
+    _load().kv_hc_mixes(_ptr(x), n, h, dim, _ptr(fn.contiguous()), _ptr(scale.contiguous()),
+                        _ptr(base.contiguous()), norm_eps, hc_eps, iters, _ptr(pre), _ptr(post),
+                        _ptr(comb), _threads())
+    return pre, post, comb
+
+
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_i pre_i * copy i: x [..., h, dim], pre [..., h] -> [..., dim]."""
+    *lead, h, dim = x.shape
+    x, pre = x.contiguous(), pre.contiguous()
+    out = x.new_empty(*lead, dim)
+    _load().kv_hc_collapse(_ptr(x), _ptr(pre), x.numel() // (h * dim), h, dim, _ptr(out))
+    return out
+
+
+def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """Copy i <- post_i * y + sum_k comb[k, i] * copy k: y [..., dim], x [..., h, dim],
+    post [..., h], comb [..., h, h] -> [..., h, dim]."""
+    h, dim = x.shape[-2:]
+    y, x, post, comb = y.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous()
+    out = torch.empty_like(x)
+    _load().kv_hc_post(_ptr(y), _ptr(x), _ptr(post), _ptr(comb), x.numel() // (h * dim), h, dim,
+                       _ptr(out))
+    return out
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+         inverse: bool) -> torch.Tensor:
+    """`kvstack.model.model.rotate` of x [B, n, width] or [B, n, heads, width] at
+    positions [P, n] (P = 1 or B) with float64 freqs [R/2]."""
+    b, n = x.shape[:2]
+    heads = x.shape[2] if x.dim() == 4 else 1
+    half = freqs.shape[0]
+    if half > 512 or x.dim() not in (3, 4):
+        raise ValueError(f"rope: x [B, n, (heads,) width] with at most 1024 rotated dims, "
+                         f"got {list(x.shape)} and {2 * half}")
+    x = x.contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty_like(x)
+    _load().kv_rope(_ptr(x), b, n, heads, x.shape[-1], _ptr(positions), positions.shape[0],
+                    _ptr(freqs.contiguous()), half, int(inverse), _ptr(out))
+    return out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x * rsqrt(mean(x^2) + eps)) * weight over x's last dim."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _load().kv_rmsnorm(_ptr(x), x.numel() // x.shape[-1], x.shape[-1],
+                       _ptr(weight.contiguous()), eps, _ptr(out))
+    return out
+
+
+def quantize(x: torch.Tensor, fmt: str, rows: bool = True, values: bool = True,
+             check: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`pack_rows(quantize(x, fmt))` [..., bytes_per_entry] and `dequantize` of it [..., d]
+    for x [..., d] float32 and a block-scaled format, bit for bit the torch codecs' (each
+    only where asked for), in one pass. check: as `kvstack.formats.quantize`'s, the same
+    errors from the largest magnitude the pass saw."""
+    f = get_format(fmt)
+    tables = decode_tables(fmt)
+    if tables is None:
+        raise ValueError(f"format {fmt}: the C kernels quantise block-scaled formats only")
+    d = x.shape[-1]
+    check_width(f, d)
+    if d > 16384:
+        raise ValueError(f"format {fmt}: the C kernels quantise rows of at most 16384 values")
+    x = x.contiguous()
+    packed = torch.empty(*x.shape[:-1], bytes_per_entry(fmt, d), dtype=torch.uint8) \
+        if rows else None
+    out = torch.empty_like(x) if values else None
+    magnitude = _load().kv_quantize(
+        _ptr(x), x.numel() // d if d else 0, d, int(f.element != "e2m1"),
+        int(f.scale == "e4m3"), f.scale_block, _ptr(tables[0]), _ptr(tables[1]),
+        0 if packed is None else _ptr(packed), 0 if out is None else _ptr(out))
+    if check:
+        check_magnitude(f, magnitude)
+    return packed, out

@@ -226,3 +226,75 @@ void kv_grouped_mm(const float *x, int64_t K, const float *w, int64_t G, int64_t
         }
     }
 }
+
+/* a . b in eight running sums (lanes a vector unit keeps), added pairwise at the end. */
+static inline float dot_lanes(const float *a, const float *b, int64_t n) {
+    float lane[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lane[l] += a[i + l] * b[i + l];
+    float total = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
+                  ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* One decode step's attention of one layer (what kvstack.cache.kernels.sparse_attention
+ * computes on a GPU, and the model's own softmax over the window and the selected entries
+ * on the rows the store hands back): q [b, h, d] at positions [b] over each sequence's
+ * window ring (ring rows [slots, w, ring_bytes] and the positions they hold [slots, w],
+ * the new token's row already written; slots [b]: the rows in window seen, those at
+ * positions t - window_size + 1 .. t) and its selected compressed entries (selected
+ * [b, k], -1 for none, rows of pool [blocks, per, kv_bytes] through block_table
+ * [b, max_blocks]), with the sink's logit [h] in the softmax's denominator: out [b, h, d].
+ * Logits are q . row times `scale`, as torch's; every row is decoded once for all heads. */
+void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
+                         int64_t ring_bytes, const int64_t *ring_pos, const int64_t *slots,
+                         const int64_t *positions, int64_t w, int64_t window_size,
+                         int64_t ring_block, int ring_packed, const float *ring_elem,
+                         const float *ring_scale, const uint8_t *pool, int64_t per,
+                         int64_t kv_bytes, const int64_t *block_table, int64_t max_blocks,
+                         const int64_t *selected, int64_t k, int64_t kv_block, int kv_packed,
+                         const float *kv_elem, const float *kv_scale, int64_t b, int64_t h,
+                         int64_t d, float scale, float *rows, float *logits, float *out,
+                         int threads) {
+    (void)threads;
+    for (int64_t s = 0; s < b; s++) {
+        const int64_t t = positions[s], slot = slots[s];
+        int64_t n = 0;  /* rows attended */
+        for (int64_t i = 0; i < w; i++) {
+            const int64_t pos = ring_pos[slot * w + i];
+            if (pos < 0 || pos > t || pos <= t - window_size) continue;
+            decode_row(ring + (slot * w + i) * ring_bytes, d, ring_block, ring_packed,
+                       ring_elem, ring_scale, rows + n * d);
+            n++;
+        }
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t entry = selected[s * k + j];
+            if (entry < 0) continue;
+            const int64_t block = block_table[s * max_blocks + entry / per];
+            decode_row(pool + (block * per + entry % per) * kv_bytes, d, kv_block, kv_packed,
+                       kv_elem, kv_scale, rows + n * d);
+            n++;
+        }
+        for (int64_t hd = 0; hd < h; hd++) {
+            const float *qh = q + (s * h + hd) * d;
+            float top = sink[hd];
+            for (int64_t r = 0; r < n; r++) {
+                const float *row = rows + r * d;
+                logits[r] = dot_lanes(qh, row, d) * scale;
+                if (logits[r] > top) top = logits[r];
+            }
+            float total = expf(sink[hd] - top);
+            float *o = out + (s * h + hd) * d;
+            for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+            for (int64_t r = 0; r < n; r++) {
+                const float p = expf(logits[r] - top);
+                total += p;
+                const float *row = rows + r * d;
+                for (int64_t i = 0; i < d; i++) o[i] += p * row[i];
+            }
+            for (int64_t i = 0; i < d; i++) o[i] /= total;
+        }
+    }
+}

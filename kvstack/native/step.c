@@ -1,0 +1,276 @@
+/* CPU kernels of the decode step's small per-token ops, in C: the hyper-connections'
+ * mixes (with their Sinkhorn iterations), collapse and spread, RoPE and RMSNorm. Torch
+ * runs each as 5 to 120 ops on tensors of a few hundred floats, where the dispatch of an
+ * op, not its arithmetic, is the cost (a decode step of bench/decode.py's model issued
+ * over 7,000 of them). One call here does what those ops do, in the same order of float32
+ * operations where the order is torch's own (elementwise steps, sums over the few
+ * residual copies); reductions over a row (a norm's mean, a dot product) add in another
+ * order than torch's vectorised ones, so results agree within float rounding.
+ *
+ * Built with -std=c11, so the compiler contracts no a*b+c into a fused multiply-add:
+ * each product and sum is rounded as torch rounds its separate ops.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* The mixes of one sublayer's hyper-connection (kvstack.model.model.HyperConnection.mixes)
+ * for n tokens of h residual copies of width dim:
+ *   mix [m] = (fn [m, h*dim] . x) * rsqrt(mean(x^2) + norm_eps), m = (2 + h) * h
+ *   pre [h] = sigmoid(mix[:h] * scale[0] + base[:h]) + hc_eps
+ *   post [h] = 2 * sigmoid(mix[h:2h] * scale[1] + base[h:2h])
+ *   comb [h, h] = softmax over i of (mix[2h:] * scale[2] + base[2h:]) + hc_eps, then
+ *     columns normalised, then iters - 1 times rows and columns in turn. */
+void kv_hc_mixes(const float *x, int64_t n, int64_t h, int64_t dim, const float *fn,
+                 const float *scale, const float *base, float norm_eps, float hc_eps,
+                 int64_t iters, float *pre, float *post, float *comb, int threads) {
+    const int64_t width = h * dim, m = (2 + h) * h;
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= 64)
+    for (int64_t t = 0; t < n; t++) {
+        const float *row = x + t * width;
+        float squares = 0.0f, mix[64];  /* m <= 64: h <= 6 */
+        for (int64_t j = 0; j < width; j++) squares += row[j] * row[j];
+        const float norm = 1.0f / sqrtf(squares / (float)width + norm_eps);
+        for (int64_t k = 0; k < m; k++) {
+            const float *w = fn + k * width;
+            float dot = 0.0f;
+            for (int64_t j = 0; j < width; j++) dot += row[j] * w[j];
+            mix[k] = dot * norm;
+        }
+        float *p = pre + t * h, *q = post + t * h, *c = comb + t * h * h;
+        for (int64_t i = 0; i < h; i++) {
+            p[i] = sigmoid(mix[i] * scale[0] + base[i]) + hc_eps;
+            q[i] = 2.0f * sigmoid(mix[h + i] * scale[1] + base[h + i]);
+        }
+        for (int64_t k = 0; k < h; k++) {  /* row k: softmax over its h entries */
+            float *r = c + k * h, top = -INFINITY, total = 0.0f;
+            for (int64_t i = 0; i < h; i++) {
+                r[i] = mix[2 * h + k * h + i] * scale[2] + base[2 * h + k * h + i];
+                top = fmaxf(top, r[i]);
+            }
+            for (int64_t i = 0; i < h; i++) total += (r[i] = expf(r[i] - top));
+            for (int64_t i = 0; i < h; i++) r[i] = r[i] / total + hc_eps;
+        }
+        for (int64_t it = 0; it < (iters > 1 ? iters : 1); it++) {
+            if (it > 0) {  /* rows */
+                for (int64_t k = 0; k < h; k++) {
+                    float total = 0.0f;
+                    for (int64_t i = 0; i < h; i++) total += c[k * h + i];
+                    total += hc_eps;
+                    for (int64_t i = 0; i < h; i++) c[k * h + i] /= total;
+                }
+            }
+            for (int64_t i = 0; i < h; i++) {  /* columns */
+                float total = 0.0f;
+                for (int64_t k = 0; k < h; k++) total += c[k * h + i];
+                total += hc_eps;
+                for (int64_t k = 0; k < h; k++) c[k * h + i] /= total;
+            }
+        }
+    }
+}
+
+/* out [n, dim] = sum_i pre[t, i] * x[t, i, :] over the h copies, i in order. */
+void kv_hc_collapse(const float *x, const float *pre, int64_t n, int64_t h, int64_t dim,
+                    float *out) {
+    for (int64_t t = 0; t < n; t++) {
+        const float *p = pre + t * h, *copies = x + t * h * dim;
+        float *o = out + t * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = p[0] * copies[d];
+        for (int64_t i = 1; i < h; i++)
+            for (int64_t d = 0; d < dim; d++) o[d] += p[i] * copies[i * dim + d];
+    }
+}
+
+/* copy i of out [n, h, dim] = post[t, i] * y[t, :] + sum_k comb[t, k, i] * x[t, k, :]. */
+void kv_hc_post(const float *y, const float *x, const float *post, const float *comb,
+                int64_t n, int64_t h, int64_t dim, float *out) {
+    for (int64_t t = 0; t < n; t++) {
+        const float *yt = y + t * dim, *copies = x + t * h * dim, *c = comb + t * h * h;
+        for (int64_t i = 0; i < h; i++) {
+            float *o = out + (t * h + i) * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                float mixed = c[i] * copies[d];
+                for (int64_t k = 1; k < h; k++) mixed += c[k * h + i] * copies[k * dim + d];
+                o[d] = post[t * h + i] * yt[d] + mixed;
+            }
+        }
+    }
+}
+
+/* RoPE (kvstack.model.model.rotate) on rows of x [b, n, heads, width], out of place:
+ * the last 2 * half values rotated in interleaved pairs at the row's position
+ * (positions [pb, n], pb = 1 or b), the angle formed in double as torch forms it from
+ * float64 frequencies, its cosine and sine rounded to float32; the rest copied. */
+void kv_rope(const float *x, int64_t b, int64_t n, int64_t heads, int64_t width,
+             const int64_t *positions, int64_t pb, const double *freqs, int64_t half,
+             int inverse, float *out) {
+    float cs[512], sn[512];  /* half <= 512 */
+    for (int64_t s = 0; s < b; s++) {
+        for (int64_t t = 0; t < n; t++) {
+            const double pos = (double)positions[(pb == 1 ? 0 : s) * n + t];
+            for (int64_t j = 0; j < half; j++) {
+                const double angle = pos * freqs[j];
+                cs[j] = (float)cos(angle);
+                sn[j] = inverse ? -(float)sin(angle) : (float)sin(angle);
+            }
+            for (int64_t hd = 0; hd < heads; hd++) {
+                const int64_t r = (s * n + t) * heads + hd;
+                const float *xr = x + r * width;
+                float *o = out + r * width;
+                const int64_t rest = width - 2 * half;
+                for (int64_t d = 0; d < rest; d++) o[d] = xr[d];
+                for (int64_t j = 0; j < half; j++) {
+                    const float even = xr[rest + 2 * j], odd = xr[rest + 2 * j + 1];
+                    o[rest + 2 * j] = even * cs[j] - odd * sn[j];
+                    o[rest + 2 * j + 1] = even * sn[j] + odd * cs[j];
+                }
+            }
+        }
+    }
+}
+
+/* RMSNorm: out [rows, dim] = (x * rsqrt(mean(x^2) + eps)) * weight. */
+void kv_rmsnorm(const float *x, int64_t rows, int64_t dim, const float *weight, float eps,
+                float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim, squares = 0.0f;
+        for (int64_t d = 0; d < dim; d++) squares += xr[d] * xr[d];
+        const float norm = 1.0f / sqrtf(squares / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) o[d] = (xr[d] * norm) * weight[d];
+    }
+}
+
+/* ---- block-scaled quantisation (kvstack.formats.quantize), bit for bit ----------------
+ * Integer bit manipulation as the torch codecs do it, so the bytes are theirs exactly. */
+
+static inline uint32_t bits_of(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    return v.u;
+}
+
+static inline float float_of(uint32_t u) {
+    union { uint32_t u; float f; } v = {.u = u};
+    return v.f;
+}
+
+/* 2**e from the bits, for e in [-126, 127] (codecs.pow2). */
+static inline float pow2i(int32_t e) { return float_of((uint32_t)(e + 127) << 23); }
+
+static inline int32_t exponent_of(float x) { return (int32_t)((bits_of(x) >> 23) & 0xFF) - 127; }
+
+/* ceil(log2(x / c)) for c = mc * 2^ec, c's mantissa bits given (codecs.ceil_log2_ratio). */
+static inline int32_t ceil_log2_ratio(float x, int32_t ec, uint32_t c_mantissa_bits) {
+    return exponent_of(x) - (ec - 1) + ((bits_of(x) & 0x7FFFFF) > c_mantissa_bits);
+}
+
+static inline uint8_t e2m1_encode(float v) {
+    const float m = fabsf(v);
+    const uint8_t code = (m > 0.25f) + (m > 1.25f) + (m > 2.5f) + (m > 5.0f)
+                         + (m >= 0.75f) + (m >= 1.75f) + (m >= 3.5f);
+    return code | (uint8_t)(signbit(v) ? 8 : 0);
+}
+
+static inline uint8_t e4m3_encode(float v) {
+    float m = fabsf(v);
+    if (m > 448.0f) m = 448.0f;  /* a NaN stays NaN, as torch's clamp leaves it */
+    const uint8_t sign = signbit(v) ? 0x80 : 0;
+    if (m < 0.015625f) return (uint8_t)(int32_t)rintf(m * 512.0f) | sign;  /* 2^-6 */
+    const uint32_t b = bits_of(m);
+    const uint32_t rounded = (b + 0x7FFFFu + ((b >> 20) & 1u)) & ~0xFFFFFu;
+    const int32_t exp_field = (int32_t)((rounded >> 23) & 0xFF) - 127 + 7;
+    const int32_t mant = (int32_t)((rounded >> 20) & 0x7);
+    return (uint8_t)((exp_field << 3) | mant) | sign;
+}
+
+/* E4M3 code of clamp(amax / 6, 2^-9, 448) from the exact quotient (codecs.e4m3_encode_sixth). */
+static inline uint8_t e4m3_encode_sixth(float amax) {
+    float a = amax;
+    if (a < 6.0f * 0.001953125f) a = 6.0f * 0.001953125f;
+    if (a > 6.0f * 448.0f) a = 6.0f * 448.0f;
+    const int32_t below = (bits_of(a) & 0x7FFFFF) < 0x400000;
+    int32_t exponent = exponent_of(a) - 2 - below;
+    if (exponent < -6) exponent = -6;
+    const float steps = a / pow2i(exponent - 3);
+    float n = floorf(steps / 6.0f);
+    n = n + (float)(steps - 6.0f * n >= 6.0f) - (float)(steps - 6.0f * n < 0.0f);
+    const float rest = steps - 6.0f * n;
+    n = n + (float)((rest > 3.0f) | ((rest == 3.0f) & (fmodf(n, 2.0f) == 1.0f)));
+    /* A NaN amax converts as x86 converts it (INT32_MIN), in unsigned arithmetic. */
+    const uint32_t whole = n != n ? 0x80000000u : (uint32_t)(int32_t)n;
+    return (uint8_t)((uint32_t)(exponent + 7) * 8u + whole - 8u);
+}
+
+/* Quantise rows of x [rows, d] to a block-scaled format: E2M1 (element 0, two codes a
+ * byte, element 2i in the low nibble) or E4M3 (element 1) codes, one UE8M0 (scale_kind 0)
+ * or E4M3-of-amax/6 (scale_kind 1) scale per `block` values. out_rows [rows, bytes]:
+ * codes then scales (pack_rows); values [rows, d]: what dequantize gives back,
+ * elem[code] * scale_table[byte]. Either may be NULL. Returns max |x| (NaN if any is). */
+float kv_quantize(const float *x, int64_t rows, int64_t d, int element, int scale_kind,
+                  int64_t block, const float *elem, const float *scale_table,
+                  uint8_t *out_rows, float *values) {
+    const int64_t code_bytes = element == 0 ? d / 2 : d, row_bytes = code_bytes + d / block;
+    float largest = 0.0f;
+    int nan = 0;
+    uint8_t codes[16384];  /* one row's codes, d <= 16384 */
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        uint8_t *row = out_rows ? out_rows + r * row_bytes : NULL;
+        for (int64_t b = 0; b < d / block; b++) {
+            const float *blk = xr + b * block;
+            float amax = 0.0f;
+            int blk_nan = 0;
+            for (int64_t i = 0; i < block; i++) {
+                const float m = fabsf(blk[i]);
+                if (m != m) blk_nan = 1;
+                else if (m > amax) amax = m;
+            }
+            if (blk_nan) { amax = NAN; nan = 1; }
+            else if (amax > largest) largest = amax;
+            uint8_t scale_byte;
+            float scale;
+            if (scale_kind == 1) {
+                scale_byte = e4m3_encode_sixth(amax);
+                scale = scale_table[scale_byte];
+                for (int64_t i = 0; i < block; i++) {
+                    float s = blk[i] / scale;  /* clamp(-6, 6), NaN kept */
+                    if (s < -6.0f) s = -6.0f;
+                    if (s > 6.0f) s = 6.0f;
+                    codes[b * block + i] = element == 0 ? e2m1_encode(s) : e4m3_encode(s);
+                }
+            } else {
+                float a = amax;
+                int32_t exponent;
+                if (element == 0) {  /* c = 6 = 0.75 * 2^3: mantissa bits 0x400000 */
+                    if (a < 6.0f * 1.1754943508222875e-38f) a = 6.0f * 1.1754943508222875e-38f;
+                    exponent = ceil_log2_ratio(a, 3, 0x400000);
+                } else {  /* c = 448 = 0.875 * 2^9: mantissa bits 0x600000 */
+                    if (a < 1e-4f) a = 1e-4f;
+                    exponent = ceil_log2_ratio(a, 9, 0x600000);
+                }
+                scale_byte = (uint8_t)(exponent + 127);
+                const float divisor = pow2i(exponent);
+                for (int64_t i = 0; i < block; i++) {
+                    const float s = blk[i] / divisor;
+                    codes[b * block + i] = element == 0 ? e2m1_encode(s) : e4m3_encode(s);
+                }
+                scale = scale_table[scale_byte];
+            }
+            if (row) row[code_bytes + b] = scale_byte;
+            if (values)
+                for (int64_t i = 0; i < block; i++)
+                    values[r * d + b * block + i] = elem[codes[b * block + i]] * scale;
+        }
+        if (row) {
+            if (element == 0)
+                for (int64_t i = 0; i < d / 2; i++)
+                    row[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+            else
+                for (int64_t i = 0; i < d; i++) row[i] = codes[i];
+        }
+    }
+    return nan ? NAN : largest;
+}
