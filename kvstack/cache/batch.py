@@ -35,9 +35,9 @@ class DecodeBatch(KVStore):
         `index_scores`); without them, on a CPU step that runs the C kernels
         (`kvstack.native`), attention is `attend` by those. rows: the batch padded to this
         many rows (a compiled step's batch-size bucket, so that one graph serves every
-        batch up to it). A pad row is
-        a sequence at position 0 with no blocks: it reads and writes the rings' pad slot,
-        its stream entries go to the null block, and its logits are the caller's to drop."""
+        batch up to it). A pad row is a sequence at position 0 with no blocks: it reads
+        and writes the rings' pad slot, its stream entries go to the null block, and its
+        logits are the caller's to drop."""
         if not stores:
             raise ValueError("a decode batch needs at least one sequence")
         pools = stores[0].pools
