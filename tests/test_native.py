@@ -15,7 +15,7 @@ from kvstack.cache.rows import PackedRows, _rows_at
 from kvstack.config import preset
 from kvstack.engine.config import EngineConfig
 from kvstack.formats import dequantize, pack_rows, quantize, unpack_rows
-from kvstack.model.model import HyperConnection, RMSNorm, grouped_mm_by_group, rotate
+from kvstack.model.model import HyperConnection, MoE, RMSNorm, grouped_mm_by_group, rotate
 
 pytestmark = pytest.mark.skipif(not native.resolve("auto"), reason="no C compiler here")
 
@@ -180,6 +180,23 @@ def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt):
         logits = torch.cat((q[i] @ rows.T * d**-0.5, sink[:, None]), dim=1)
         want = logits.softmax(-1)[:, :-1] @ rows
         assert torch.allclose(out[i], want, atol=1e-5, rtol=1e-5), i
+
+
+@pytest.mark.parametrize("limit", [0.0, 0.5])
+def test_float_experts_equal_torchs_routing(limit):
+    """Batches of one token (the gathered path) and of many (the grouped one), the clamp
+    on and off: the routed experts' sum and the shared expert's, as torch computes them."""
+    config = preset("tiny").replace(swiglu_limit=limit)
+    torch.manual_seed(0)
+    moe = MoE(config)
+    with torch.no_grad():
+        for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.gate.weight):
+            w.normal_(0, 0.3)
+        for tokens in (1, 9):
+            x = torch.randn(tokens, 1, config.dim)
+            want = moe(x)
+            with native.active(True):
+                assert torch.allclose(moe(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_engine_decodes_the_same_tokens_with_the_c_kernels_as_with_torch():

@@ -219,6 +219,9 @@ class MoE(nn.Module):
             chosen, weights = torch.where(mine, chosen, held - 1), weights * mine
         if isinstance(self.experts, PackedExperts) and self.experts.backend(x) != "torch":
             out = self.experts.swiglu(x, weights, chosen, self.limit)
+        elif isinstance(self.experts, Experts) and native.fuses(x, self.experts.w1):
+            ex = self.experts
+            out = native.experts_swiglu(x, ex.w1, ex.w2, ex.w3, chosen, weights, self.limit)
         elif isinstance(self.experts, Experts) and not torch.is_grad_enabled():
             # Up to half as many (token, expert) pairs as experts, gathering the weights of
             # each pair beats a grouped call that walks every expert (measured on a CPU).

@@ -83,6 +83,7 @@ _SIGNATURES = {
     "kv_hc_post": [_P, _P, _P, _P, _I, _I, _I, _P],
     "kv_rope": [_P, _I, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P],
     "kv_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
+    "kv_experts_swiglu": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, ctypes.c_float, _P, _P],
     "kv_quantize": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P],
 }
 _RESTYPES = {"kv_weights_isa": ctypes.c_int, "kv_fp8_has_nan": ctypes.c_int,
@@ -450,8 +451,10 @@ def fp4_grouped(x: torch.Tensor, pointers: torch.Tensor, experts: torch.Tensor,
 # outside a traced graph (a compiled step fuses them itself).
 def fuses(*tensors: torch.Tensor) -> bool:
     """Whether the model's small ops on these tensors run in step.c."""
-    return (_on is True and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
+    if _on is not True or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    # No all(...) over a generator: this runs hundreds of times a step.
+    return not any([t.dtype is not torch.float32 or t.device.type != "cpu" for t in tensors])
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -545,3 +548,21 @@ def quantize(x: torch.Tensor, fmt: str, rows: bool = True, values: bool = True,
     if check:
         check_magnitude(f, magnitude)
     return packed, out
+
+
+def experts_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                   chosen: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """The routed experts' sum [T, dim] for x [T, dim] over float experts (w1, w3 [E, inter,
+    dim], w2 [E, dim, inter]) routed by chosen [T, k] with weights [T, k]: each pair's
+    `swiglu` (the weight scaling the hidden activation) added in order, the chosen
+    experts' weights read in place."""
+    x = x.contiguous()
+    w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+    chosen, weights = chosen.to(torch.int64).contiguous(), weights.float().contiguous()
+    inter = w1.shape[1]
+    out = torch.empty_like(x)
+    hidden = torch.empty(inter, dtype=torch.float32)
+    _load().kv_experts_swiglu(_ptr(x), x.shape[0], x.shape[1], _ptr(w1), _ptr(w2), _ptr(w3),
+                              inter, _ptr(chosen), _ptr(weights), chosen.shape[1], limit,
+                              _ptr(hidden), _ptr(out))
+    return out

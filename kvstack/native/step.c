@@ -274,3 +274,49 @@ float kv_quantize(const float *x, int64_t rows, int64_t d, int element, int scal
     }
     return nan ? NAN : largest;
 }
+
+static inline float dot_lanes(const float *a, const float *b, int64_t n) {
+    float lane[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lane[l] += a[i + l] * b[i + l];
+    float total = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
+                  ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* The routed experts' sum (kvstack.model.model.MoE with float experts): for each token t
+ * of x [n, dim] and each of its k (expert, weight) pairs (chosen, weights [n, k]),
+ * w2[e] (silu(clamp(w1[e] x)) * clamp(w3[e] x) * weight) with w1, w3 [E, inter, dim] and
+ * w2 [E, dim, inter] read where they lie (no gathered copy of a chosen expert's weights);
+ * the pairs' outputs added in order into out [n, dim]. limit > 0 clamps the gate from
+ * above and the up branch to +-limit. hidden: [inter] of scratch. */
+void kv_experts_swiglu(const float *x, int64_t n, int64_t dim, const float *w1,
+                       const float *w2, const float *w3, int64_t inter, const int64_t *chosen,
+                       const float *weights, int64_t k, float limit, float *hidden,
+                       float *out) {
+    for (int64_t t = 0; t < n; t++) {
+        const float *xt = x + t * dim;
+        float *o = out + t * dim;
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t e = chosen[t * k + j];
+            const float *a = w1 + e * inter * dim, *c = w3 + e * inter * dim;
+            for (int64_t i = 0; i < inter; i++) {
+                float gate = dot_lanes(xt, a + i * dim, dim), up = dot_lanes(xt, c + i * dim, dim);
+                if (limit > 0) {
+                    if (gate > limit) gate = limit;
+                    up = up > limit ? limit : (up < -limit ? -limit : up);
+                }
+                hidden[i] = (gate / (1.0f + expf(-gate))) * up * weights[t * k + j];
+            }
+            const float *b = w2 + e * dim * inter;
+            for (int64_t d = 0; d < dim; d++) {
+                const float y = dot_lanes(hidden, b + d * inter, inter);
+                o[d] = j == 0 ? y : o[d] + y;
+            }
+        }
+        if (k == 0)
+            for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
+    }
+}
