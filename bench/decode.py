@@ -124,6 +124,15 @@ class Measured:
 
 
 @dataclass(frozen=True)
+class OpCount:
+    aten_ops: int  # every aten:: event of one step, nested ones included
+    top_level_ops: int  # the aten:: events with no aten:: event above them
+    # The top-level ops' own time over the profiled step's wall time: the rest of a step
+    # is the host's Python and dispatch between ops.
+    in_ops: float = 0.0
+
+
+@dataclass(frozen=True)
 class Row:
     context: int
     stack_tok_s: float
@@ -144,12 +153,8 @@ class Row:
     torch_ops_tok_s: float | None = None  # (t) with --torch-ops
     c_kernels_speedup: float | None = None  # (a)/(t) tokens/s
     peers: tuple[PeerMeasured, ...] = ()  # (l) with --peer llama.cpp
-
-
-@dataclass(frozen=True)
-class OpCount:
-    aten_ops: int  # every aten:: event of one step, nested ones included
-    top_level_ops: int  # the aten:: events with no aten:: event above them
+    stack_ops: OpCount | None = None  # one step of (a), counted after the timed ones
+    dense_ops: OpCount | None = None
 
 
 @dataclass(frozen=True)
@@ -289,7 +294,9 @@ def count_ops(step: Callable[[], None]) -> OpCount:
     from torch.profiler import ProfilerActivity, profile
 
     with quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
         step()
+        wall = time.perf_counter() - started
     aten = [e for e in prof.events() if e.name.startswith("aten::")]
 
     def top_level(event: Any) -> bool:
@@ -300,7 +307,8 @@ def count_ops(step: Callable[[], None]) -> OpCount:
             parent = parent.cpu_parent
         return True
 
-    return OpCount(len(aten), sum(top_level(e) for e in aten))
+    top = [e for e in aten if top_level(e)]
+    return OpCount(len(aten), len(top), sum(e.cpu_time_total for e in top) / 1e6 / wall)
 
 
 # ---- (a) and (b): kvstack's engine ---------------------------------------------------------
@@ -827,13 +835,19 @@ def render(console: Console, r: Row) -> None:
     # Short headers, explained in the caption printed after the tables.
     for name in ("tok/s", "B/token", "(a) ×tok/s", "÷B/token"):
         table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("ops/step", justify="right", no_wrap=True)
+    table.add_column("in ops", justify="right", no_wrap=True)
     if r.peers:
         table.add_column("(a) ÷ step", justify="right", no_wrap=True)
+
+    def ops(m: OpCount | None) -> tuple[str, str]:
+        return ("", "") if m is None else (f"{m.top_level_ops:,}", f"{m.in_ops:.0%}")
+
     table.add_row("(a) kvstack stack", f"{r.stack_tok_s:.1f}",
-                  f"{r.stack_bytes_per_token:,.1f}", "", "")
+                  f"{r.stack_bytes_per_token:,.1f}", "", "", *ops(r.stack_ops))
     table.add_row("(b) dense control", f"{r.dense_tok_s:.1f}",
                   f"{r.dense_bytes_per_token:,.1f}", f"{r.speedup_vs_dense:.2f}×",
-                  f"{r.bytes_saving_vs_dense:.2f}×")
+                  f"{r.bytes_saving_vs_dense:.2f}×", *ops(r.dense_ops))
     if r.hf_tok_s is not None:
         table.add_row("(c) HF Llama", f"{r.hf_tok_s:.1f}", f"{r.hf_bytes_per_token:,.1f}",
                       f"{r.speedup_vs_hf:.2f}×", f"{r.bytes_saving_vs_hf:.2f}×")
@@ -849,7 +863,7 @@ def render(console: Console, r: Row) -> None:
     for p in r.peers:
         table.add_row(f"(l) {p.name}", f"{p.tok_s:.1f}", f"{p.bytes_per_token:,.1f}",
                       f"{r.stack_tok_s / p.tok_s:.2f}×",
-                      f"{p.bytes_per_token / r.stack_bytes_per_token:.2f}×",
+                      f"{p.bytes_per_token / r.stack_bytes_per_token:.2f}×", "", "",
                       f"{p.stack_step_over_peer_step:.2f}")
     console.print(table)
 
@@ -941,7 +955,7 @@ def main() -> None:
     if args.threads is not None or args.peer:
         torch.set_num_threads(args.threads or 1)
     # Room past the longest context for the warm-up and timed steps.
-    headroom = max(64, 1 + WARMUP_STEPS + args.steps * args.repeat)
+    headroom = max(64, 2 + WARMUP_STEPS + args.steps * args.repeat)  # + the counted step
     max_tokens = max(args.contexts) + headroom
     config = bench_config(max_tokens)
     dense = dense_control(config)
@@ -967,6 +981,7 @@ def main() -> None:
             if torch_llm is not None:
                 systems["t"] = open_steps.enter_context(engine_step(torch_llm, context))
             tok_s = time_interleaved(systems, args.steps, args.repeat, blocks)
+            counted = {name: count_ops(systems[name]) for name in ("a", "b")}
         if peer is not None:
             peer.close_contexts()
         a = Measured(tok_s["a"], stack_llm.memory_report()["bytes_per_token"])
@@ -978,7 +993,8 @@ def main() -> None:
             + decode_step_reads(config, context),
             hf_floor_bytes=None if llama is None else hf_reads(llama, context),
             peers=tuple(peer_row(s, tok_s[s["name"]], a.tok_s, opened[s["name"]], config)
-                        for s in specs)))
+                        for s in specs),
+            stack_ops=counted["a"], dense_ops=counted["b"]))
         if compiled_llm is not None:
             t = tok_s["a'"]
             rows[-1] = dataclasses.replace(
@@ -1045,7 +1061,9 @@ def main() -> None:
         f"{args.repeat} rounds of {args.steps} steps after {WARMUP_STEPS} warm-up, the "
         "systems taking turns in each round; synthetic "
         "context (random cache). (a) ×tok/s = (a)'s tokens/s over the row's; ÷B/token = "
-        f"the row's bytes/token over (a)'s. torch {torch.__version__}, "
+        "the row's bytes/token over (a)'s; ops/step = the top-level aten ops one step "
+        "issues (torch.profiler), in ops = their share of that profiled step's wall time "
+        f"(the rest: Python and dispatch on the host). torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
     for r in rows:
