@@ -15,7 +15,14 @@ from kvstack.cache.rows import PackedRows, _rows_at
 from kvstack.config import preset
 from kvstack.engine.config import EngineConfig
 from kvstack.formats import dequantize, pack_rows, quantize, unpack_rows
-from kvstack.model.model import HyperConnection, MoE, RMSNorm, grouped_mm_by_group, rotate
+from kvstack.model.model import (
+    HyperConnection,
+    MoE,
+    RMSNorm,
+    grouped_mm_by_group,
+    rotate,
+    select_topk,
+)
 
 pytestmark = pytest.mark.skipif(not native.resolve("auto"), reason="no C compiler here")
 
@@ -197,6 +204,23 @@ def test_float_experts_equal_torchs_routing(limit):
             want = moe(x)
             with native.active(True):
                 assert torch.allclose(moe(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_select_topk_chooses_torchs_entries():
+    """Ties (to the earlier entry), both zeros, -inf entries dropped (fewer visible than
+    k), NaN, k equal to the width: the same indices, ascending, -1 after them."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(-3, 4, (4, 3, 40), generator=g).float()
+    scores[0, 0, ::2] = -0.0
+    scores[0, 1] = 0.0
+    scores[1, :, 10:] = float("-inf")  # 10 visible, k 16
+    scores[2, 0, 7] = float("nan")
+    scores[3] = torch.randn(3, 40, generator=g)
+    for k in (16, 40):
+        want = select_topk(scores, k)
+        with torch.no_grad(), native.active(True):
+            assert torch.equal(select_topk(scores, k), want)
+    assert (select_topk(scores, 16)[1, :, 10:] == -1).all()
 
 
 def test_the_engine_decodes_the_same_tokens_with_the_c_kernels_as_with_torch():

@@ -609,6 +609,8 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The k best entries per query in ascending position, -1 for missing ones (fewer
     visible than k). Ties go to the earlier entry, so every chunking selects alike."""
     k = min(k, scores.shape[-1])
+    if k and native.fuses(scores):
+        return native.select_topk(scores, k)
     order = first_k_descending(scores, k)
     n = scores.shape[-1]
     chosen = order.masked_fill(scores.gather(-1, order) == float("-inf"), n)

@@ -84,6 +84,7 @@ _SIGNATURES = {
     "kv_rope": [_P, _I, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P],
     "kv_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
     "kv_experts_swiglu": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, ctypes.c_float, _P, _P],
+    "kv_select_topk": [_P, _I, _I, _I, _P, _P],
     "kv_quantize": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P],
 }
 _RESTYPES = {"kv_weights_isa": ctypes.c_int, "kv_fp8_has_nan": ctypes.c_int,
@@ -565,4 +566,16 @@ def experts_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torc
     _load().kv_experts_swiglu(_ptr(x), x.shape[0], x.shape[1], _ptr(w1), _ptr(w2), _ptr(w3),
                               inter, _ptr(chosen), _ptr(weights), chosen.shape[1], limit,
                               _ptr(hidden), _ptr(out))
+    return out
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`kvstack.model.model.select_topk` of float32 scores [..., N] with k <= N: the same
+    entries, [..., k] int64."""
+    scores = scores.contiguous()
+    n = scores.shape[-1]
+    out = torch.empty(*scores.shape[:-1], k, dtype=torch.int64)
+    heap = torch.empty(k, dtype=torch.int64)
+    _load().kv_select_topk(_ptr(scores), scores.numel() // n if n else 0, n, k, _ptr(heap),
+                           _ptr(out))
     return out

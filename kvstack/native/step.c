@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -318,5 +319,58 @@ void kv_experts_swiglu(const float *x, int64_t n, int64_t dim, const float *w1,
         }
         if (k == 0)
             for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
+    }
+}
+
+/* ---- the indexer's top-k (kvstack.model.model.select_topk) ---------------------------
+ * Per row of scores [rows, n]: the k best entries of a stable descending sort (ties to
+ * the earlier entry; -0.0 as +0.0; a NaN above everything, as the float's bits order
+ * it), those scoring -inf dropped, in ascending position, -1 after them: out [rows, k].
+ * Each score becomes the int64 key the torch code builds (the float's order in the high
+ * half, the reversed index in the low half), so the choice is the same entries. */
+
+static inline void sift_down(int64_t *heap, int64_t size, int64_t i) {
+    for (;;) {
+        int64_t least = i, l = 2 * i + 1, r = l + 1;
+        if (l < size && heap[l] < heap[least]) least = l;
+        if (r < size && heap[r] < heap[least]) least = r;
+        if (least == i) return;
+        const int64_t t = heap[i];
+        heap[i] = heap[least];
+        heap[least] = t;
+        i = least;
+    }
+}
+
+static int ascending(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+void kv_select_topk(const float *scores, int64_t rows, int64_t n, int64_t k, int64_t *heap,
+                    int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *s = scores + r * n;
+        int64_t size = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const int32_t bits = (int32_t)bits_of(s[i] + 0.0f);
+            const int64_t ordered = bits >= 0 ? (int64_t)bits : (int64_t)(bits ^ 0x7FFFFFFF);
+            const int64_t key = (int64_t)(((uint64_t)ordered << 32) | (uint64_t)(n - 1 - i));
+            if (size < k) {  /* fill, then keep the heap's least on top */
+                heap[size++] = key;
+                if (size == k)
+                    for (int64_t j = k / 2 - 1; j >= 0; j--) sift_down(heap, k, j);
+            } else if (key > heap[0]) {
+                heap[0] = key;
+                sift_down(heap, k, 0);
+            }
+        }
+        int64_t *o = out + r * k, kept = 0;
+        for (int64_t j = 0; j < size; j++) {
+            const int64_t i = n - 1 - (heap[j] & 0xFFFFFFFF);
+            if (s[i] != -INFINITY) o[kept++] = i;
+        }
+        qsort(o, (size_t)kept, sizeof(int64_t), ascending);
+        for (int64_t j = kept; j < k; j++) o[j] = -1;
     }
 }
