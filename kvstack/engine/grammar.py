@@ -11,6 +11,7 @@ Compiled schemas are cached by their text.
 
 import functools
 import json
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,16 @@ class Grammars:
 
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._bitmasks: dict[int, torch.Tensor] = {}  # by the number of rows masked at once
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """The bitmask buffer for `rows` constrained rows of a step: allocated on the first
+        step with that many, then refilled."""
+        if rows not in self._bitmasks:
+            import xgrammar
+
+            self._bitmasks[rows] = xgrammar.allocate_token_bitmask(rows, self.vocab_size)
+        return self._bitmasks[rows]
 
     @functools.cached_property
     def _compiler(self) -> Any:
@@ -53,24 +64,18 @@ class Grammars:
     def matcher(self, schema: str) -> "Matcher":
         import xgrammar
 
-        return Matcher(xgrammar.GrammarMatcher(self._compiled(schema)), self.vocab_size)
+        return Matcher(xgrammar.GrammarMatcher(self._compiled(schema)), self)
 
 
 class Matcher:
     """One reply's place in its grammar."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
-        import xgrammar
+    def __init__(self, matcher: Any, grammars: Grammars) -> None:
+        self._matcher, self.grammars = matcher, grammars
 
-        self._matcher, self._xgr = matcher, xgrammar
-        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
-
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [vocab] with the tokens the grammar does not allow next at -inf."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        masked = logits.float().clone()[None]
-        self._xgr.apply_token_bitmask_inplace(masked, self._bitmask.to(masked.device))
-        return masked[0]
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask`: the tokens the grammar allows next."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> None:
         if not self._matcher.accept_token(token):
@@ -79,3 +84,19 @@ class Matcher:
     @property
     def done(self) -> bool:
         return self._matcher.is_terminated()
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int],
+              matchers: Sequence[Matcher]) -> torch.Tensor:
+    """A float copy of logits[rows] ([len(rows), vocab], row j held by matchers[j]) with
+    the tokens each grammar does not allow next at -inf. The matchers fill one bitmask and
+    one application masks every row; only these rows are copied, so the raw logits stay
+    as they are for the other rows and for log-probabilities."""
+    import xgrammar
+
+    bitmask = matchers[0].grammars.bitmask(len(rows))
+    for j, matcher in enumerate(matchers):
+        matcher.fill(bitmask, j)
+    masked = logits[rows].float()  # indexing by a list copies
+    xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
+    return masked
