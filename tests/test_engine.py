@@ -547,10 +547,10 @@ def test_a_batch_masks_its_constrained_rows_with_one_application(monkeypatch):
                         lambda rows, size: allocated.append(rows) or allocate(rows, size))
 
     def request(schema: str | None, **settings) -> SimpleNamespace:
-        return SimpleNamespace(params=SamplingParams(json_schema=schema, **settings),
-                               generator=None, prompt_ids=[1], output_ids=[],
+        params = SamplingParams(json_schema=schema, **settings)
+        return SimpleNamespace(params=params, generator=None, prompt_ids=[1], output_ids=[],
                                end_ids=frozenset(),
-                               grammar=schema and grammars.matcher(schema))
+                               grammar=grammars.matcher(params) if schema else None)
 
     requests = [request(schemas[0], temperature=0), request(None, temperature=0),
                 request(schemas[1], temperature=0), request(None, temperature=0),

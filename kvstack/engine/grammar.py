@@ -1,12 +1,13 @@
 """Structured output: replies held to a JSON schema by xgrammar's token masks.
 
-A request with `SamplingParams.json_schema` gets a matcher of the compiled schema. Before
+A request with `SamplingParams.json_schema` gets a matcher of the compiled schema (with
+`structural_tag`, of xgrammar's structural tag: text and JSON in a set shape). Before
 each of its tokens is sampled, the tokens the grammar does not allow next are masked out
 of its logits; the sampled token then advances the matcher; the reply ends when the
 grammar is complete (or at the end-of-sequence token it then allows). xgrammar (vLLM's
 default structured-output backend) compiles from the tokenizer's vocabulary alone, on the
 CPU; it is imported on first use, so engines that never constrain a reply do not need it.
-Compiled schemas are cached by their text.
+Compiled grammars are cached by their text.
 """
 
 import functools
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from kvstack.engine.sampling import SamplingParams
     from kvstack.engine.tokenizer import Tokenizer
 
 ANY_OBJECT = '{"type": "object"}'  # OpenAI's json_object: any JSON object
@@ -54,17 +56,26 @@ class Grammars:
         return xgrammar.GrammarCompiler(info)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 (one Grammars per engine, kept for its life)
-    def _compiled(self, schema: str) -> Any:
+    def _compiled(self, kind: str, text: str) -> Any:
         try:
-            json.loads(schema)
-            return self._compiler.compile_json_schema(schema, any_whitespace=False)
-        except (ValueError, RuntimeError) as e:
-            raise ValueError(f"json_schema: not a schema xgrammar compiles ({e})") from None
+            json.loads(text)
+            if kind == "structural_tag":
+                return self._compiler.compile_structural_tag(json.dumps(_compact(
+                    json.loads(text))))
+            return self._compiler.compile_json_schema(text, any_whitespace=False)
+        except (ValueError, RuntimeError) as e:  # xgrammar's errors are among these
+            what = "a schema" if kind == "json_schema" else "a structural tag"
+            raise ValueError(f"{kind}: not {what} xgrammar compiles ({e})") from None
 
-    def matcher(self, schema: str) -> "Matcher":
+    def matcher(self, params: "SamplingParams") -> "Matcher":
+        """A matcher of the params' grammar (json_schema or structural_tag)."""
         import xgrammar
 
-        return Matcher(xgrammar.GrammarMatcher(self._compiled(schema)), self)
+        if params.structural_tag is not None:
+            compiled = self._compiled("structural_tag", params.structural_tag)
+        else:
+            compiled = self._compiled("json_schema", params.json_schema)
+        return Matcher(xgrammar.GrammarMatcher(compiled), self)
 
 
 class Matcher:
@@ -84,6 +95,24 @@ class Matcher:
     @property
     def done(self) -> bool:
         return self._matcher.is_terminated()
+
+
+def _compact(node: Any) -> Any:
+    """A structural tag with its JSON parts as compact as json_schema's: each JSON schema
+    in it becomes the grammar xgrammar makes of it without free whitespace (xgrammar lets
+    a structural tag's JSON have any whitespace, and a model that is unsure of the next
+    key can fill its reply with it)."""
+    import xgrammar
+
+    if isinstance(node, list):
+        return [_compact(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        grammar = xgrammar.Grammar.from_json_schema(json.dumps(node["json_schema"]),
+                                                    any_whitespace=False)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {key: _compact(value) for key, value in node.items()}
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int],

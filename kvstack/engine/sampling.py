@@ -39,6 +39,10 @@ class SamplingParams:
     # A JSON schema (as JSON text) the reply must match, enforced token by token
     # (`kvstack.engine.grammar`); '{"type": "object"}' is any JSON object.
     json_schema: str | None = None
+    # Or an xgrammar structural tag (JSON text; vLLM's `structural_tag`): literal text and
+    # JSON in a set order, e.g. a tool call between the markers of its model's syntax. Its
+    # JSON is compact as json_schema's is (no whitespace but after `,` and `:`).
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,10 +100,18 @@ class SamplingParams:
              f"{dict(self.logit_bias)!r}"),
             (self.json_schema is None or isinstance(self.json_schema, str),
              f"json_schema must be a JSON schema as text, got {type(self.json_schema)}"),
+            (self.structural_tag is None or (isinstance(self.structural_tag, str)
+                                             and self.json_schema is None),
+             "structural_tag must be a structural tag as text, and not with json_schema"),
         )
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"SamplingParams: {message}")
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar holds the reply (json_schema or structural_tag)."""
+        return self.json_schema is not None or self.structural_tag is not None
 
     @property
     def penalised(self) -> bool:
