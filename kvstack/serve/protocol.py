@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvstack.engine.grammar import ANY_OBJECT
 from kvstack.engine.sampling import SamplingParams
-from kvstack.serve.tool_calls import JsonParser, ToolCall, ToolParser
+from kvstack.serve.tool_calls import ToolCall, ToolParser
 
 # API fields kvstack does not implement, with the value that means "off".
 UNSUPPORTED = {
@@ -24,9 +24,6 @@ UNSUPPORTED = {
     "audio": (None,), "prediction": (None,), "service_tier": (None, "auto", "default"),
     "reasoning_effort": (None,), "store": (None, False), "metadata": (None, {}),
 }
-
-
-JSON_CALLS = JsonParser()  # kvstack's own tool-call form, the plain template's
 
 
 class APIError(Exception):
@@ -134,8 +131,8 @@ class _Request(BaseModel):
             pairs.append((int(key), bias))
         return tuple(pairs)
 
-    def sampling(self, max_tokens: int, extra_stop: tuple[str, ...] = (),
-                 parser: ToolParser = JSON_CALLS) -> SamplingParams:
+    def sampling(self, max_tokens: int, extra_stop: tuple[str, ...],
+                 parser: ToolParser) -> SamplingParams:
         """The request's sampling parameters; a tool call that is due is held to
         `parser`'s syntax."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -183,7 +180,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's answer to that call
 
-    def text(self, parser: ToolParser = JSON_CALLS) -> str:
+    def text(self, parser: ToolParser) -> str:
         """The message as the template renders it: its text, or an assistant's tool calls
         as the model writes them (in `parser`'s syntax)."""
         if self.tool_calls:
