@@ -864,3 +864,7 @@ def test_a_hermes_template_gets_its_tool_calls_parsed_and_held_to_its_syntax(tmp
         tokens = client.post("/tokenize", json={"messages": history}).json()["tokens"]
         assert ('<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}'
                 '\n</tool_call><|im_end|>') in engine.llm.tokenizer.decode(tokens)
+    build_app(engine, ServeConfig("m", tool_call_parser="json"))  # the operator's choice
+    assert "tool calls in the json syntax (by --tool-call-parser)" in caplog.text
+    with pytest.raises(ValueError, match="--tool-call-parser 'qwen': one of json, hermes"):
+        ServeConfig("m", tool_call_parser="qwen")
