@@ -12,11 +12,13 @@ vLLM's names), or by the one the template's text names unambiguously:
   `<|python_tag|>`, several separated by `;`;
 - `mistral`: `[TOOL_CALLS][{"name", "arguments"}, ...]` after any text.
 
-A parser answers three questions: which calls a finished reply holds and the text around
+A parser answers four questions: which calls a finished reply holds and the text around
 them (a malformed call, or one of a function not offered, leaves the whole reply as text);
 how much of a reply still being written is text for sure (what a stream may send before a
-call's start marker shows up); and what a reply must look like when a call is due
-(tool_choice required or a named function): the grammar of one call in the syntax.
+call's start marker shows up); how calls sent back in a conversation's history are
+written (as the model would have written them, so the history reads as it was); and
+what a reply must look like when a call is due (tool_choice required or a named
+function): the grammar of one call in the syntax.
 """
 
 import json
@@ -86,14 +88,6 @@ class ToolParser:
         return json.dumps({"name": call.name, self.arguments_key: call.arguments})
 
 
-def _held_tail(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
 def _decode_all(text: str, separator: str = "") -> list[Any] | None:
     """The JSON values `text` holds one after another (whitespace and, between them, the
     separator allowed), or None if anything else is in it."""
@@ -135,7 +129,22 @@ class JsonParser(ToolParser):
         return json.dumps(values[0] if len(values) == 1 else values)
 
 
-class HermesParser(ToolParser):
+class _MarkedParser(ToolParser):
+    """A syntax whose calls start at a marker, after any text."""
+
+    start: ClassVar[str]
+
+    def text_end(self, text: str) -> int:
+        at = text.find(self.start)
+        if at >= 0:
+            return at
+        for n in range(min(len(text), len(self.start) - 1), 0, -1):
+            if self.start.startswith(text[-n:]):  # the marker may be starting
+                return len(text) - n
+        return len(text)
+
+
+class HermesParser(_MarkedParser):
     """Hermes and Qwen: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>` blocks."""
 
     name = "hermes"
@@ -156,10 +165,6 @@ class HermesParser(ToolParser):
         if calls is None:
             return None
         return Parsed(self._block.sub("", text).strip() or None, calls)
-
-    def text_end(self, text: str) -> int:
-        at = text.find(self.start)
-        return at if at >= 0 else len(text) - _held_tail(text, self.start)
 
     def render(self, calls: list[ToolCall]) -> str:
         return "\n".join(f"{self.start}\n{self._json(c)}\n{self.end}" for c in calls)
@@ -202,7 +207,7 @@ class Llama3JsonParser(ToolParser):
         return super()._call(value, functions)
 
 
-class MistralParser(ToolParser):
+class MistralParser(_MarkedParser):
     """Mistral: `[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`."""
 
     name = "mistral"
@@ -218,10 +223,6 @@ class MistralParser(ToolParser):
         flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
         calls = self._calls(flat, functions)
         return Parsed(before.strip() or None, calls) if calls else None
-
-    def text_end(self, text: str) -> int:
-        at = text.find(self.start)
-        return at if at >= 0 else len(text) - _held_tail(text, self.start)
 
     def render(self, calls: list[ToolCall]) -> str:
         return self.start + json.dumps([{"name": c.name, "arguments": c.arguments}
