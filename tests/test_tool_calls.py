@@ -144,5 +144,20 @@ def test_a_due_call_is_held_to_the_parsers_syntax(name):
         return matcher.accept_string(text) and matcher.accept_token(ByteTokenizer.eos_id)
 
     assert accepts(parser.render([ADD]))
+    assert not accepts(parser.render([ADD]).replace(": ", ":  "))  # compact JSON only
     assert not accepts(parser.render([ToolCall("add", {"a": 2})]))
     assert not accepts("I will add them. " + parser.render([ADD]))
+
+
+def test_a_structural_tag_that_does_not_compile_is_a_value_error():
+    from kvstack import SamplingParams
+    from kvstack.engine.grammar import Grammars
+    from kvstack.engine.tokenizer import ByteTokenizer
+
+    grammars = Grammars(ByteTokenizer(), ByteTokenizer.vocab_size)
+    for tag in ('{"type": "structural_tag", "format": {"type": "nope"}}',
+                '{"type": "structural_tag", "format": {"type": "json_schema"}}', "{not json"):
+        with pytest.raises(ValueError, match="structural_tag: not a structural tag"):
+            grammars.matcher(SamplingParams(structural_tag=tag))
+    with pytest.raises(ValueError, match="not with json_schema"):
+        SamplingParams(json_schema="{}", structural_tag="{}")

@@ -108,7 +108,8 @@ def _compact(node: Any) -> Any:
         return [_compact(n) for n in node]
     if not isinstance(node, dict):
         return node
-    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+    if (node.get("type") == "json_schema" and "json_schema" in node
+            and node.get("style", "json") == "json"):
         grammar = xgrammar.Grammar.from_json_schema(json.dumps(node["json_schema"]),
                                                     any_whitespace=False)
         return {"type": "grammar", "grammar": str(grammar)}
