@@ -25,7 +25,8 @@ ANY_OBJECT = '{"type": "object"}'  # OpenAI's json_object: any JSON object
 
 
 class Grammars:
-    """The compiler for one tokenizer and model vocabulary, and the schemas compiled."""
+    """The compiler for one tokenizer and model vocabulary, the grammars compiled, and the
+    bitmask buffers of the sampler."""
 
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
@@ -58,10 +59,9 @@ class Grammars:
     @functools.lru_cache(maxsize=64)  # noqa: B019 (one Grammars per engine, kept for its life)
     def _compiled(self, kind: str, text: str) -> Any:
         try:
-            json.loads(text)
+            data = json.loads(text)
             if kind == "structural_tag":
-                return self._compiler.compile_structural_tag(json.dumps(_compact(
-                    json.loads(text))))
+                return self._compiler.compile_structural_tag(json.dumps(_compact(data)))
             return self._compiler.compile_json_schema(text, any_whitespace=False)
         except (ValueError, RuntimeError) as e:  # xgrammar's errors are among these
             what = "a schema" if kind == "json_schema" else "a structural tag"
