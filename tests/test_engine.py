@@ -489,3 +489,87 @@ def test_a_json_schema_holds_the_reply_with_a_byte_tokenizer():
         assert isinstance(json.loads(out.text)["ok"], bool) and out.finish_reason == "stop"
     with pytest.raises(ValueError, match="json_schema"):
         llm.generate("x", SamplingParams(json_schema="{not json"))
+
+
+def test_constrained_rows_of_a_batch_decode_as_they_do_alone():
+    import json
+
+    llm = LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16)
+    flag = {"type": "object", "required": ["ok"], "additionalProperties": False,
+            "properties": {"ok": {"type": "boolean"}}}
+    tagged = {"type": "object", "required": ["n", "tag"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                             "tag": {"enum": ["red", "green", "blue"]}}}
+    prompts = ["x", "def f(", "y = ", "hello", "{", "import "]
+    params = [SamplingParams(max_tokens=40, temperature=0, json_schema=json.dumps(flag)),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0, json_schema=json.dumps(tagged)),
+              SamplingParams(max_tokens=40, temperature=0, json_schema=json.dumps(tagged),
+                             logprobs=2, repetition_penalty=1.3),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=3,
+                             json_schema=json.dumps(flag))]
+    batch = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, batch, strict=True):
+        alone = llm.generate(prompt, p)[0]
+        assert out.token_ids == alone.token_ids, prompt
+        if p.json_schema is None:
+            continue
+        reply = json.loads(out.text)
+        assert out.finish_reason == "stop"
+        if p.json_schema == json.dumps(flag):
+            assert set(reply) == {"ok"} and isinstance(reply["ok"], bool)
+        else:
+            assert set(reply) == {"n", "tag"} and 0 <= reply["n"] <= 999
+            assert reply["tag"] in ("red", "green", "blue")
+
+
+def test_a_batch_masks_its_constrained_rows_with_one_application(monkeypatch):
+    import json
+    from types import SimpleNamespace
+
+    import xgrammar
+
+    from kvstack.engine.grammar import Grammars
+    from kvstack.engine.sampling import sample_batch
+    from kvstack.engine.tokenizer import ByteTokenizer
+
+    vocab = ByteTokenizer.vocab_size
+    grammars = Grammars(ByteTokenizer(), vocab)
+    schemas = [json.dumps({"type": "object", "required": [k], "additionalProperties": False,
+                           "properties": {k: {"type": "boolean"}}}) for k in ("a", "b")]
+    applied, allocated = [], []
+    apply, allocate = xgrammar.apply_token_bitmask_inplace, xgrammar.allocate_token_bitmask
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace",
+                        lambda logits, mask, **kw: applied.append(len(logits)) or apply(
+                            logits, mask, **kw))
+    monkeypatch.setattr(xgrammar, "allocate_token_bitmask",
+                        lambda rows, size: allocated.append(rows) or allocate(rows, size))
+
+    def request(schema: str | None, **settings) -> SimpleNamespace:
+        params = SamplingParams(json_schema=schema, **settings)
+        return SimpleNamespace(params=params, generator=None, prompt_ids=[1], output_ids=[],
+                               end_ids=frozenset(),
+                               grammar=grammars.matcher(params) if schema else None)
+
+    requests = [request(schemas[0], temperature=0), request(None, temperature=0),
+                request(schemas[1], temperature=0), request(None, temperature=0),
+                request(schemas[0], temperature=0, logprobs=1)]
+    logits = torch.randn(len(requests), vocab, generator=torch.Generator().manual_seed(0))
+    raw = logits.clone()
+    for step in range(3):
+        samples = sample_batch(logits, requests)
+        assert applied == [3] * (step + 1) and allocated == [3]  # one buffer, reused
+        assert torch.equal(logits, raw)  # the raw logits untouched
+        for i in (1, 3):  # unconstrained rows: their own argmax
+            assert samples[i].token == int(raw[i].argmax())
+        for i in (0, 2, 4):  # constrained: as masked alone, by the row's own bitmask
+            alone, row = allocate(1, vocab), raw[i : i + 1].clone()
+            requests[i].grammar.fill(alone, 0)
+            apply(row, alone)
+            assert samples[i].token == int(row.argmax())
+        assert samples[4].logprobs.logprob == pytest.approx(
+            float(raw[4].log_softmax(-1)[samples[4].token]))
+        for r, s in zip(requests, samples, strict=True):
+            if r.grammar is not None:
+                r.grammar.accept(s.token)

@@ -789,3 +789,82 @@ def test_a_jinja_chat_template_from_tokenizer_config_renders_as_transformers_doe
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if"}))
     with pytest.raises(ValueError, match="chat_template cannot be used"):
         ChatTemplate.for_model(tmp_path)
+
+
+HERMES = (CHATML.replace("{{ tools | tojson }}", "call one as <tool_call>{\"name\": ..., "
+                         "\"arguments\": ...}</tool_call>: {% for t in tools %}"
+                         "{{ t.function.name }} {% endfor %}"))
+SMALL_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["a"],
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}}}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"enum": ["Oslo", "Rome"]}}}}}]
+
+
+def test_a_hermes_template_gets_its_tool_calls_parsed_and_held_to_its_syntax(tmp_path,
+                                                                             caplog):
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from kvstack import AsyncLLM
+    from kvstack.engine.tokenizer import byte_level_tokenizer_json
+    from kvstack.serve.app import ServeConfig, build_app
+
+    LLM("tiny", random_init=True, kv_budget="1MiB", block_tokens=16).model.save_pretrained(
+        tmp_path)
+    (tmp_path / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": HERMES, "eos_token": {"content": "<|eos|>"}}))
+    caplog.set_level(logging.INFO, "kvstack")
+    engine = AsyncLLM(LLM(tmp_path, kv_budget="1MiB", block_tokens=16, cache_dir=tmp_path))
+    messages = [{"role": "user", "content": "what is 2 + 3?"}]
+    with TestClient(build_app(engine, ServeConfig("m"))) as client:
+        assert "tool calls in the hermes syntax (by the chat template)" in caplog.text
+
+        def ask(**extra):
+            return client.post("/v1/chat/completions", json={
+                "model": "m", "messages": messages, "tools": SMALL_TOOLS, "max_tokens": 80,
+                "temperature": 0} | extra)
+
+        out = ask(tool_choice={"type": "function", "function": {"name": "add"}},
+                  return_token_ids=True).json()["choices"][0]
+        assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
+        [call] = out["message"]["tool_calls"]
+        assert call["type"] == "function" and call["function"]["name"] == "add"
+        assert 0 <= json.loads(call["function"]["arguments"])["a"] <= 99
+        written = engine.llm.tokenizer.decode(out["token_ids"])  # the model's own syntax
+        assert written.startswith('<tool_call>\n{"name": "add", "arguments": {"a": ')
+        assert written.endswith("}}\n</tool_call>")
+
+        def streamed(**extra) -> list[dict]:
+            body = ask(stream=True, **extra).text
+            return [json.loads(line[6:])["choices"][0] for line in body.splitlines()
+                    if line.startswith("data: {")]
+
+        chunks = streamed(tool_choice="required")
+        assert not "".join(c["delta"].get("content") or "" for c in chunks)  # no marker
+        calls = [tc for c in chunks for tc in c["delta"].get("tool_calls") or []]
+        assert len(calls) == 1 and calls[0]["function"]["name"] in ("add", "get_weather")
+        assert json.loads(calls[0]["function"]["arguments"]) and calls[0]["index"] == 0
+        assert chunks[-1]["finish_reason"] == "tool_calls"
+        # Cut short, the call is malformed: it comes back as text (streamed too), not a 500.
+        short = ask(tool_choice="required", max_tokens=6).json()["choices"][0]
+        assert short["finish_reason"] == "length" and "tool_calls" not in short["message"]
+        assert short["message"]["content"] == "<tool_"  # six byte tokens
+        chunks = streamed(tool_choice="required", max_tokens=6)
+        assert "".join(c["delta"].get("content") or "" for c in chunks) == short[
+            "message"]["content"]
+        # A call sent back in the history is written as the model writes it.
+        history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function", "function": {
+                "name": "add", "arguments": '{"a": 2}'}}]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+        tokens = client.post("/tokenize", json={"messages": history}).json()["tokens"]
+        assert ('<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}'
+                '\n</tool_call><|im_end|>') in engine.llm.tokenizer.decode(tokens)
+    build_app(engine, ServeConfig("m", tool_call_parser="json"))  # the operator's choice
+    assert "tool calls in the json syntax (by --tool-call-parser)" in caplog.text
+    with pytest.raises(ValueError, match="--tool-call-parser 'qwen': one of json, hermes"):
+        ServeConfig("m", tool_call_parser="qwen")

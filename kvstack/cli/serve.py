@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from kvstack.cli.engine_args import add_engine_args, load_llm
+from kvstack.serve.tool_calls import PARSERS
 from kvstack.units import parse_bytes, positive_int
 
 
@@ -49,6 +50,11 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
                        help="open connections at most; past it a new one replaces the "
                             "oldest that is still waiting for a request (default: "
                             "%(default)s)")
+    serve.add_argument("--tool-call-parser", choices=tuple(PARSERS),
+                       help="the syntax the model writes tool calls in (vLLM's names): json "
+                            "(kvstack's {\"name\", \"arguments\"}), hermes (<tool_call>), "
+                            "llama3_json, mistral ([TOOL_CALLS]) (default: the one the chat "
+                            "template's text names, else json)")
     serve.set_defaults(run=run)
 
 
@@ -74,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, grace_period_s=args.grace_period,
         max_body_bytes=parse_bytes(args.max_body_size, "--max-body-size"),
         request_timeout_s=args.request_timeout, max_connections=args.max_connections,
-        default_max_tokens=args.default_max_tokens)
+        default_max_tokens=args.default_max_tokens, tool_call_parser=args.tool_call_parser)
     # A port in use is said before the model loads (by rank 0 alone: under torchrun the
     # other ranks serve as workers inside load_llm and never listen).
     sock = bind(config) if int(os.environ.get("RANK", "0")) == 0 else None

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 TEMPLATE_FILE = "chat_template.json"
 HF_CONFIG = "tokenizer_config.json"  # where a Hugging Face model keeps its Jinja template
@@ -34,6 +34,7 @@ class ChatTemplate:
     message: str = "{role}: {content}\n"
     generation: str = "assistant:"
     stop: tuple[str, ...] = ("\nuser:", "\nsystem:")
+    source: ClassVar[str | None] = None  # no Jinja text to tell a tool-call syntax by
 
     @classmethod
     def for_model(cls, model_dir: Path | None) -> "ChatTemplate | JinjaTemplate":
@@ -89,6 +90,9 @@ class JinjaTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(source)
         self._tool_template = env.from_string(tool_source) if tool_source else None
+        # The Jinja text (with the tool_use template's): what it writes tells the syntax
+        # of the model's tool calls (`kvstack.serve.tool_calls.detect`).
+        self.source = "\n".join(t for t in (source, tool_source) if t)
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod

@@ -86,7 +86,7 @@ class EngineCore:
             self.runner = ParallelRunner(model, config, self.cache, workers)
         self.stopped: str | None = None  # why the engine cannot go on (a lost rank)
         self.router = OutputRouter()
-        self.grammars = Grammars(tokenizer, model.config.vocab_size)  # json_schema replies
+        self.grammars = Grammars(tokenizer, model.config.vocab_size)  # constrained replies
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._idle_steps = 0
@@ -145,8 +145,7 @@ class EngineCore:
         end_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos or self.tokenizer.eos_id is None
             else frozenset({self.tokenizer.eos_id}))
-        grammar = None if params.json_schema is None else self.grammars.matcher(
-            params.json_schema)
+        grammar = self.grammars.matcher(params) if params.constrained else None
         if previous is not None:  # a conversation stays in its own partition
             cache_salt = previous.cache_salt
         seq = Sequence(request_id, ids, params, prompt, generator=generator,

@@ -39,6 +39,10 @@ class SamplingParams:
     # A JSON schema (as JSON text) the reply must match, enforced token by token
     # (`kvstack.engine.grammar`); '{"type": "object"}' is any JSON object.
     json_schema: str | None = None
+    # Or an xgrammar structural tag (JSON text; vLLM's `structural_tag`): literal text and
+    # JSON in a set order, e.g. a tool call between the markers of its model's syntax. Its
+    # JSON is compact as json_schema's is (no whitespace but after `,` and `:`).
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,18 +100,27 @@ class SamplingParams:
              f"{dict(self.logit_bias)!r}"),
             (self.json_schema is None or isinstance(self.json_schema, str),
              f"json_schema must be a JSON schema as text, got {type(self.json_schema)}"),
+            (self.structural_tag is None or (isinstance(self.structural_tag, str)
+                                             and self.json_schema is None),
+             "structural_tag must be a structural tag as text, and not with json_schema"),
         )
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"SamplingParams: {message}")
 
     @property
+    def constrained(self) -> bool:
+        """Whether a grammar holds the reply (json_schema or structural_tag)."""
+        return self.json_schema is not None or self.structural_tag is not None
+
+    @property
     def penalised(self) -> bool:
         """Whether its logits are changed before sampling (penalties, biases, ends held
-        back): a row of its own in the sampler."""
+        back): a row of its own in the sampler (a grammar's mask is applied apart, to all
+        the constrained rows of a batch at once)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1 or bool(self.logit_bias)
-                or self.min_tokens > 0 or self.json_schema is not None)
+                or self.min_tokens > 0)
 
 
 class TokenLogprobs(NamedTuple):
@@ -143,12 +156,10 @@ class Sampled(Protocol):
 
 
 def penalise(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-             output_ids: Sequence[int], end_ids: frozenset[int] = frozenset(),
-             grammar: "Matcher | None" = None) -> torch.Tensor:
+             output_ids: Sequence[int], end_ids: frozenset[int] = frozenset()) -> torch.Tensor:
     """Next-token logits [vocab] with the repetition, presence and frequency penalties,
-    the logit biases, before min_tokens the ending tokens ruled out, and with a grammar
-    the tokens it does not allow next."""
-    logits = logits.float().clone() if grammar is None else grammar.mask(logits)
+    the logit biases, and before min_tokens the ending tokens ruled out."""
+    logits = logits.float().clone()
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias, strict=True)
         logits[list(ids)] += torch.tensor(biases, device=logits.device)
@@ -187,24 +198,35 @@ def sample(logits: torch.Tensor, params: SamplingParams,
 
 def sample_batch(logits: torch.Tensor, requests: Sequence[Sampled]) -> list[Sample]:
     """One token per row of logits [B, vocab]: the plain greedy rows by one argmax, read
-    back with each row's finiteness in one copy to the host; the others (sampled,
-    penalised, or asking for log-probabilities) one by one. Non-finite logits (a fault
-    somewhere in the step: nothing on the way was looked at) raise FloatingPointError
-    rather than yield a token."""
+    back with each row's finiteness in one copy to the host; the rows held to a grammar
+    masked together (one bitmask, one application), their greedy ones by one more argmax;
+    the others (sampled, penalised, or asking for log-probabilities) one by one.
+    Non-finite logits (a fault somewhere in the step: nothing on the way was looked at)
+    raise FloatingPointError rather than yield a token."""
     argmax, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)
     greedy_ids, finite_rows = torch.stack((argmax, finite.long())).tolist()
     if not all(finite_rows):
         bad = [i for i, ok in enumerate(finite_rows) if not ok]
         raise FloatingPointError(f"non-finite logits in rows {bad} of a decode batch of "
                                  f"{len(finite_rows)}")
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    masked: dict[int, torch.Tensor] = {}
+    if constrained:
+        from kvstack.engine.grammar import mask_rows
+
+        rows = mask_rows(logits, constrained, [requests[i].grammar for i in constrained])
+        masked = dict(zip(constrained, rows, strict=True))
+        for i, token in zip(constrained, rows.argmax(-1).tolist(), strict=True):
+            greedy_ids[i] = token
     samples = []
     for i, r in enumerate(requests):
         p = r.params
         if p.temperature == 0 and not p.penalised and p.logprobs is None:
             samples.append(Sample(greedy_ids[i], None))
             continue
-        row = (penalise(logits[i], p, r.prompt_ids, r.output_ids, r.end_ids, r.grammar)
-               if p.penalised else logits[i])
+        row = masked.get(i, logits[i])
+        if p.penalised:
+            row = penalise(row, p, r.prompt_ids, r.output_ids, r.end_ids)
         token = sample(row, p, r.generator)
         entry = None
         if p.logprobs is not None:

@@ -38,7 +38,7 @@ class Sequence:
     keep_cache: bool = False  # keep the store after finishing, for a follow-up turn
     cache_salt: str | None = None  # the prefix-cache partition it reads and writes
     end_ids: frozenset[int] = frozenset()  # tokens that end it (eos unless ignored, stop ids)
-    grammar: "Matcher | None" = None  # its structured-output matcher (json_schema)
+    grammar: "Matcher | None" = None  # its structured-output matcher, if constrained
     # Its kept cache is evicted only after its owner saved it (`end_hold`) or
     # KEPT_HOLD_S after it finished: a session's save must find the blocks it just wrote.
     hold_kept: bool = False

@@ -44,6 +44,7 @@ from kvstack.serve.protocol import (
 )
 from kvstack.serve.reporting import AccessLog, log_stats
 from kvstack.serve.sessions import HttpSessions
+from kvstack.serve.tool_calls import PARSERS, ToolParser, tool_parser
 
 log = logging.getLogger("kvstack")
 SESSION_HEADER = "x-kvstack-session"
@@ -66,6 +67,7 @@ class ServeConfig:
     default_max_tokens: int = 1024  # for a request that sets none (0: the rest of the context)
     stats_interval_s: float = 10.0  # a stats line this often while there is work
     long_request_s: float = 120.0  # a request running longer is logged (once)
+    tool_call_parser: str | None = None  # the syntax of tool calls; None: the template's
 
     def __post_init__(self) -> None:
         for key in self.api_keys:
@@ -85,6 +87,9 @@ class ServeConfig:
         for name in ("max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r}: one of "
+                             f"{', '.join(PARSERS)}")
 
 
 def bind(config: ServeConfig) -> socket.socket:
@@ -134,6 +139,8 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     metrics = ServerMetrics(llm, config.model_name)
     sessions = HttpSessions(engine, metrics)
     template = ChatTemplate.for_model(llm.model_dir)
+    parser, chosen_by = tool_parser(config.tool_call_parser, template.source)
+    log.info("kvstack serve: tool calls in the %s syntax (by %s)", parser.name, chosen_by)
     state = {"admitting": True, "in_flight": 0}
     limit = llm.engine_config.max_num_seqs + config.max_waiting
 
@@ -207,7 +214,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         text = body.prompt if body.messages is None else template.render(
-            [{"role": m.role, "content": m.text()} for m in body.messages])
+            [{"role": m.role, "content": m.text(parser)} for m in body.messages])
         if text is None:
             raise APIError(400, "give a prompt or messages", "prompt")
         ids = llm.tokenizer.encode(text) if text else []
@@ -256,7 +263,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     async def chat(body: ChatRequest, request: Request) -> Response:
         # The developer role is OpenAI's newer name for system.
         messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.text()} for m in body.messages]
+                     "content": m.text(parser)} for m in body.messages]
         tools = [{k: f[k] for k in ("name", "description", "parameters") if k in f}
                  for f in body.functions().values()]
         try:
@@ -316,12 +323,13 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         inputs = [PromptInput(ids, p if isinstance(p, str) else None, s)
                   for ids, p, s in zip(encoded, prompts, scores, strict=True)]
         # max_tokens 0 scores the prompt and generates nothing (no engine request).
-        params = [body.sampling(max(wanted, 1), stop)]
-        if params[0].json_schema is not None:  # compiled (and cached) before it is queued
+        params = [body.sampling(max(wanted, 1), stop, parser)]
+        if params[0].constrained:  # compiled (and cached) before it is queued
             try:
-                await asyncio.to_thread(llm.core.grammars.matcher, params[0].json_schema)
+                await asyncio.to_thread(llm.core.grammars.matcher, params[0])
             except ValueError as e:
-                raise APIError(400, str(e), "response_format") from None
+                field = "tools" if body.tool_grammar(parser) else "response_format"
+                raise APIError(400, str(e), field) from None
         vocab = llm.config.vocab_size
         for field, ids in (("stop_token_ids", params[0].stop_token_ids),
                            ("logit_bias", [t for t, _ in params[0].logit_bias])):
@@ -350,7 +358,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         cache_salt = "|".join(salts) if salts else None
         run = Run(engine, sessions, metrics, name, inputs, params, body, kind, tenant(request),
                   cache_salt, generate=wanted > 0, request_state=request.state,
-                  long_request_s=config.long_request_s)
+                  long_request_s=config.long_request_s, parser=parser)
         state["in_flight"] += 1
 
         def finished() -> None:
@@ -389,7 +397,8 @@ class Run:
                  session: str | None, prompts: list[PromptInput],
                  params: list[SamplingParams], body: _Request, kind: str,
                  tenant: str | None = None, cache_salt: str | None = None, *,
-                 generate: bool, request_state: Any, long_request_s: float) -> None:
+                 generate: bool, request_state: Any, long_request_s: float,
+                 parser: ToolParser) -> None:
         self.engine, self.sessions, self.metrics = engine, sessions, metrics
         self.tenant, self.cache_salt, self.generate = tenant, cache_salt, generate
         self.request_state = request_state  # the endpoint's usage goes there, for the log
@@ -402,9 +411,10 @@ class Run:
         self.finals: list[RequestOutput | None] = [None] * self.choices
         self.counted: set[int] = set()  # choices counted as aborted or failed
         self.tokenizer = engine.llm.tokenizer
-        # Tools on: streamed replies are held back and sent whole at the end (a tool call
-        # is known only then).
-        self.calls_tools = isinstance(body, ChatRequest) and bool(body.functions())
+        # Tools on: a reply's calls are found by the parser of the model's syntax; a stream
+        # sends text until a call may be starting, and the calls once the reply is done.
+        self.functions = body.functions() if isinstance(body, ChatRequest) else {}
+        self.parser = parser
 
     def _prompt(self, index: int) -> PromptInput:
         return self.prompts[index // len(self.params)]
@@ -523,9 +533,10 @@ class Run:
                                                     f"request: {out.error}",
                                                     kind="server_error").body()) + "\n\n"
                     break
-                delta, sent[index] = out.text[len(sent[index]):], out.text
-                if self.calls_tools and not out.finished:
-                    continue
+                done = len(sent[index])
+                upto = (self.parser.text_end(out.text) if self.functions and not out.finished
+                        else len(out.text))
+                delta, sent[index] = out.text[done:upto], out.text[:max(upto, done)]
                 if delta or out.finished:
                     yield self._event([self._choice(index, out, delta, sent_tokens[index],
                                                     out.finished)])
@@ -554,26 +565,30 @@ class Run:
     def _choice(self, index: int, out: RequestOutput, text: str, first_token: int,
                 final: bool) -> dict[str, Any]:
         """Choice `index` carrying `text` and the log-probabilities of its tokens from
-        `first_token` on (when asked for)."""
+        `first_token` on (when asked for); a finished reply that calls tools carries its
+        calls instead, and what text around them the stream has not sent."""
         reason = ("length" if out.finish_reason == "length" else "stop") if final else None
         prompt = self._prompt(index)
-        if self.calls_tools:  # a reply in tool mode is shown whole, once: a call or text
-            call = self.body.tool_call(out.text) if final else None
-            if call is not None:
-                delta_or_message = "delta" if self.body.stream else "message"
-                return {"index": index, delta_or_message: {
-                    "role": "assistant", "content": None, "tool_calls": [{
-                        **({"index": 0} if self.body.stream else {}),
-                        "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                        "function": call}]},
-                    "finish_reason": "tool_calls", "logprobs": None}
-            text = out.text if final else ""
+        parsed = self.parser.parse(out.text, self.functions) if (
+            final and self.functions) else None
         echo = first_token == 0 and getattr(self.body, "echo", False)
-        if self.kind != "chat.completion":
+        if parsed is not None:  # `text` is what the stream has not sent yet
+            sent = out.text[:len(out.text) - len(text)].strip()
+            rest = parsed.content or ""
+            rest = rest[len(sent):] if rest.startswith(sent) else ""
+            calls = [call.openai() for call in parsed.calls]
+            if self.body.stream:
+                content = {"delta": {"content": rest or None, "tool_calls": [
+                    {"index": i, **call} for i, call in enumerate(calls)]}}
+            else:
+                content = {"message": {"role": "assistant", "content": rest or None,
+                                       "tool_calls": calls}}
+            reason = "tool_calls"
+        elif self.kind != "chat.completion":
             if echo:  # the prompt first, in the choice's first text
                 text = (prompt.text if prompt.text is not None
                         else self.tokenizer.decode(prompt.ids)) + text
-            content: dict[str, Any] = {"text": text}
+            content = {"text": text}
         elif self.body.stream:
             content = {"delta": {"content": text}}
         else:

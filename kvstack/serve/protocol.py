@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvstack.engine.grammar import ANY_OBJECT
 from kvstack.engine.sampling import SamplingParams
+from kvstack.serve.tool_calls import ToolCall, ToolParser
 
 # API fields kvstack does not implement, with the value that means "off".
 UNSUPPORTED = {
@@ -93,12 +94,14 @@ class _Request(BaseModel):
         """Log-probabilities asked for: None, or how many of the likeliest tokens."""
         raise NotImplementedError
 
-    def tool_schema(self) -> str | None:
-        """The schema a tool call must follow (chat requests with tools); None here."""
+    def tool_grammar(self, parser: ToolParser) -> dict[str, str] | None:
+        """The grammar a tool call must follow (chat requests with tools); None here."""
         return None
 
-    def _json_schema(self) -> str | None:
-        tools = self.tool_schema()
+    def _grammar(self, parser: ToolParser) -> dict[str, str]:
+        """The SamplingParams fields of the reply's grammar: of a tool call that is due,
+        or of response_format; none for free text."""
+        tools = self.tool_grammar(parser)
         if tools is not None:
             if (self.response_format or {"type": "text"}).get("type") != "text":
                 raise APIError(400, "a reply cannot be held to both a tool call and "
@@ -107,16 +110,16 @@ class _Request(BaseModel):
         fmt = self.response_format or {"type": "text"}
         kind = fmt.get("type")
         if kind == "text":
-            return None
+            return {}
         if kind == "json_object":
-            return ANY_OBJECT
+            return {"json_schema": ANY_OBJECT}
         if kind == "json_schema":
             spec = fmt.get("json_schema")
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise APIError(400, "response_format.json_schema.schema: a JSON schema "
                                "object is needed", "response_format")
-            return json.dumps(schema)
+            return {"json_schema": json.dumps(schema)}
         raise APIError(400, f"response_format.type {kind!r}: kvstack takes text, "
                        "json_object and json_schema", "response_format")
 
@@ -128,7 +131,10 @@ class _Request(BaseModel):
             pairs.append((int(key), bias))
         return tuple(pairs)
 
-    def sampling(self, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+    def sampling(self, max_tokens: int, extra_stop: tuple[str, ...],
+                 parser: ToolParser) -> SamplingParams:
+        """The request's sampling parameters; a tool call that is due is held to
+        `parser`'s syntax."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
@@ -141,7 +147,7 @@ class _Request(BaseModel):
                                   min_tokens=self.min_tokens,
                                   stop_token_ids=tuple(self.stop_token_ids or ()),
                                   logit_bias=self._logit_bias(),
-                                  json_schema=self._json_schema())
+                                  **self._grammar(parser))
         except ValueError as e:  # "SamplingParams: <field> must ..."
             message = str(e).removeprefix("SamplingParams: ")
             raise APIError(400, message, message.split(" ", 1)[0]) from None
@@ -174,9 +180,9 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's answer to that call
 
-    def text(self) -> str:
+    def text(self, parser: ToolParser) -> str:
         """The message as the template renders it: its text, or an assistant's tool calls
-        as the JSON a constrained reply writes ({"name", "arguments"})."""
+        as the model writes them (in `parser`'s syntax)."""
         if self.tool_calls:
             calls = []
             for call in self.tool_calls:
@@ -184,10 +190,14 @@ class ChatMessage(BaseModel):
                 try:
                     arguments = json.loads(function.get("arguments") or "{}")
                 except (TypeError, ValueError):
-                    raise APIError(400, "messages: a tool call's arguments are not JSON",
-                                   "messages") from None
-                calls.append({"name": function.get("name"), "arguments": arguments})
-            return json.dumps(calls[0] if len(calls) == 1 else calls)
+                    arguments = None
+                if not isinstance(arguments, dict) or not isinstance(function.get("name"),
+                                                                      str):
+                    raise APIError(400, "messages: a tool call is {\"function\": {\"name\", "
+                                   "\"arguments\"}} with its arguments a JSON object",
+                                   "messages")
+                calls.append(ToolCall(function["name"], arguments))
+            return parser.render(calls)
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -222,7 +232,9 @@ class ChatRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None  # OpenAI's: {"type": "function", "function"}
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function
-    parallel_tool_calls: bool | None = None  # one call per reply either way
+    # A call that is due is one call; a reply the model writes freely (auto) may hold
+    # several, as its syntax allows.
+    parallel_tool_calls: bool | None = None
 
     def functions(self) -> dict[str, dict[str, Any]]:
         """The tools' functions by name, checked; empty when tools are off."""
@@ -241,10 +253,10 @@ class ChatRequest(_Request):
             functions[function["name"]] = {**function, "parameters": parameters}
         return functions
 
-    def tool_schema(self) -> str | None:
-        """The schema a reply must follow when it must call a tool (tool_choice required
-        or a named function): {"name", "arguments"} of one of them. None when the model
-        may answer in text (auto: a reply that is such a call is returned as one)."""
+    def tool_grammar(self, parser: ToolParser) -> dict[str, str] | None:
+        """The grammar a reply must follow when it must call a tool (tool_choice required
+        or a named function): one call of one of them in `parser`'s syntax. None when the
+        model may answer in text (auto: the calls it writes are found by the parser)."""
         functions, choice = self.functions(), self.tool_choice or "auto"
         if not functions or choice == "auto":
             return None
@@ -258,26 +270,12 @@ class ChatRequest(_Request):
             raise APIError(400, f"tool_choice {choice!r}: none, auto, required or "
                            "{\"type\": \"function\", \"function\": {\"name\"}}",
                            "tool_choice")
+        key = parser.arguments_key
         options = [{"type": "object", "additionalProperties": False,
-                    "required": ["name", "arguments"],
-                    "properties": {"name": {"const": name},
-                                   "arguments": function["parameters"]}}
+                    "required": ["name", key],
+                    "properties": {"name": {"const": name}, key: function["parameters"]}}
                    for name, function in functions.items()]
-        return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
-
-    def tool_call(self, text: str) -> dict[str, Any] | None:
-        """The reply as a tool call of one of the tools, or None if it is not one."""
-        functions = self.functions()
-        if not functions:
-            return None
-        try:
-            call = json.loads(text)
-        except ValueError:
-            return None
-        if (not isinstance(call, dict) or call.get("name") not in functions
-                or not isinstance(call.get("arguments"), dict)):
-            return None
-        return {"name": call["name"], "arguments": json.dumps(call["arguments"])}
+        return parser.constraint(options[0] if len(options) == 1 else {"anyOf": options})
 
     def top_logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
