@@ -189,11 +189,13 @@ def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt):
         assert torch.allclose(out[i], want, atol=1e-5, rtol=1e-5), i
 
 
-@pytest.mark.parametrize("limit", [0.0, 0.5])
-def test_float_experts_equal_torchs_routing(limit):
-    """Batches of one token (the gathered path) and of many (the grouped one), the clamp
-    on and off: the routed experts' sum and the shared expert's, as torch computes them."""
-    config = preset("tiny").replace(swiglu_limit=limit)
+@pytest.mark.parametrize(("limit", "score_func", "shared"), [
+    (0.0, "sqrtsoftplus", 1), (0.5, "softmax", 1), (0.5, "sigmoid", 0)])
+def test_a_float_moe_sublayer_equals_torchs(limit, score_func, shared):
+    """The router (each score function), the routed experts and the shared one, the clamp
+    on and off, one token and many: what torch's ops compute."""
+    config = preset("tiny").replace(swiglu_limit=limit, score_func=score_func,
+                                    n_shared_experts=shared, gate_temp=1.5, route_scale=2.0)
     torch.manual_seed(0)
     moe = MoE(config)
     with torch.no_grad():

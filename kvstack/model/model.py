@@ -208,6 +208,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        fused = self._fused(x)
+        if fused is not None:
+            return fused.type_as(x).view(shape)
         weights, chosen = self.gate(x)  # [T, k] each
         held = len(self.experts) if isinstance(self.experts, PackedExperts) else \
             self.experts.w1.shape[0]
@@ -237,6 +240,26 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         return all_reduce(out, self.shard).type_as(x).view(shape)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The whole sublayer in one C call (`native.moe`) where its weights are float
+        and its experts all here; None elsewhere."""
+        if not isinstance(self.experts, Experts) or self.shard is not None or \
+                self.first_expert or self.experts.w1.shape[0] < self.gate.weight.shape[0]:
+            return None
+        ex, shared = self.experts, None
+        if self.shared is not None:
+            parts = (self.shared.w1, self.shared.w2, self.shared.w3)
+            if self.shared.shard is not None or \
+                    not all(type(p) is nn.Linear for p in parts):
+                return None
+            shared = tuple(p.weight for p in parts)
+        if not native.fuses(x, ex.w1, self.gate.weight, *(shared or ())):
+            return None
+        c = self.gate.config
+        return native.moe(x, self.gate.weight, self.gate.bias, c.score_func, c.gate_temp,
+                          c.n_activated_experts, c.norm_topk_prob, c.route_scale,
+                          (ex.w1, ex.w2, ex.w3), shared, self.limit)
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor,
                   chosen: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,8 @@ _SIGNATURES = {
     "kv_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
     "kv_experts_swiglu": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, ctypes.c_float, _P, _P],
     "kv_select_topk": [_P, _I, _I, _I, _P, _P],
+    "kv_moe": [_P, _I, _I, _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
+               ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P, _P],
     "kv_quantize": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P],
 }
 _RESTYPES = {"kv_weights_isa": ctypes.c_int, "kv_fp8_has_nan": ctypes.c_int,
@@ -578,4 +580,34 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     heap = torch.empty(k, dtype=torch.int64)
     _load().kv_select_topk(_ptr(scores), scores.numel() // n if n else 0, n, k, _ptr(heap),
                            _ptr(out))
+    return out
+
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")  # step.c's numbering of the config's
+
+
+def moe(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, score_func: str,
+        gate_temp: float, k: int, renormalise: bool, route_scale: float,
+        experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        limit: float) -> torch.Tensor:
+    """A MoE sublayer of float weights for x [T, dim]: the router (gate [E, dim], bias [E])
+    choosing k experts of `experts` (w1, w3 [E, inter, dim], w2 [E, dim, inter]) per token,
+    their weighted SwiGLUs added, then the shared expert's (w1, w3 [inter, dim], w2 [dim,
+    inter]) where there is one: [T, dim], what `MoE.forward` computes, within float
+    rounding (ties between equal router scores go to the lower expert)."""
+    x = x.contiguous()
+    w1, w2, w3 = (w.contiguous() for w in experts)
+    s1, s2, s3 = (None, None, None) if shared is None else (w.contiguous() for w in shared)
+    inter, shared_inter = w1.shape[1], 0 if s1 is None else s1.shape[0]
+    n_experts = gate.shape[0]
+    scratch = torch.empty(2 * n_experts + k + max(inter, shared_inter) + x.shape[1])
+    chosen = torch.empty(k, dtype=torch.int64)
+    out = torch.empty_like(x)
+    _load().kv_moe(
+        _ptr(x), x.shape[0], x.shape[1], _ptr(gate.contiguous()), _ptr(bias.contiguous()),
+        n_experts, SCORE_FUNCS.index(score_func), gate_temp, k, int(renormalise), route_scale,
+        _ptr(w1), _ptr(w2), _ptr(w3), inter, 0 if s1 is None else _ptr(s1),
+        0 if s2 is None else _ptr(s2), 0 if s3 is None else _ptr(s3), shared_inter, limit,
+        _ptr(scratch), _ptr(chosen), _ptr(out))
     return out

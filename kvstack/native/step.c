@@ -374,3 +374,61 @@ void kv_select_topk(const float *scores, int64_t rows, int64_t n, int64_t k, int
         for (int64_t j = kept; j < k; j++) o[j] = -1;
     }
 }
+
+/* ---- a MoE sublayer whole (kvstack.model.model.MoE with float weights) -----------------
+ * The router (logits / temp, scored by softmax (0), sigmoid (1) or sqrt(softplus) (2),
+ * the top k of score + bias in descending order, ties to the lower expert, weights the
+ * chosen scores, renormalised when asked, times route_scale), the routed experts as
+ * kv_experts_swiglu, and the shared expert (shared_inter > 0: s1, s3 [inter, dim], s2
+ * [dim, inter], unweighted) added after: out [n, dim]. scratch: 2 * E + k + max(inter,
+ * shared_inter) + dim floats; chosen: k int64. */
+void kv_moe(const float *x, int64_t n, int64_t dim, const float *gate_w, const float *bias,
+            int64_t n_experts, int score_func, float temp, int64_t k, int renormalise,
+            float route_scale, const float *w1, const float *w2, const float *w3,
+            int64_t inter, const float *s1, const float *s2, const float *s3,
+            int64_t shared_inter, float limit, float *scratch, int64_t *chosen, float *out) {
+    float *scores = scratch, *ranked = scratch + n_experts, *weights = ranked + n_experts;
+    float *hidden = weights + k, *shared = hidden + (inter > shared_inter ? inter : shared_inter);
+    for (int64_t t = 0; t < n; t++) {
+        const float *xt = x + t * dim;
+        float top = -INFINITY;
+        for (int64_t e = 0; e < n_experts; e++) {
+            scores[e] = dot_lanes(xt, gate_w + e * dim, dim) / temp;
+            if (scores[e] > top) top = scores[e];
+        }
+        if (score_func == 0) {
+            float total = 0.0f;
+            for (int64_t e = 0; e < n_experts; e++) total += (scores[e] = expf(scores[e] - top));
+            for (int64_t e = 0; e < n_experts; e++) scores[e] /= total;
+        } else if (score_func == 1) {
+            for (int64_t e = 0; e < n_experts; e++) scores[e] = 1.0f / (1.0f + expf(-scores[e]));
+        } else {
+            for (int64_t e = 0; e < n_experts; e++)
+                scores[e] = sqrtf(scores[e] > 20.0f ? scores[e] : log1pf(expf(scores[e])));
+        }
+        for (int64_t e = 0; e < n_experts; e++) ranked[e] = scores[e] + bias[e];
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; j++) {  /* k is small: a pass per pick */
+            int64_t best = -1;
+            for (int64_t e = 0; e < n_experts; e++)
+                if (ranked[e] == ranked[e] && (best < 0 || ranked[e] > ranked[best])) best = e;
+            if (best < 0) best = 0;
+            ranked[best] = NAN;
+            chosen[j] = best;
+            weights[j] = scores[best];
+            total += weights[j];
+        }
+        for (int64_t j = 0; j < k; j++)
+            weights[j] = (renormalise && k > 1 ? weights[j] / (total + 1e-20f) : weights[j])
+                         * route_scale;
+        kv_experts_swiglu(xt, 1, dim, w1, w2, w3, inter, chosen, weights, k, limit, hidden,
+                          out + t * dim);
+        if (shared_inter > 0) {
+            const int64_t only = 0;
+            const float one = 1.0f;
+            kv_experts_swiglu(xt, 1, dim, s1, s2, s3, shared_inter, &only, &one, 1, limit,
+                              hidden, shared);
+            for (int64_t d = 0; d < dim; d++) out[t * dim + d] += shared[d];
+        }
+    }
+}
