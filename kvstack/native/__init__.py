@@ -336,15 +336,15 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
     w, k = ring.shape[1], selected.shape[1]
     ring_block, ring_packed, ring_elem, ring_scale = _decoding(ring_fmt)
     kv_block, kv_packed, kv_elem, kv_scale = _decoding(kv_fmt)
-    q = q.float().contiguous()
+    q = _as(q, torch.float32)
     ring, pool = ring.contiguous(), pool.contiguous()
-    ints = [t.to(torch.int64).contiguous()
-            for t in (ring_positions, slots, positions, block_table, selected)]
+    ints = [_as(t, torch.int64) for t in (ring_positions, slots, positions, block_table,
+                                           selected)]
     rows = torch.empty(w + k, d, dtype=torch.float32)  # one sequence's decoded rows
     logits = torch.empty(w + k, dtype=torch.float32)
     out = torch.empty(b, h, d, dtype=torch.float32)
     _load().kv_sparse_attention(
-        _ptr(q), _ptr(sink.float().contiguous()), _ptr(ring), ring.shape[2], _ptr(ints[0]),
+        _ptr(q), _ptr(_as(sink, torch.float32)), _ptr(ring), ring.shape[2], _ptr(ints[0]),
         _ptr(ints[1]), _ptr(ints[2]), w, window_size, ring_block, ring_packed,
         _ptr(ring_elem), _ptr(ring_scale), _ptr(pool), pool.shape[1], pool.shape[2],
         _ptr(ints[3]), ints[3].shape[1], _ptr(ints[4]), k, kv_block, kv_packed, _ptr(kv_elem),
@@ -456,8 +456,17 @@ def fuses(*tensors: torch.Tensor) -> bool:
     """Whether the model's small ops on these tensors run in step.c."""
     if _on is not True or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
-    # No all(...) over a generator: this runs hundreds of times a step.
-    return not any([t.dtype is not torch.float32 or t.device.type != "cpu" for t in tensors])
+    for t in tensors:  # noqa: SIM110 (a loop: this runs hundreds of times a step)
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return True
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous tensor of dtype, with no op dispatched where it already is one."""
+    if t.dtype is not dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -510,7 +519,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
         raise ValueError(f"rope: x [B, n, (heads,) width] with at most 1024 rotated dims, "
                          f"got {list(x.shape)} and {2 * half}")
     x = x.contiguous()
-    positions = positions.to(torch.int64).contiguous()
+    positions = _as(positions, torch.int64)
     out = torch.empty_like(x)
     _load().kv_rope(_ptr(x), b, n, heads, x.shape[-1], _ptr(positions), positions.shape[0],
                     _ptr(freqs.contiguous()), half, int(inverse), _ptr(out))
