@@ -241,6 +241,7 @@ def load_shard(directory: Path, plan: ShardingPlan, shard: TorchShard) -> Model:
     token_map = _token_map(directory, c)
     with torch.device("meta"):
         model = Model(c, token_map)
+    model.draft = None  # DSpark's draft runs unsharded
     shard_model(model, plan, shard)
     state = {}
     weights = directory / SINGLE_FILE
