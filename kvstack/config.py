@@ -290,7 +290,9 @@ _HF_DEFAULTS = {
     "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
     "rms_norm_eps": 1e-20, "max_position_embeddings": 1048576, "num_nextn_predict_layers": 3,
     "engram_vocab_size": 16000000, "engram_max_ngram_size": 4, "engram_n_heads": 8,
-    "engram_head_dim": 256, "engram_compressed_vocab_size": 99092,
+    "engram_head_dim": 256, "engram_compressed_vocab_size": 99092, "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799, "dspark_n_routed_experts": 128,
+    "dspark_num_experts_per_tok": 3,
 }
 # Training, cache-dispatch and bookkeeping keys that change nothing kvstack computes.
 _HF_INERT = frozenset({
@@ -338,6 +340,10 @@ def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
         out["compress_ratios"] = ratios + [0] * mtp  # HF lists the draft layers' 0s optionally
     if out.get("candidate_source_layer") is None and out.get("kv_source_layers"):
         out["candidate_source_layer"] = out["kv_source_layers"][-1]  # HF: the last kv source
+    kv = out.get("kv_source_layers")
+    if out.get("dspark_target_layer_ids") is None and isinstance(n, int) and \
+            isinstance(kv, list):  # HF: the last three layers that are not kv sources
+        out["dspark_target_layer_ids"] = [i for i in range(n) if i not in kv][-3:]
     return out
 
 

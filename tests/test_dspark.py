@@ -117,6 +117,13 @@ def test_a_config_without_a_draft_skips_the_draft_tensors(tmp_path):
 def test_dspark_keys_validate_and_map_from_hf_names():
     c = preset("tiny-v41-dspark")
     assert ModelConfig.from_dict(hf_config(c)["text_config"]) == c
+    # HF leaves out what equals its defaults: those are V4.1-Flash's draft (its targets the
+    # last three layers that are not kv sources).
+    flash = preset("deepseek-v4.1-flash")
+    hf = hf_config(flash)
+    for key in [k for k in hf["text_config"] if k.startswith("dspark_")]:
+        del hf["text_config"][key]
+    assert ModelConfig.from_dict(hf) == flash
     assert c.draft_experts == (3, 2)
     assert c.replace(dspark_n_routed_experts=0, dspark_n_activated_experts=0).draft_experts \
         == (c.n_routed_experts, c.n_activated_experts)

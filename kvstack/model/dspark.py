@@ -137,16 +137,17 @@ class Draft(nn.Module):
         c = self.config
         b, w, _ = target_hidden.shape
         k = c.dspark_block_size
-        if not 0 < w <= c.window_size:
-            raise ValueError(f"target_hidden holds {w} positions; the draft reads 1.."
-                             f"{c.window_size} (its window)")
+        first = int(torch.as_tensor(position).min())
+        if not 0 < w <= min(c.window_size, first + 1):
+            raise ValueError(f"target_hidden holds {w} positions; at position {first} the "
+                             f"draft reads 1..{min(c.window_size, first + 1)} (its window)")
         device = target_hidden.device
         context = self.main_norm(self.main_proj(target_hidden))  # [B, W, dim]
         window_at = token_positions(position - w + 1, w, device)  # [P, W]
         block_at = token_positions(position + 1, k, device)  # [P, K]
         ids = torch.full((b, k), c.dspark_noise_token_id, dtype=torch.long, device=device)
         ids[:, 0] = token
-        x = model._embed(ids)  # [B, K, dim]
+        x = model.embed(ids).float()  # [B, K, dim]
         x = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()  # [B, K, h, dim]
         mix = x.new_zeros(x.shape[:3])  # a one-hot collapse on copy 0, as the trunk starts
         mix[..., 0] = 1.0
