@@ -38,10 +38,10 @@ class LayerSpec:
     uses_candidates: bool  # restricts its top-k to that pool
 
 
-# Keys of the published V4.1 config.json for parts kvstack does not build yet (DSpark,
-# vision) and the checkpoint's weight dtypes, which the loader reads. A real config.json
-# loads; these are set aside.
-_UNBUILT_V41_PREFIXES = ("dspark_", "vision_")
+# Keys of the published V4.1 config.json for parts kvstack does not build yet (vision)
+# and the checkpoint's weight dtypes, which the loader reads. A real config.json loads;
+# these are set aside.
+_UNBUILT_V41_PREFIXES = ("vision_",)
 _UNBUILT_V41_KEYS = frozenset({"dtype", "expert_dtype", "image_token_id"})
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 # How the hyper-connection residual collapses its copies (hc_mult > 1):
@@ -112,7 +112,19 @@ class ModelConfig:
     original_seq_len: int = 0
     beta_fast: int = 32
     beta_slow: int = 1
-    n_mtp_layers: int = 0  # draft layers (DSpark); described, not built
+    n_mtp_layers: int = 0  # draft layers (DSpark stages), after the trunk's layers
+    # DSpark, the draft model (`kvstack.model.dspark`), built when n_mtp_layers > 0 and
+    # dspark_block_size > 0 (as DeepSeek's code builds it). A draft block is the last
+    # token then dspark_block_size - 1 noise tokens; stage 0 projects the attention inputs
+    # of the target layers (mean of the residual copies), the last stage's head and a
+    # low-rank Markov head (the previous token's bias on the logits) propose the tokens.
+    # The stages' MoE has its own expert counts (0 = the trunk's).
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 0
+    dspark_n_activated_experts: int = 0
     # Engram (n-gram hash memory added to the residual before these layers); () = none.
     # Each position hashes its 2..engram_max_ngram_size-grams of a normalised token map
     # (engram_compressed_vocab_size ids) with engram_n_heads heads each, into the layer's
@@ -141,10 +153,12 @@ class ModelConfig:
     arch: str = "v41"
     n_kv_heads: int = 0
     layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
+    # DSpark's stages (has_draft), layers n_layers.. of compress_ratios: window-only.
+    draft_layers: tuple[LayerSpec, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("compress_ratios", "kv_source_layers", "index_source_layers",
-                     "engram_layer_ids", "engram_num_embeddings"):
+                     "engram_layer_ids", "engram_num_embeddings", "dspark_target_layer_ids"):
             value = getattr(self, name)
             if not isinstance(value, list | tuple) or not all(
                 isinstance(v, int) and not isinstance(v, bool) for v in value
@@ -159,7 +173,11 @@ class ModelConfig:
         _validate_scalars(self)
         _validate_engram(self)
         _validate_arch(self)
+        _validate_draft(self)
         object.__setattr__(self, "layers", _resolve_layers(self))
+        object.__setattr__(self, "draft_layers", tuple(
+            LayerSpec(self.n_layers + s, 0, Mode.WINDOW, False, None, None, False, False)
+            for s in range(self.n_mtp_layers if self.has_draft else 0)))
 
     # ---- derived facts -------------------------------------------------------------
     @property
@@ -174,6 +192,17 @@ class ModelConfig:
     def single_pass_hc(self) -> bool:
         """Hyper-connections whose `pre` mix is carried to the next sub-layer."""
         return self.hc_mult > 1 and self.hc_residual == "single_pass"
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether the model holds DSpark's draft stages."""
+        return self.n_mtp_layers > 0 and self.dspark_block_size > 0
+
+    @property
+    def draft_experts(self) -> tuple[int, int]:
+        """Routed and activated experts of a draft stage's MoE."""
+        return (self.dspark_n_routed_experts or self.n_routed_experts,
+                self.dspark_n_activated_experts or self.n_activated_experts)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A validated copy with some keys changed."""
@@ -261,7 +290,9 @@ _HF_DEFAULTS = {
     "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0,
     "rms_norm_eps": 1e-20, "max_position_embeddings": 1048576, "num_nextn_predict_layers": 3,
     "engram_vocab_size": 16000000, "engram_max_ngram_size": 4, "engram_n_heads": 8,
-    "engram_head_dim": 256, "engram_compressed_vocab_size": 99092,
+    "engram_head_dim": 256, "engram_compressed_vocab_size": 99092, "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799, "dspark_n_routed_experts": 128,
+    "dspark_num_experts_per_tok": 3,
 }
 # Training, cache-dispatch and bookkeeping keys that change nothing kvstack computes.
 _HF_INERT = frozenset({
@@ -309,6 +340,10 @@ def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
         out["compress_ratios"] = ratios + [0] * mtp  # HF lists the draft layers' 0s optionally
     if out.get("candidate_source_layer") is None and out.get("kv_source_layers"):
         out["candidate_source_layer"] = out["kv_source_layers"][-1]  # HF: the last kv source
+    kv = out.get("kv_source_layers")
+    if out.get("dspark_target_layer_ids") is None and isinstance(n, int) and \
+            isinstance(kv, list):  # HF: the last three layers that are not kv sources
+        out["dspark_target_layer_ids"] = [i for i in range(n) if i not in kv][-3:]
     return out
 
 
@@ -417,6 +452,33 @@ def _validate_arch(c: ModelConfig) -> None:
                          "layers, kv or index sources, or CED split")
 
 
+def _validate_draft(c: ModelConfig) -> None:
+    for key in ("dspark_block_size", "dspark_noise_token_id", "dspark_markov_rank",
+                "dspark_n_routed_experts", "dspark_n_activated_experts"):
+        value = getattr(c, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"config key {key} = {value!r}: must be a non-negative integer")
+    if not c.has_draft:
+        return
+    if c.arch != "v41" or not c.uses_moe or not c.single_pass_hc:
+        raise ValueError("config key dspark_block_size: DSpark's draft stages are V4.1 layers "
+                         "(MoE, single-pass hyper-connections); this model has none")
+    targets = list(c.dspark_target_layer_ids)
+    if not targets or targets != sorted(set(targets)) or \
+            not all(0 <= i < c.n_layers for i in targets):
+        raise ValueError(f"config key dspark_target_layer_ids: must be strictly increasing "
+                         f"layers in 0..{c.n_layers - 1}, got {targets}")
+    if not c.dspark_noise_token_id < c.vocab_size:
+        raise ValueError(f"config key dspark_noise_token_id = {c.dspark_noise_token_id}: "
+                         f"must be a token id in 0..{c.vocab_size - 1}")
+    if c.dspark_markov_rank == 0:
+        raise ValueError("config key dspark_markov_rank = 0: the Markov head needs a rank")
+    routed, active = c.draft_experts
+    if active > routed:
+        raise ValueError(f"config key dspark_n_activated_experts = {active}: more than the "
+                         f"draft stages' {routed} routed experts")
+
+
 def _resolve_layers(c: ModelConfig) -> tuple[LayerSpec, ...]:
     """Resolve every layer's mode and sources, enforcing design.md section 2's rules."""
     n_total = c.n_layers + c.n_mtp_layers
@@ -519,8 +581,7 @@ def _resolve_layers(c: ModelConfig) -> tuple[LayerSpec, ...]:
 
 # ---- presets -------------------------------------------------------------------------
 
-# DeepSeek-V4.1-Flash's public inference/config.json (Engram, DSpark and vision keys are
-# not modelled; its 3 draft layers are described by n_mtp_layers and left out of the trunk).
+# DeepSeek-V4.1-Flash's public inference/config.json (its vision keys are not modelled).
 _V41_FLASH = dict(
     vocab_size=129280, dim=5120, n_layers=40, n_heads=64, head_dim=512, rope_head_dim=64,
     q_lora_rank=1280, o_groups=8, o_lora_rank=1024, window_size=128,
@@ -533,6 +594,8 @@ _V41_FLASH = dict(
     hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, max_seq_len=1048576,
     rope_theta=10000.0, compress_rope_theta=160000.0, rope_factor=16.0,
     original_seq_len=65536, beta_fast=32, beta_slow=1, n_mtp_layers=3,
+    dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=[37, 38, 39],
+    dspark_markov_rank=256, dspark_n_routed_experts=128, dspark_n_activated_experts=3,
     engram_layer_ids=[1, 14], engram_vocab_size=16000000,
     engram_num_embeddings=[384006168, 384016682], engram_max_ngram_size=4, engram_n_heads=8,
     engram_head_dim=256, engram_pad_id=2, engram_compressed_vocab_size=99092,
@@ -564,6 +627,18 @@ _TINY_V41 = {
         hc_mult=4, engram_layer_ids=[1, 4], engram_vocab_size=50,
         engram_num_embeddings=[240, 306], engram_max_ngram_size=3, engram_n_heads=2,
         engram_head_dim=32, engram_pad_id=0, engram_compressed_vocab_size=512,
+    ),
+}
+
+# tiny-v41 with DSpark's draft: three stages as V4.1 has them (the first projects the
+# target layers, the last holds the heads), reading the last three layers, with their own
+# expert counts.
+_TINY_V41_DSPARK = {
+    **_TINY_V41,
+    **dict(
+        compress_ratios=_TINY["compress_ratios"] + [0] * 3, n_mtp_layers=3,
+        dspark_block_size=4, dspark_noise_token_id=511, dspark_target_layer_ids=[5, 6, 7],
+        dspark_markov_rank=16, dspark_n_routed_experts=3, dspark_n_activated_experts=2,
     ),
 }
 
@@ -625,6 +700,7 @@ _PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "deepseek-v4.1-flash": lambda: ModelConfig.from_dict(_V41_FLASH),
     "tiny": lambda: ModelConfig.from_dict(_TINY),
     "tiny-v41": lambda: ModelConfig.from_dict(_TINY_V41),
+    "tiny-v41-dspark": lambda: ModelConfig.from_dict(_TINY_V41_DSPARK),
     "v41-layout-small": lambda: ModelConfig.from_dict(_V41_LAYOUT_SMALL),
     "dense-v4.1-flash": lambda: dense_control(preset("deepseek-v4.1-flash")),
     "dense-tiny": lambda: dense_control(preset("tiny")),
@@ -639,7 +715,8 @@ PRESETS = tuple(_PRESETS)
 
 
 def preset(name: str) -> ModelConfig:
-    """A named config: deepseek-v4.1-flash, tiny, tiny-v41, v41-layout-small, default (the bundled
+    """A named config: deepseek-v4.1-flash, tiny, tiny-v41, tiny-v41-dspark (with DSpark's
+    draft), v41-layout-small, default (the bundled
     model's shape), and the dense controls dense-v4.1-flash, dense-tiny, dense-default."""
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(_PRESETS)}")

@@ -12,6 +12,7 @@ from kvstack.cache.layout import CacheLayout
 from kvstack.config import ModelConfig, dense_control
 from kvstack.model.params import (
     count_parameters,
+    draft_parameter_shapes,
     engram_columns,
     engram_table_bytes,
     parameter_shapes,
@@ -32,6 +33,7 @@ _FP8 = frozenset({
     "attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight",
     "attn.wo_b.weight", "attn.indexer.wq.weight", "engram.wkv.weight",
     *(f"ffn.{part}w{i}.weight" for part in ("shared.", "") for i in (1, 2, 3)),
+    "draft.main_proj.weight",
 })
 _F32 = frozenset({"attn.sink", "ffn.gate.bias",
                   *(f"hc_{site}.{p}" for site in ("attn", "ffn") for p in ("fn", "base", "scale"))})
@@ -49,8 +51,10 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _local(name: str) -> str:
-    """A tensor's name within its layer (a top-level name as it is)."""
-    return name.split(".", 2)[2] if name.startswith("layers.") else name
+    """A tensor's name within its layer or draft stage (a top-level name as it is)."""
+    if name.startswith("layers."):
+        return name.split(".", 2)[2]
+    return name.split(".", 3)[3] if name.startswith("draft.stages.") else name
 
 
 def stored_bytes(name: str, shape: tuple[int, ...]) -> int:
@@ -86,8 +90,11 @@ class RankWeights:
 
 
 def rank_weights(config: ModelConfig, sharding: ShardingPlan) -> list[RankWeights]:
-    """What each rank of `sharding` holds (one rank: the whole published checkpoint)."""
+    """What each rank of `sharding` holds (one rank: the whole published checkpoint; a
+    sharded model runs without DSpark's draft)."""
     shapes = parameter_shapes(config)
+    if sharding.world_size == 1:
+        shapes |= draft_parameter_shapes(config)
     whole = {name for name, shape in shapes.items() if sharding.split(name, shape) is None}
     out = []
     for rank in range(sharding.world_size):
@@ -298,7 +305,10 @@ def make_plan(
             for s in config.layers
         ],
         "n_encoder_layers": config.n_encoder_layers,
-        "draft_layers_excluded": config.n_mtp_layers,
+        "draft_layers": len(config.draft_layers),
+        "params_draft": params.draft,
+        "draft_weight_bytes": sum(stored_bytes(name, shape) for name, shape
+                                  in draft_parameter_shapes(config).items()),
         "params_total": params.total,
         "params_active_decode": params.active_decode,
         "params_active_prefill": params.active_prefill,

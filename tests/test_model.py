@@ -61,7 +61,9 @@ def test_v41_flash_builds_with_the_planned_parameter_count():
     token_map = torch.arange(c.vocab_size) % c.engram_compressed_vocab_size
     with torch.device("meta"):
         model = Model(c, token_map)
-    assert sum(p.numel() for p in model.parameters()) == count_parameters(c).total
+    counts = count_parameters(c)
+    assert sum(p.numel() for p in model.parameters()) == counts.total + counts.draft
+    assert sum(p.numel() for p in model.draft.parameters()) == counts.draft
 
 
 def test_layer_modes_own_what_they_should():

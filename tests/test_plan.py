@@ -9,7 +9,12 @@ from kvstack.cache.layout import CacheLayout
 from kvstack.cli import main
 from kvstack.config import PRESETS, preset
 from kvstack.formats import bytes_per_entry
-from kvstack.model.params import count_parameters, engram_table_bytes, parameter_shapes
+from kvstack.model.params import (
+    count_parameters,
+    draft_parameter_shapes,
+    engram_table_bytes,
+    parameter_shapes,
+)
 from kvstack.parallel.plan import ShardingPlan
 from kvstack.plan import RESERVE_FRACTION, make_plan, rank_weights, stored_bytes
 
@@ -206,11 +211,12 @@ def _published_bytes_by_name(config):
     return out
 
 
-@pytest.mark.parametrize("name", ["tiny-v41", "deepseek-v4.1-flash"])
+@pytest.mark.parametrize("name", ["tiny-v41", "tiny-v41-dspark", "deepseek-v4.1-flash"])
 def test_weight_bytes_are_those_of_the_published_checkpoint(name):
     c = preset(name)
     published = _published_bytes_by_name(c)
-    assert {n: stored_bytes(n, s) for n, s in parameter_shapes(c).items()} == published
+    shapes = parameter_shapes(c) | draft_parameter_shapes(c)
+    assert {n: stored_bytes(n, s) for n, s in shapes.items()} == published
     single = make_plan(c, name, tensor_parallel_size=1)["parallel"]
     assert single["weight_bytes_one_process"] == single["weight_bytes_per_device"]
     assert single["weight_bytes_one_process"] == sum(published.values())

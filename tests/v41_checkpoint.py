@@ -24,7 +24,9 @@ INFERENCE_KEYS = (
     "candidate_source_layer", "candidate_topk_blocks", "candidate_block_size", "hc_mult",
     "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids", "engram_vocab_size",
     "engram_num_embeddings", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
-    "engram_pad_id", "engram_compressed_vocab_size", "max_seq_len",
+    "engram_pad_id", "engram_compressed_vocab_size", "max_seq_len", "dspark_block_size",
+    "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+    "dspark_n_routed_experts", "dspark_n_activated_experts",
 )
 
 
@@ -60,8 +62,9 @@ def published_tensors(c: ModelConfig, g: torch.Generator) -> dict[str, torch.Ten
     d, h, mix = c.dim, c.hc_mult, (2 + c.hc_mult) * c.hc_mult
     out["embed.weight"] = normal(c.vocab_size, d, std=1.0).to(torch.bfloat16)
     kv_sources, index_sources = set(c.kv_source_layers), set(c.index_source_layers)
-    for layer in range(c.n_layers):
-        p = f"layers.{layer}."
+
+    def block(p: str, layer: int, experts: int) -> None:
+        """One layer (or DSpark stage, whose attention is window-only) under p."""
         a = p + "attn."
         for sub in ("attn", "ffn"):
             bf16(f"{p}{sub}_norm.weight", d, mean=1.0)
@@ -96,20 +99,37 @@ def published_tensors(c: ModelConfig, g: torch.Generator) -> dict[str, torch.Ten
             fp8(p + "engram.wkv", (h + 1) * d, cols * c.engram_head_dim)
             bf16(p + "engram.q_weight", h, d, mean=1.0)
             bf16(p + "engram.k_weight", h, d, mean=1.0)
-        bf16(p + "ffn.gate.weight", c.n_routed_experts, d, std=0.2)
-        f32(p + "ffn.gate.bias", c.n_routed_experts, std=0.1)
-        f32(p + "ffn.gate.bias_vl", c.n_routed_experts, std=0.1)  # vision routing: skipped
+        bf16(p + "ffn.gate.weight", experts, d, std=0.2)
+        f32(p + "ffn.gate.bias", experts, std=0.1)
+        f32(p + "ffn.gate.bias_vl", experts, std=0.1)  # vision routing: skipped
         i = c.moe_inter_dim
-        for e in range(c.n_routed_experts):
+        for e in range(experts):
             for proj, out_f, in_f in (("w1", i, d), ("w2", d, i), ("w3", i, d)):
                 fp4(f"{p}ffn.experts.{e}.{proj}", out_f, in_f)
         for proj, out_f, in_f in (("w1", i, d), ("w2", d, i), ("w3", i, d)):
             fp8(f"{p}ffn.shared_experts.{proj}", out_f, in_f)
+
+    for layer in range(c.n_layers):
+        block(f"layers.{layer}.", layer, c.n_routed_experts)
     bf16("norm.weight", d, mean=1.0)
     bf16("head.weight", c.vocab_size, d)
-    # What kvstack does not build: a DSpark draft layer and the vision tower.
-    bf16("mtp.0.attn.wq_a.weight", 4, d)
-    bf16("mtp.0.markov_head.embed.weight", 4, 4)
+    if c.n_mtp_layers and c.dspark_block_size:
+        # DSpark: n_mtp_layers stages with the draft's expert count; the first projects
+        # the target layers' states, the last holds the norm, Markov and confidence heads.
+        for stage in range(c.n_mtp_layers):
+            block(f"mtp.{stage}.", c.n_layers + stage,
+                  c.dspark_n_routed_experts or c.n_routed_experts)
+        fp8("mtp.0.main_proj", d, len(c.dspark_target_layer_ids) * d)
+        bf16("mtp.0.main_norm.weight", d, mean=1.0)
+        last = f"mtp.{c.n_mtp_layers - 1}."
+        bf16(last + "norm.weight", d, mean=1.0)
+        bf16(last + "markov_head.embed.weight", c.vocab_size, c.dspark_markov_rank, std=1.0)
+        bf16(last + "markov_head.head.weight", c.vocab_size, c.dspark_markov_rank, std=0.2)
+        bf16(last + "confidence_head.proj.weight", 1, d + c.dspark_markov_rank, std=0.2)
+    else:  # draft tensors of a config that builds no draft: skipped
+        bf16("mtp.0.attn.wq_a.weight", 4, d)
+        bf16("mtp.0.markov_head.embed.weight", 4, 4)
+    # What kvstack does not build: the vision tower.
     bf16("vision.patch_embed.weight", 4, 4)
     bf16("image_newline", d)
     return out
@@ -147,7 +167,7 @@ def inference_config(c: ModelConfig) -> dict:
     if out["candidate_source_layer"] is None:
         out["candidate_source_layer"] = -1
     out.update(dtype="fp8", expert_dtype="fp4", vision_n_layers=0,
-               dspark_block_size=0, image_token_id=c.vocab_size - 1)
+               image_token_id=c.vocab_size - 1)
     return out
 
 
@@ -183,7 +203,12 @@ def hf_config(c: ModelConfig) -> dict:
         "engram_max_ngram_size": c.engram_max_ngram_size, "engram_n_heads": c.engram_n_heads,
         "engram_head_dim": c.engram_head_dim, "engram_pad_id": c.engram_pad_id,
         "engram_compressed_vocab_size": c.engram_compressed_vocab_size,
-        "num_nextn_predict_layers": c.n_mtp_layers, "hidden_act": "silu",
+        "num_nextn_predict_layers": c.n_mtp_layers, "dspark_block_size": c.dspark_block_size,
+        "dspark_noise_token_id": c.dspark_noise_token_id,
+        "dspark_target_layer_ids": list(c.dspark_target_layer_ids),
+        "dspark_markov_rank": c.dspark_markov_rank,
+        "dspark_n_routed_experts": c.dspark_n_routed_experts,
+        "dspark_num_experts_per_tok": c.dspark_n_activated_experts, "hidden_act": "silu",
         "initializer_range": 0.02, "rms_norm_eps": c.norm_eps, "use_cache": True,
         "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
     }

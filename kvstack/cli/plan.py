@@ -123,13 +123,15 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
             f"{_ranges(by_mode['reuse'])}; candidate pool from layer "
             f"{cand[0] if cand else 'none'}"
         )
-    drafts = plan["draft_layers_excluded"]
+    drafts = plan["draft_layers"]
     console.print(
         f"Parameters: {_params(plan['params_total'])} total"
-        + (f" (trunk; {drafts} draft layers not counted)" if drafts else "")
+        + (" (trunk)" if drafts else "")
         + f", {_params(plan['params_active_decode'])} active per decoded token, "
         f"{_params(plan['params_active_prefill'])} per prefilled token"
         + (" under CED" if enc else "")
+        + (f"; DSpark draft apart: {drafts} stages, {_params(plan['params_draft'])} "
+           f"({format_bytes(plan['draft_weight_bytes'])} packed)" if drafts else "")
     )
     if "engram" in plan:
         e = plan["engram"]

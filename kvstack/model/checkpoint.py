@@ -34,13 +34,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kvstack.config import Mode, ModelConfig
+from kvstack.config import LayerSpec, Mode, ModelConfig
 from kvstack.formats import quantize
 from kvstack.formats.weights import EXPERT_FORMAT, fp8_block_scale_shape, quantize_fp8_blocks
 from kvstack.model.engram import build_token_map
 from kvstack.model.model import Model
 from kvstack.model.packed import Experts, PackedExpert, PackedExperts, PackedLinear
-from kvstack.model.params import engram_columns, parameter_shapes
+from kvstack.model.params import draft_parameter_shapes, engram_columns, parameter_shapes
 
 log = logging.getLogger("kvstack")
 
@@ -57,7 +57,6 @@ _FLOAT_DTYPES = frozenset({_BF16, _F32, "F16"})
 
 # Tensors of the published checkpoint that kvstack does not build, by prefix, with why.
 SKIPPED_PREFIXES = {
-    "mtp.": "DSpark draft layers (speculative decoding is not built)",
     "vision.": "vision tower (kvstack takes text only)",
     "aligner.": "vision aligner (kvstack takes text only)",
     "image_": "image span embeddings (kvstack takes text only)",
@@ -76,8 +75,12 @@ _INFERENCE_KEYS = (
     "index_topk", "candidate_source_layer", "candidate_topk_blocks", "candidate_block_size",
     "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids", "engram_vocab_size",
     "engram_num_embeddings", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
-    "engram_pad_id", "engram_compressed_vocab_size", "max_seq_len",
+    "engram_pad_id", "engram_compressed_vocab_size", "max_seq_len", "dspark_block_size",
+    "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+    "dspark_n_routed_experts", "dspark_n_activated_experts",
 )
+DRAFT_PREFIX = "mtp."  # DSpark's stages in the published layout
+_NO_DRAFT = "DSpark draft stages (this model is built without its draft: {})"
 
 
 # ---- the name table -------------------------------------------------------------------
@@ -124,61 +127,79 @@ def v41_names(c: ModelConfig) -> dict[str, V41Tensor]:
 
     d, h = c.dim, c.hc_mult
     add("embed.weight", "embed.weight", "embed", (c.vocab_size, d), _BF16)
-    for spec in c.layers:
-        p = f"layers.{spec.index}."
-        a = p + "attn."
-        bf16(p + "attn_norm.weight", p + "attn_norm.weight", d)
-        bf16(p + "ffn_norm.weight", p + "ffn_norm.weight", d)
+
+    def layer(c: ModelConfig, spec: LayerSpec, p: str, t: str) -> None:
+        """Layer `spec` of config c, published under p, kvstack's module path t."""
+        a, ta = p + "attn.", t + "attn."
+        bf16(p + "attn_norm.weight", t + "attn_norm.weight", d)
+        bf16(p + "ffn_norm.weight", t + "ffn_norm.weight", d)
         for site in ("attn", "ffn"):
-            f32(p + f"hc_{site}_fn", p + f"hc_{site}.fn", (2 + h) * h, h * d)
-            f32(p + f"hc_{site}_base", p + f"hc_{site}.base", (2 + h) * h)
-            f32(p + f"hc_{site}_scale", p + f"hc_{site}.scale", 3)
-        f32(a + "attn_sink", a + "sink", c.n_heads)
-        fp8(a + "wq_a", a + "wq_a", c.q_lora_rank, d)
-        bf16(a + "q_norm.weight", a + "q_norm.weight", c.q_lora_rank)
-        fp8(a + "wq_b", a + "wq_b", c.n_heads * c.head_dim, c.q_lora_rank)
-        fp8(a + "wkv", a + "wkv", c.head_dim, d)
-        bf16(a + "kv_norm.weight", a + "kv_norm.weight", c.head_dim)
-        fp8(a + "wo_a", a + "wo_a", c.o_groups * c.o_lora_rank,
+            f32(p + f"hc_{site}_fn", t + f"hc_{site}.fn", (2 + h) * h, h * d)
+            f32(p + f"hc_{site}_base", t + f"hc_{site}.base", (2 + h) * h)
+            f32(p + f"hc_{site}_scale", t + f"hc_{site}.scale", 3)
+        f32(a + "attn_sink", ta + "sink", c.n_heads)
+        fp8(a + "wq_a", ta + "wq_a", c.q_lora_rank, d)
+        bf16(a + "q_norm.weight", ta + "q_norm.weight", c.q_lora_rank)
+        fp8(a + "wq_b", ta + "wq_b", c.n_heads * c.head_dim, c.q_lora_rank)
+        fp8(a + "wkv", ta + "wkv", c.head_dim, d)
+        bf16(a + "kv_norm.weight", ta + "kv_norm.weight", c.head_dim)
+        fp8(a + "wo_a", ta + "wo_a", c.o_groups * c.o_lora_rank,
             c.n_heads * c.head_dim // c.o_groups, matmul=False)
-        fp8(a + "wo_b", a + "wo_b", d, c.o_groups * c.o_lora_rank)
+        fp8(a + "wo_b", ta + "wo_b", d, c.o_groups * c.o_lora_rank)
         if spec.mode is Mode.FULL:
-            k = a + "compressor."
-            bf16(k + "wkv.weight", k + "wkv.weight", c.head_dim, d)
+            k, tk = a + "compressor.", ta + "compressor."
+            bf16(k + "wkv.weight", tk + "wkv.weight", c.head_dim, d)
             if spec.ratio > 1:
-                bf16(k + "wgate.weight", k + "wgate.weight", c.head_dim, d)
-            bf16(k + "norm.weight", k + "norm.weight", c.head_dim)
+                bf16(k + "wgate.weight", tk + "wgate.weight", c.head_dim, d)
+            bf16(k + "norm.weight", tk + "norm.weight", c.head_dim)
             # V4.1 keeps the index-key projection on the indexer of the layer that owns it.
-            bf16(a + "indexer.wk.weight", k + "wk_index.weight", c.index_head_dim, c.head_dim)
-            bf16(a + "indexer.k_norm.weight", k + "index_norm.weight", c.index_head_dim)
+            bf16(a + "indexer.wk.weight", tk + "wk_index.weight", c.index_head_dim, c.head_dim)
+            bf16(a + "indexer.k_norm.weight", tk + "index_norm.weight", c.index_head_dim)
         if spec.mode in (Mode.FULL, Mode.REINDEX):
-            fp8(a + "indexer.wq_b", a + "indexer.wq", c.index_n_heads * c.index_head_dim,
+            fp8(a + "indexer.wq_b", ta + "indexer.wq", c.index_n_heads * c.index_head_dim,
                 c.q_lora_rank)
-            bf16(a + "indexer.weights_proj.weight", a + "indexer.wweights.weight",
+            bf16(a + "indexer.weights_proj.weight", ta + "indexer.wweights.weight",
                  c.index_n_heads, d)
         if spec.index in c.engram_layer_ids:
-            e = p + "engram."
+            e, te = p + "engram.", t + "engram."
             rows = c.engram_num_embeddings[c.engram_layer_ids.index(spec.index)]
-            add(e + "embed.weight", e + "table_codes", "table", (rows, c.engram_head_dim), _F8)
-            add(e + "embed.scale", e + "table_scales", "table_scale",
+            add(e + "embed.weight", te + "table_codes", "table", (rows, c.engram_head_dim), _F8)
+            add(e + "embed.scale", te + "table_scales", "table_scale",
                 (rows, c.engram_head_dim // 32), _E8M0)
-            fp8(e + "wkv", e + "wkv", (h + 1) * d, engram_columns(c) * c.engram_head_dim)
-            bf16(e + "q_weight", e + "q_weight", h, d)
-            bf16(e + "k_weight", e + "k_weight", h, d)
-        f = p + "ffn."
-        bf16(f + "gate.weight", f + "gate.weight", c.n_routed_experts, d)
-        f32(f + "gate.bias", f + "gate.bias", c.n_routed_experts)
+            fp8(e + "wkv", te + "wkv", (h + 1) * d, engram_columns(c) * c.engram_head_dim)
+            bf16(e + "q_weight", te + "q_weight", h, d)
+            bf16(e + "k_weight", te + "k_weight", h, d)
+        f, tf = p + "ffn.", t + "ffn."
+        bf16(f + "gate.weight", tf + "gate.weight", c.n_routed_experts, d)
+        f32(f + "gate.bias", tf + "gate.bias", c.n_routed_experts)
         for e in range(c.n_routed_experts):
             for proj, out_f, in_f in _expert_projections(c):
                 name = f"{f}experts.{e}.{proj}"
-                add(name + ".weight", f + "experts", "expert", (out_f, in_f // 2), _I8,
+                add(name + ".weight", tf + "experts", "expert", (out_f, in_f // 2), _I8,
                     expert=e, proj=proj)
-                add(name + ".scale", f + "experts", "expert_scale", (out_f, in_f // 32), _E8M0,
-                    expert=e, proj=proj)
+                add(name + ".scale", tf + "experts", "expert_scale", (out_f, in_f // 32),
+                    _E8M0, expert=e, proj=proj)
         for proj, out_f, in_f in _expert_projections(c):
-            fp8(f"{f}shared_experts.{proj}", f"{f}shared.{proj}", out_f, in_f)
+            fp8(f"{f}shared_experts.{proj}", f"{tf}shared.{proj}", out_f, in_f)
+
+    for spec in c.layers:
+        layer(c, spec, f"layers.{spec.index}.", f"layers.{spec.index}.")
     bf16("norm.weight", "norm.weight", d)
     add("head.weight", "head", "head", (c.vocab_size, d), _BF16)
+    if c.has_draft:
+        routed, active = c.draft_experts
+        stage = c.replace(n_routed_experts=routed, n_activated_experts=active)
+        for s, spec in enumerate(c.draft_layers):
+            layer(stage, spec, f"{DRAFT_PREFIX}{s}.", f"draft.stages.{s}.")
+        fp8("mtp.0.main_proj", "draft.main_proj", d, len(c.dspark_target_layer_ids) * d)
+        bf16("mtp.0.main_norm.weight", "draft.main_norm.weight", d)
+        last, r = f"{DRAFT_PREFIX}{c.n_mtp_layers - 1}.", c.dspark_markov_rank
+        bf16(last + "norm.weight", "draft.norm.weight", d)
+        add(last + "markov_head.embed.weight", "draft.markov_embed.weight", "embed",
+            (c.vocab_size, r), _BF16)
+        add(last + "markov_head.head.weight", "draft.markov_head", "head", (c.vocab_size, r),
+            _BF16)
+        bf16(last + "confidence_head.proj.weight", "draft.confidence.weight", 1, d + r)
     return names
 
 
@@ -281,7 +302,7 @@ def _load_kvstack(directory: Path) -> Model:
         state = load_file(str(weights))
     except (OSError, SafetensorError) as e:
         raise ValueError(f"checkpoint {weights}: cannot load ({e})") from e
-    expected = parameter_shapes(config)
+    expected = parameter_shapes(config) | draft_parameter_shapes(config)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -399,7 +420,8 @@ class _Assembler:
                                          parts["matmul"]))
                 del self.linears[entry.target]
         else:  # expert, expert_scale: one of a layer's experts' six tensors
-            held = self.held_experts
+            held = (range(self.model.config.draft_experts[0])
+                    if entry.target.startswith("draft.") else self.held_experts)
             parts = self.experts.setdefault(entry.target, {})
             parts[kind, entry.expert, entry.proj] = t.view(torch.uint8)
             if len(parts) == 2 * 3 * len(held):
@@ -449,6 +471,11 @@ def _load_v41(directory: Path, cut: V41Cut | None = None) -> Model:
     token_map = _token_map(directory, config)
     with torch.device("meta"):
         model = Model(config, token_map)
+    no_draft = _NO_DRAFT.format("dspark_block_size 0" if not config.has_draft else
+                                "it is sharded")
+    if cut is not None and model.draft is not None:  # the draft runs unsharded
+        model.draft = None
+        names = {n: e for n, e in names.items() if not n.startswith(DRAFT_PREFIX)}
     assembler = _Assembler(model, names, cut.experts if cut is not None else None)
     indexed = {name: file for file, held in shards.items() for name in held}
     skipped: dict[str, str] = {}
@@ -464,6 +491,8 @@ def _load_v41(directory: Path, cut: V41Cut | None = None) -> Model:
                                  f"{where[name]} and {file}")
             where[name] = file
             why = skip_reason(name)
+            if why is None and model.draft is None and name.startswith(DRAFT_PREFIX):
+                why = no_draft
             if why is not None:
                 skipped[name] = why
                 continue
@@ -593,7 +622,7 @@ def _stored(model: Model, name: str, entry: V41Tensor) -> torch.Tensor:
     if kind in ("float", "embed"):
         return model.get_parameter(entry.target).detach().to(dtype)
     if kind == "head":
-        return model.head.weight.detach().to(dtype)
+        return model.get_submodule(entry.target).weight.detach().to(dtype)
     if kind in ("table", "table_scale"):
         return model.get_buffer(entry.target).view(dtype)
     module = model.get_submodule(entry.target)

@@ -415,6 +415,10 @@ class StepContext:
     attention_targets: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,N or k]
     index_entries: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,k], sparse
     instruments: Instruments | None = None  # research probes (`kvstack eval`) only
+    # Layers whose attention input (the mean of the residual copies, Engram added) the
+    # draft reads, and what they recorded: layer -> [B, n, dim]. Empty unless asked for.
+    draft_targets: frozenset[int] = frozenset()
+    draft_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Compressor(nn.Module):
@@ -744,7 +748,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, start: int, store: KVStore,
                 ctx: StepContext) -> torch.Tensor:
         c, spec = self.config, self.spec
-        b, n, _ = x.shape
+        n = x.shape[1]
         positions = token_positions(start, n, x.device)  # [1 or B, n]
         qr = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)), positions,
@@ -818,13 +822,18 @@ class Attention(nn.Module):
         if ctx.target_rows is not None and self.indexer is not None and n_entries:
             self._collect_rows(x, qr, q, positions, store, ctx, n_entries)
         self._publish(ctx, topks, pools, scores)
-        out = torch.cat(outs, dim=1)  # [B, n, H, D]
+        return self.project_out(torch.cat(outs, dim=1), positions)
+
+    def project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [B, n, H, D] at `positions` -> [B, n, dim]: the queries'
+        rotation taken off, then the grouped low-rank output projection."""
+        b, n = out.shape[:2]
         out = rotate(out, positions, self.freqs, inverse=True)
         groups = out.reshape(b, n, self.local_groups, -1)
         if isinstance(self.wo_a, PackedLinear):
             low_rank = self.wo_a.block_diagonal(groups)  # [B, n, G, o_lora_rank]
         else:
-            wo_a = self.wo_a.weight.unflatten(0, (self.local_groups, c.o_lora_rank))
+            wo_a = self.wo_a.weight.unflatten(0, (self.local_groups, self.config.o_lora_rank))
             low_rank = torch.einsum("bngd,grd->bngr", groups, wo_a)
         return all_reduce(self.wo_b(low_rank.flatten(2)), self.shard)
 
@@ -1041,6 +1050,8 @@ class Layer(nn.Module):
     def forward(self, s: TokenStates, start: int | torch.Tensor, store: KVStore,
                 ctx: StepContext) -> TokenStates:
         x = self._add_engram(s)
+        if self.spec.index in ctx.draft_targets:
+            ctx.draft_inputs[self.spec.index] = x.mean(2)
         if self.hc_attn is None:
             x = x + self.attn(self.attn_norm(x), start, store, ctx)
             return TokenStates(x + self.ffn(self.ffn_norm(x)), None, s.engram_rows)
@@ -1070,6 +1081,9 @@ class ModelOutput:
     index_scores: dict[int, torch.Tensor]
     attention_targets: dict[int, torch.Tensor]
     index_entries: dict[int, torch.Tensor] = field(default_factory=dict)
+    # target_hidden=True: what DSpark's draft reads, the attention inputs of
+    # dspark_target_layer_ids side by side [B, T, len(targets) * dim].
+    target_hidden: torch.Tensor | None = None
 
     def dense_targets(self, layer: int, n_entries: int) -> torch.Tensor:
         """A layer's attention target over every entry [B, T, n_entries], whichever
@@ -1101,6 +1115,11 @@ class Model(nn.Module):
             self.hc_head_scale = nn.Parameter(torch.ones(1))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.head: nn.Linear | PackedLinear = nn.Linear(c.dim, c.vocab_size, bias=False)
+        # DSpark's draft stages (config.has_draft); they share embed and head. None on a
+        # sharded model, which runs without them.
+        from kvstack.model.dspark import Draft  # built from this module's layers
+
+        self.draft = Draft(c) if c.has_draft else None
         # Sharded: embed and head hold vocabulary rows first_token.. (padded to one length
         # on every rank); embeddings add up over the ranks and logits are gathered.
         self.first_token = 0
@@ -1176,7 +1195,12 @@ class Model(nn.Module):
             mix = hc_weights(x, self.hc_head_fn, c.norm_eps)
             pre = torch.sigmoid(mix * self.hc_head_scale + self.hc_head_base) + c.hc_eps
             x = HyperConnection.collapse(x, pre)
-        logits = self.head(self.norm(x)).float()
+        return self.head_logits(self.norm(x))
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head over normalised states x [..., dim]: float32 logits [..., vocab]."""
+        c = self.config
+        logits = self.head(x).float()
         if self.shard is None:
             return logits
         return self.shard.all_gather(logits)[..., : c.vocab_size]
@@ -1287,12 +1311,14 @@ class Model(nn.Module):
     # ---- reference forward -------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, *, dense: bool = False, collect: bool = False,
                 target_rows: torch.Tensor | None = None,
-                instruments: Instruments | None = None) -> ModelOutput:
+                instruments: Instruments | None = None,
+                target_hidden: bool = False) -> ModelOutput:
         """Every layer over every token. Training asks for more: `dense`, attend to all
         visible compressed entries (the warm-up); `collect`, also return indexer scores
         and targets; `target_rows` [B, R], indexer scores and attention targets over every
         visible entry at these query positions alone, attention staying sparse. Research
-        probes go through `instruments`, which records what they ask for."""
+        probes go through `instruments`, which records what they ask for. `target_hidden`:
+        also return what DSpark's draft reads (`ModelOutput.target_hidden`)."""
         ids = self._check_ids(input_ids)
         if target_rows is not None:
             if collect or dense:
@@ -1313,11 +1339,16 @@ class Model(nn.Module):
             raise ValueError(f"{ids.shape[1]} tokens exceed max_seq_len "
                              f"{self.config.max_seq_len}")
         store = ReferenceStore(self.config, ids.shape[0], ids.device)
+        if target_hidden and not self.config.has_draft:
+            raise ValueError("target_hidden is what DSpark's draft reads, and this config "
+                             "has no draft (n_mtp_layers, dspark_block_size)")
+        targets = self.config.dspark_target_layer_ids if target_hidden else ()
         ctx = StepContext(dense=dense, collect=collect, target_rows=target_rows,
-                          instruments=instruments)
+                          instruments=instruments, draft_targets=frozenset(targets))
         s = self._run(self._states(ids, 0, store), 0, store, range(self.config.n_layers), ctx)
+        hidden = torch.cat([ctx.draft_inputs[i] for i in targets], -1) if targets else None
         return ModelOutput(self._logits(s), ctx.index_scores, ctx.attention_targets,
-                           ctx.index_entries)
+                           ctx.index_entries, hidden)
 
     # ---- incremental -------------------------------------------------------------------
     def decoder_span(self, replay: str) -> int:

@@ -2,7 +2,8 @@
 
 This is the model's parameter contract (design.md section 2): the module tree of
 `kvstack.model` creates exactly these tensors (kvstack's own checkpoint layout), and the
-planner counts them. The draft (MTP) layers are not part of the trunk and are not listed.
+planner counts them. DSpark's draft is not part of the trunk: `draft_parameter_shapes`
+lists it apart.
 Engram tables are listed as stored: E4M3 codes and UE8M0 scales (uint8).
 """
 
@@ -18,7 +19,7 @@ def check_fits_memory(config: ModelConfig, element_bytes: int) -> None:
     machine's memory (a config with a million experts would otherwise allocate until
     MemoryError, or until the kernel's OOM killer ends the process). `element_bytes`: of
     a float parameter as it will be allocated; Engram tables are stored as bytes."""
-    shapes = parameter_shapes(config)
+    shapes = parameter_shapes(config) | draft_parameter_shapes(config)
     needed = sum(math.prod(shape) * (1 if name.endswith(_ENGRAM_TABLES) else element_bytes)
                  for name, shape in shapes.items())
     try:
@@ -38,43 +39,8 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     c = config
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, c.dim)}
     hc_dim = c.hc_mult * c.dim
-    n_mix = (2 + c.hc_mult) * c.hc_mult  # pre weights, post weights, residual mixing
     for spec in c.layers:
-        p = f"layers.{spec.index}."
-        shapes[p + "attn_norm.weight"] = (c.dim,)
-        shapes[p + "ffn_norm.weight"] = (c.dim,)
-        if spec.index in c.engram_layer_ids:
-            _engram_shapes(c, c.engram_layer_ids.index(spec.index), p + "engram.", shapes)
-        if c.hc_mult > 1:
-            for site in ("attn", "ffn"):
-                shapes[p + f"hc_{site}.fn"] = (n_mix, hc_dim)
-                shapes[p + f"hc_{site}.base"] = (n_mix,)
-                shapes[p + f"hc_{site}.scale"] = (3,)
-        a = p + "attn."
-        if c.arch == "dense":
-            kv_width = c.n_kv_heads * c.head_dim
-            shapes[a + "wq.weight"] = (c.n_heads * c.head_dim, c.dim)
-            shapes[a + "wk.weight"] = (kv_width, c.dim)
-            shapes[a + "wv.weight"] = (kv_width, c.dim)
-            shapes[a + "wo.weight"] = (c.dim, c.n_heads * c.head_dim)
-        else:
-            _v41_attention_shapes(c, spec, a, shapes)
-        f = p + "ffn."
-        if c.uses_moe:
-            shapes[f + "gate.weight"] = (c.n_routed_experts, c.dim)
-            shapes[f + "gate.bias"] = (c.n_routed_experts,)
-            shapes[f + "experts.w1"] = (c.n_routed_experts, c.moe_inter_dim, c.dim)
-            shapes[f + "experts.w2"] = (c.n_routed_experts, c.dim, c.moe_inter_dim)
-            shapes[f + "experts.w3"] = (c.n_routed_experts, c.moe_inter_dim, c.dim)
-            shared = c.n_shared_experts * c.moe_inter_dim
-            if shared:
-                shapes[f + "shared.w1.weight"] = (shared, c.dim)
-                shapes[f + "shared.w2.weight"] = (c.dim, shared)
-                shapes[f + "shared.w3.weight"] = (shared, c.dim)
-        else:
-            shapes[f + "w1.weight"] = (c.inter_dim, c.dim)
-            shapes[f + "w2.weight"] = (c.dim, c.inter_dim)
-            shapes[f + "w3.weight"] = (c.inter_dim, c.dim)
+        _layer_shapes(c, spec, f"layers.{spec.index}.", shapes)
     if c.hc_mult > 1 and not c.single_pass_hc:
         shapes["hc_head_fn"] = (c.hc_mult, hc_dim)
         shapes["hc_head_base"] = (c.hc_mult,)
@@ -82,6 +48,68 @@ def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["norm.weight"] = (c.dim,)
     shapes["head.weight"] = (c.vocab_size, c.dim)
     return shapes
+
+
+def draft_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """DSpark's draft (`kvstack.model.dspark.Draft`, under `draft.`): its stages, window-only
+    layers with the draft's expert counts, and its projection and heads; {} without one."""
+    c = config
+    if not c.has_draft:
+        return {}
+    routed, active = c.draft_experts
+    stage = c.replace(n_routed_experts=routed, n_activated_experts=active)
+    shapes: dict[str, tuple[int, ...]] = {
+        "draft.main_proj.weight": (c.dim, len(c.dspark_target_layer_ids) * c.dim),
+        "draft.main_norm.weight": (c.dim,),
+    }
+    for s, spec in enumerate(c.draft_layers):
+        _layer_shapes(stage, spec, f"draft.stages.{s}.", shapes)
+    r = c.dspark_markov_rank
+    shapes["draft.norm.weight"] = (c.dim,)
+    shapes["draft.markov_embed.weight"] = (c.vocab_size, r)
+    shapes["draft.markov_head.weight"] = (c.vocab_size, r)
+    shapes["draft.confidence.weight"] = (1, c.dim + r)
+    return shapes
+
+
+def _layer_shapes(c: ModelConfig, spec: LayerSpec, p: str,
+                  shapes: dict[str, tuple[int, ...]]) -> None:
+    hc_dim = c.hc_mult * c.dim
+    n_mix = (2 + c.hc_mult) * c.hc_mult  # pre weights, post weights, residual mixing
+    shapes[p + "attn_norm.weight"] = (c.dim,)
+    shapes[p + "ffn_norm.weight"] = (c.dim,)
+    if spec.index in c.engram_layer_ids:
+        _engram_shapes(c, c.engram_layer_ids.index(spec.index), p + "engram.", shapes)
+    if c.hc_mult > 1:
+        for site in ("attn", "ffn"):
+            shapes[p + f"hc_{site}.fn"] = (n_mix, hc_dim)
+            shapes[p + f"hc_{site}.base"] = (n_mix,)
+            shapes[p + f"hc_{site}.scale"] = (3,)
+    a = p + "attn."
+    if c.arch == "dense":
+        kv_width = c.n_kv_heads * c.head_dim
+        shapes[a + "wq.weight"] = (c.n_heads * c.head_dim, c.dim)
+        shapes[a + "wk.weight"] = (kv_width, c.dim)
+        shapes[a + "wv.weight"] = (kv_width, c.dim)
+        shapes[a + "wo.weight"] = (c.dim, c.n_heads * c.head_dim)
+    else:
+        _v41_attention_shapes(c, spec, a, shapes)
+    f = p + "ffn."
+    if c.uses_moe:
+        shapes[f + "gate.weight"] = (c.n_routed_experts, c.dim)
+        shapes[f + "gate.bias"] = (c.n_routed_experts,)
+        shapes[f + "experts.w1"] = (c.n_routed_experts, c.moe_inter_dim, c.dim)
+        shapes[f + "experts.w2"] = (c.n_routed_experts, c.dim, c.moe_inter_dim)
+        shapes[f + "experts.w3"] = (c.n_routed_experts, c.moe_inter_dim, c.dim)
+        shared = c.n_shared_experts * c.moe_inter_dim
+        if shared:
+            shapes[f + "shared.w1.weight"] = (shared, c.dim)
+            shapes[f + "shared.w2.weight"] = (c.dim, shared)
+            shapes[f + "shared.w3.weight"] = (shared, c.dim)
+    else:
+        shapes[f + "w1.weight"] = (c.inter_dim, c.dim)
+        shapes[f + "w2.weight"] = (c.dim, c.inter_dim)
+        shapes[f + "w3.weight"] = (c.inter_dim, c.dim)
 
 
 def engram_columns(c: ModelConfig) -> int:
@@ -136,6 +164,7 @@ class ParamCounts:
     active_prefill: int  # used for each prompt token under CED prefill
     engram: int = 0  # Engram table entries (one per stored code), apart from the trunk
     engram_active: int = 0  # of those, what one token reads (every Engram layer)
+    draft: int = 0  # DSpark's draft stages and heads, apart from the trunk
 
 
 def count_parameters(config: ModelConfig) -> ParamCounts:
@@ -146,7 +175,7 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
     decoder layer's Engram, input mixing, norm and stream projections (the decoder runs
     over only the last few prompt tokens, and the head over the last one). Without CED,
     every layer. Engram tables are counted apart, as V4.1's figures count them (552B trunk
-    beside 196B of tables); their scales are not parameters.
+    beside 196B of tables); their scales are not parameters. So is DSpark's draft.
     """
     shapes = parameter_shapes(config)
     expert_share = (
@@ -178,4 +207,5 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
         elif name == "embed.weight":
             prefill += active
     engram_active = len(config.engram_layer_ids) * engram_columns(config) * config.engram_head_dim
-    return ParamCounts(total, round(decode), round(prefill), engram, engram_active)
+    draft = sum(math.prod(shape) for shape in draft_parameter_shapes(config).values())
+    return ParamCounts(total, round(decode), round(prefill), engram, engram_active, draft)

@@ -102,6 +102,7 @@ def shard_model(model: Model, plan: ShardingPlan, shard: TorchShard) -> Model:
     if plan.world_size != shard.world_size:
         raise ValueError(f"a plan for {plan.world_size} ranks, a group of {shard.world_size}")
     rank = shard.rank
+    model.draft = None  # DSpark's draft is not sharded: a sharded model runs without it
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
         if isinstance(module, PackedLinear):

@@ -1,0 +1,167 @@
+"""DSpark, DeepSeek-V4.1's draft model for speculative decoding: the `mtp.*` stages of
+the published checkpoint, computed as DeepSeek's V4.1 code computes them.
+
+At decode position p the target has run token p and chosen token p+1. The draft proposes
+the block after it in one pass:
+- stage 0 projects the target layers' attention inputs (`dspark_target_layer_ids`, each the
+  mean of the residual copies) at the last `window` positions: `main_norm(main_proj(h))`;
+- every stage is a window-only V4.1 layer (single-pass hyper-connections, a MoE with the
+  draft's own expert counts) whose attention reads two things: its own window keys made
+  from that projection at positions p-W+1..p, and the draft block itself, the token p+1
+  then `dspark_block_size - 1` noise tokens at positions p+1.., every query seeing the
+  whole window and the whole block;
+- the last stage's norm and the target's head give the block's logits; a low-rank Markov
+  head adds the previous token's bias to each position's logits, so the block's tokens are
+  chosen one after another, and a confidence head scores each position from its state and
+  that Markov embedding.
+
+The draft shares the target's embedding and head. It is not on the decode path: the
+engine's draft-verify loop is what would call it.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from kvstack.config import LayerSpec, ModelConfig
+from kvstack.formats import fake_quantize
+from kvstack.model.model import (
+    Attention,
+    HyperConnection,
+    MoE,
+    RMSNorm,
+    rotate,
+    token_positions,
+)
+from kvstack.model.packed import PackedLinear
+
+if TYPE_CHECKING:
+    from kvstack.model.model import Model
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely token of logits [B, vocab]: [B]."""
+    return logits.argmax(-1)
+
+
+class DraftAttention(Attention):
+    """A draft stage's attention: window-only, its window keys made from the target's
+    projected states, its queries the draft block's, attending the window and the whole
+    block (no causal mask inside the block)."""
+
+    def entries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys (and values) of states x [B, n, dim] at positions [P, n]: [B, n, D], rounded
+        to the window format as the ring holds them."""
+        kv = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        return fake_quantize(kv, self.config.window_format)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                window: torch.Tensor) -> torch.Tensor:
+        """Block states x [B, K, dim] at positions [P, K]; window [B, W, D] (`entries` of
+        the target's projected states): [B, K, dim]."""
+        c = self.config
+        qr = self.q_norm(self.wq_a(x))
+        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)), positions,
+                   self.freqs)  # [B, K, H, D]
+        kv = torch.cat((window, self.entries(x, positions)), dim=1).float()  # [B, W + K, D]
+        logits = torch.einsum("bqhd,bkd->bhqk", q.float(), kv) * c.head_dim**-0.5
+        sink = self.sink.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        probs = torch.cat((logits, sink), dim=-1).softmax(-1)[..., :-1]
+        out = torch.einsum("bhqk,bkd->bqhd", probs, kv)  # [B, K, H, D]
+        return self.project_out(out, positions)
+
+
+class DraftStage(nn.Module):
+    """One `mtp.<s>` stage: a window-only V4.1 layer with `DraftAttention`."""
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
+        """config: the draft's (its expert counts in the trunk's keys)."""
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = DraftAttention(config, spec)
+        self.ffn = MoE(config)
+        self.hc_attn = HyperConnection(config)
+        self.hc_ffn = HyperConnection(config)
+
+    def forward(self, x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor,
+                window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, K, h, dim] and the `pre` mix [B, K, h] that collapses it (single-pass, as
+        the trunk's layers): the stage's output and the mix for the next sub-layer."""
+        attn_pre, post, comb = self.hc_attn.mixes(x)
+        y = HyperConnection.collapse(x, mix)
+        x = self.hc_attn.post(self.attn(self.attn_norm(y), positions, window), x, post, comb)
+        ffn_pre, post, comb = self.hc_ffn.mixes(x)
+        y = HyperConnection.collapse(x, attn_pre)
+        return self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb), ffn_pre
+
+
+@dataclass
+class DraftBlock:
+    tokens: torch.Tensor  # [B, K + 1]: the given token, then the K proposed
+    logits: torch.Tensor  # [B, K, vocab]: position i's, Markov bias included (float32)
+    confidence: torch.Tensor  # [B, K]: the confidence head's logit for each position
+
+
+class Draft(nn.Module):
+    """DSpark's stages and heads (`mtp.0.main_*` on the first stage, `mtp.<last>.norm`,
+    `markov_head`, `confidence_head` on the last, in the published layout)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        routed, active = c.draft_experts
+        stage_config = c.replace(n_routed_experts=routed, n_activated_experts=active)
+        self.main_proj = nn.Linear(len(c.dspark_target_layer_ids) * c.dim, c.dim, bias=False)
+        self.main_norm = RMSNorm(c.dim, c.norm_eps)
+        self.stages = nn.ModuleList(DraftStage(stage_config, spec) for spec in c.draft_layers)
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        r = c.dspark_markov_rank
+        self.markov_embed = nn.Embedding(c.vocab_size, r)
+        self.markov_head: nn.Linear | PackedLinear = nn.Linear(r, c.vocab_size, bias=False)
+        self.confidence = nn.Linear(c.dim + r, 1, bias=False)
+
+    def forward(self, model: "Model", target_hidden: torch.Tensor, token: torch.Tensor,
+                position: int | torch.Tensor,
+                sample: Callable[[torch.Tensor], torch.Tensor] = greedy) -> DraftBlock:
+        """One draft block at decode position p = `position` (an int, or [B] per sequence),
+        as DeepSeek's `forward_spec` makes it:
+        target_hidden [B, W, len(targets) * dim]: the target layers' attention inputs
+          (`ModelOutput.target_hidden`) at positions p-W+1..p, W = min(window, p + 1);
+        token [B]: the token at position p+1, the target's choice at p;
+        sample: picks a position's token from its logits [B, vocab] (greedy by default),
+          which the next position's Markov bias depends on."""
+        c = self.config
+        b, w, _ = target_hidden.shape
+        k = c.dspark_block_size
+        first = int(torch.as_tensor(position).min())
+        if not 0 < w <= min(c.window_size, first + 1):
+            raise ValueError(f"target_hidden holds {w} positions; at position {first} the "
+                             f"draft reads 1..{min(c.window_size, first + 1)} (its window)")
+        device = target_hidden.device
+        context = self.main_norm(self.main_proj(target_hidden))  # [B, W, dim]
+        window_at = token_positions(position - w + 1, w, device)  # [P, W]
+        block_at = token_positions(position + 1, k, device)  # [P, K]
+        ids = torch.full((b, k), c.dspark_noise_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = token
+        x = model.embed(ids).float()  # [B, K, dim]
+        x = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()  # [B, K, h, dim]
+        mix = x.new_zeros(x.shape[:3])  # a one-hot collapse on copy 0, as the trunk starts
+        mix[..., 0] = 1.0
+        for stage in self.stages:
+            window = stage.attn.entries(context, window_at)  # [B, W, D]
+            x, mix = stage(x, mix, block_at, window)
+        x = HyperConnection.collapse(x, mix)  # [B, K, dim]
+        logits = model.head_logits(self.norm(x))  # [B, K, vocab]
+        tokens, embeds = [token.long()], []
+        for i in range(k):
+            e = self.markov_embed(tokens[-1]).float()  # [B, rank]
+            embeds.append(e)
+            logits[:, i] += self.markov_head(e).float()
+            tokens.append(sample(logits[:, i]))
+        features = torch.cat((x.float(), torch.stack(embeds, dim=1)), dim=-1)
+        confidence = self.confidence(features).float().squeeze(-1)
+        return DraftBlock(torch.stack(tokens, dim=1), logits, confidence)

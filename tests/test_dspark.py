@@ -1,0 +1,150 @@
+"""DSpark's draft model: against DeepSeek's own code, what the target hands it, its config
+keys, and its tensors in the published layout."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvstack.cache.reference import ReferenceStore
+from kvstack.config import ModelConfig, preset
+from kvstack.model import Model
+from kvstack.model.checkpoint import export_v41
+from kvstack.model.packed import PackedExperts, PackedLinear
+from kvstack.plan import make_plan
+from tests.v41_checkpoint import hf_config, inference_config, write_v41_checkpoint
+
+# DeepSeek's V4.1 draft (its model.py forward_spec, with the CPU ports of its kernels) run on
+# the tiny-v41-dspark checkpoint tests/v41_checkpoint.py writes with seed 0: data/README.md.
+REFERENCE = Path(__file__).parent / "data" / "dspark_reference.safetensors"
+SEED, PREFILL = 0, 5
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory) -> Model:
+    directory = tmp_path_factory.mktemp("dspark")
+    write_v41_checkpoint(directory, preset("tiny-v41-dspark"), seed=SEED, shards=0)
+    return Model.from_pretrained(directory).eval()
+
+
+def test_the_draft_equals_deepseeks_within_its_own_noise_floor(drafted):
+    """Each decode step's draft block, its tokens forced to the reference's, against the
+    reference's logits and confidence: within twice what the reference itself moves when
+    every input value moves by one bf16 ulp (the floor of its bf16 activations)."""
+    ref = load_file(REFERENCE)
+    model = drafted
+    model.set_numerics("reference")
+    c = model.config
+    hidden, tokens = ref["hidden"].float(), ref["tokens"]  # [B, T, 3 dim], [B, T + 1]
+    for step, want in enumerate(ref["draft_tokens"]):  # [B, K + 1] each
+        p = PREFILL + step
+        w = min(c.window_size, p + 1)
+        forced = iter(want[:, 1:].unbind(1))
+        with torch.no_grad():
+            block = model.draft(model, hidden[:, p - w + 1 : p + 1], tokens[:, p + 1], p,
+                                sample=lambda _, forced=forced: next(forced))
+        logits, confidence = ref["logits"][step], ref["confidence"][step]
+        assert (block.logits - logits).abs().max() <= 2 * ref["floor_logits"][step]
+        assert (block.confidence - confidence).abs().max() <= 2 * ref["floor_confidence"][step]
+        top2 = logits.topk(2, dim=-1).values
+        clear = top2[..., 0] - top2[..., 1] > 2 * ref["floor_logits"][step]
+        assert torch.equal(block.logits.argmax(-1)[clear], logits.argmax(-1)[clear])
+
+
+def test_per_sequence_positions_equal_each_sequence_alone(drafted):
+    model, c = drafted, drafted.config
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, c.window_size, 3 * c.dim, generator=g)
+    token = torch.randint(0, c.vocab_size, (2,), generator=g)
+    with torch.no_grad():
+        both = model.draft(model, hidden, token, torch.tensor([20, 9]))
+        alone = [model.draft(model, hidden[i : i + 1], token[i : i + 1], p)
+                 for i, p in enumerate((20, 9))]
+    assert torch.equal(both.tokens, torch.cat([a.tokens for a in alone]))
+    torch.testing.assert_close(both.logits, torch.cat([a.logits for a in alone]))
+    torch.testing.assert_close(both.confidence, torch.cat([a.confidence for a in alone]))
+
+
+def test_the_target_hands_over_its_target_layers_attention_inputs(drafted):
+    model, c = drafted, drafted.config
+    ids = torch.randint(0, c.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = model(ids, target_hidden=True)
+        plain = model(ids)
+        # Layer 5's input, the first target: the residual copies after layers 0..4.
+        store = ReferenceStore(c, 2, ids.device)
+        s = model._run(model._states(ids, 0, store), 0, store, range(5))
+    assert plain.target_hidden is None
+    assert torch.equal(out.logits, plain.logits)
+    assert out.target_hidden.shape == (2, 11, 3 * c.dim)
+    torch.testing.assert_close(out.target_hidden[..., : c.dim], s.x.mean(2))
+    with pytest.raises(ValueError, match="no draft"):
+        Model(preset("tiny-v41")).eval()(ids, target_hidden=True)
+
+
+def test_the_draft_stages_load_packed_and_export_byte_for_byte(tmp_path, drafted):
+    draft = drafted.draft
+    assert isinstance(draft.main_proj, PackedLinear) and draft.main_proj.fmt == "fp8"
+    assert isinstance(draft.markov_head, PackedLinear) and draft.markov_head.fmt == "bf16"
+    experts = draft.stages[0].ffn.experts
+    assert isinstance(experts, PackedExperts) and len(experts) == 3  # the draft's own count
+    assert draft.stages[0].ffn.gate.weight.shape[0] == 3
+    assert all(n.endswith("bias_vl") for n in drafted.checkpoint_report.skipped
+               if n.startswith("mtp."))
+    files = export_v41(drafted, tmp_path / "out")
+    written: dict[str, torch.Tensor] = {}
+    for file in files:
+        written.update(load_file(str(tmp_path / "out" / file)))
+    original = write_v41_checkpoint(tmp_path / "again", drafted.config, seed=SEED, shards=0)
+    drafts = {n for n in original if n.startswith("mtp.") and not n.endswith("bias_vl")}
+    assert drafts == {n for n in written if n.startswith("mtp.")}
+    for name in drafts:
+        assert torch.equal(written[name].view(torch.uint8), original[name].view(torch.uint8))
+
+
+def test_a_config_without_a_draft_skips_the_draft_tensors(tmp_path):
+    c = preset("tiny-v41-dspark").replace(dspark_block_size=0)
+    assert not c.has_draft and not c.draft_layers
+    write_v41_checkpoint(tmp_path, preset("tiny-v41-dspark"), seed=SEED, shards=0)
+    (tmp_path / "config.json").write_text(json.dumps(inference_config(c)))
+    model = Model.from_pretrained(tmp_path)
+    assert model.draft is None
+    assert "dspark_block_size 0" in model.checkpoint_report.skipped["mtp.0.main_proj.weight"]
+
+
+def test_dspark_keys_validate_and_map_from_hf_names():
+    c = preset("tiny-v41-dspark")
+    assert ModelConfig.from_dict(hf_config(c)["text_config"]) == c
+    # HF leaves out what equals its defaults: those are V4.1-Flash's draft (its targets the
+    # last three layers that are not kv sources).
+    flash = preset("deepseek-v4.1-flash")
+    hf = hf_config(flash)
+    for key in [k for k in hf["text_config"] if k.startswith("dspark_")]:
+        del hf["text_config"][key]
+    assert ModelConfig.from_dict(hf) == flash
+    assert c.draft_experts == (3, 2)
+    assert c.replace(dspark_n_routed_experts=0, dspark_n_activated_experts=0).draft_experts \
+        == (c.n_routed_experts, c.n_activated_experts)
+    for changes, message in [
+        (dict(dspark_target_layer_ids=[5, 8]), "dspark_target_layer_ids: must be strictly"),
+        (dict(dspark_target_layer_ids=[]), "dspark_target_layer_ids"),
+        (dict(dspark_noise_token_id=512), "dspark_noise_token_id = 512"),
+        (dict(dspark_markov_rank=0), "dspark_markov_rank = 0"),
+        (dict(dspark_n_activated_experts=4), "more than the draft stages' 3"),
+        (dict(dspark_block_size=-1), "dspark_block_size = -1"),
+        (dict(hc_mult=1), "DSpark's draft stages are V4.1 layers"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            c.replace(**changes)
+
+
+def test_the_plan_counts_the_draft_apart():
+    c = preset("tiny-v41-dspark")
+    with_draft, trunk = make_plan(c, "d"), make_plan(preset("tiny-v41"), "t")
+    assert with_draft["params_total"] == trunk["params_total"]
+    assert with_draft["draft_layers"] == 3 and trunk["draft_layers"] == 0
+    assert with_draft["params_draft"] == sum(p.numel() for p in
+                                             Model(c).draft.parameters()) > 0
+    assert with_draft["draft_weight_bytes"] > 0 == trunk["params_draft"]
