@@ -83,7 +83,6 @@ _SIGNATURES = {
     "kv_hc_post": [_P, _P, _P, _P, _I, _I, _I, _P],
     "kv_rope": [_P, _I, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P],
     "kv_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
-    "kv_experts_swiglu": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, ctypes.c_float, _P, _P],
     "kv_select_topk": [_P, _I, _I, _I, _P, _P],
     "kv_moe": [_P, _I, _I, _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P, _P],
@@ -560,24 +559,6 @@ def quantize(x: torch.Tensor, fmt: str, rows: bool = True, values: bool = True,
     if check:
         check_magnitude(f, magnitude)
     return packed, out
-
-
-def experts_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                   chosen: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
-    """The routed experts' sum [T, dim] for x [T, dim] over float experts (w1, w3 [E, inter,
-    dim], w2 [E, dim, inter]) routed by chosen [T, k] with weights [T, k]: each pair's
-    `swiglu` (the weight scaling the hidden activation) added in order, the chosen
-    experts' weights read in place."""
-    x = x.contiguous()
-    w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
-    chosen, weights = chosen.to(torch.int64).contiguous(), weights.float().contiguous()
-    inter = w1.shape[1]
-    out = torch.empty_like(x)
-    hidden = torch.empty(inter, dtype=torch.float32)
-    _load().kv_experts_swiglu(_ptr(x), x.shape[0], x.shape[1], _ptr(w1), _ptr(w2), _ptr(w3),
-                              inter, _ptr(chosen), _ptr(weights), chosen.shape[1], limit,
-                              _ptr(hidden), _ptr(out))
-    return out
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

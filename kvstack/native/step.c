@@ -293,10 +293,10 @@ static inline float dot_lanes(const float *a, const float *b, int64_t n) {
  * w2 [E, dim, inter] read where they lie (no gathered copy of a chosen expert's weights);
  * the pairs' outputs added in order into out [n, dim]. limit > 0 clamps the gate from
  * above and the up branch to +-limit. hidden: [inter] of scratch. */
-void kv_experts_swiglu(const float *x, int64_t n, int64_t dim, const float *w1,
-                       const float *w2, const float *w3, int64_t inter, const int64_t *chosen,
-                       const float *weights, int64_t k, float limit, float *hidden,
-                       float *out) {
+static void experts_swiglu(const float *x, int64_t n, int64_t dim, const float *w1,
+                           const float *w2, const float *w3, int64_t inter,
+                           const int64_t *chosen, const float *weights, int64_t k, float limit,
+                           float *hidden, float *out) {
     for (int64_t t = 0; t < n; t++) {
         const float *xt = x + t * dim;
         float *o = out + t * dim;
@@ -379,7 +379,7 @@ void kv_select_topk(const float *scores, int64_t rows, int64_t n, int64_t k, int
  * The router (logits / temp, scored by softmax (0), sigmoid (1) or sqrt(softplus) (2),
  * the top k of score + bias in descending order, ties to the lower expert, weights the
  * chosen scores, renormalised when asked, times route_scale), the routed experts as
- * kv_experts_swiglu, and the shared expert (shared_inter > 0: s1, s3 [inter, dim], s2
+ * experts_swiglu, and the shared expert (shared_inter > 0: s1, s3 [inter, dim], s2
  * [dim, inter], unweighted) added after: out [n, dim]. scratch: 2 * E + k + max(inter,
  * shared_inter) + dim floats; chosen: k int64. */
 void kv_moe(const float *x, int64_t n, int64_t dim, const float *gate_w, const float *bias,
@@ -421,13 +421,13 @@ void kv_moe(const float *x, int64_t n, int64_t dim, const float *gate_w, const f
         for (int64_t j = 0; j < k; j++)
             weights[j] = (renormalise && k > 1 ? weights[j] / (total + 1e-20f) : weights[j])
                          * route_scale;
-        kv_experts_swiglu(xt, 1, dim, w1, w2, w3, inter, chosen, weights, k, limit, hidden,
-                          out + t * dim);
+        experts_swiglu(xt, 1, dim, w1, w2, w3, inter, chosen, weights, k, limit, hidden,
+                       out + t * dim);
         if (shared_inter > 0) {
             const int64_t only = 0;
             const float one = 1.0f;
-            kv_experts_swiglu(xt, 1, dim, s1, s2, s3, shared_inter, &only, &one, 1, limit,
-                              hidden, shared);
+            experts_swiglu(xt, 1, dim, s1, s2, s3, shared_inter, &only, &one, 1, limit, hidden,
+                           shared);
             for (int64_t d = 0; d < dim; d++) out[t * dim + d] += shared[d];
         }
     }
