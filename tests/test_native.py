@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvstack import LLM, SamplingParams, native
 from kvstack.cache.batch import _scores
 from kvstack.cache.rows import PackedRows, _rows_at
-from kvstack.config import preset
+from kvstack.config import dense_control, preset
 from kvstack.engine.config import EngineConfig
 from kvstack.formats import dequantize, pack_rows, quantize, unpack_rows
 from kvstack.model.model import (
@@ -223,6 +224,45 @@ def test_select_topk_chooses_torchs_entries():
         with torch.no_grad(), native.active(True):
             assert torch.equal(select_topk(scores, k), want)
     assert (select_topk(scores, 16)[1, :, 10:] == -1).all()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ue8m0_32"])
+def test_dense_attention_equals_sdpa_over_the_stored_rows(fmt):
+    """Two KV heads of four query heads, sequences of different lengths through a block
+    table: causal softmax attention over the rows as the store decodes them."""
+    g = torch.Generator().manual_seed(3)
+    b, h, kv_heads, d, per, n_blocks = 3, 4, 2, 32, 4, 7
+    cpu = torch.device("cpu")
+    pools = {}
+    for kind in ("k", "v"):
+        pools[kind] = PackedRows(fmt, kv_heads * d, (n_blocks, per), cpu)
+        pools[kind].data[:], _ = pools[kind].pack(
+            torch.randn(n_blocks, per, kv_heads * d, generator=g) * 2)
+    block_table = torch.stack([torch.randperm(n_blocks, generator=g)[:3] for _ in range(b)])
+    lengths = torch.tensor([9, 1, 12])
+    q = torch.randn(b, h, d, generator=g)
+    out = native.dense_attention(q, pools["k"].data, pools["v"].data, fmt, kv_heads * d,
+                                 block_table, lengths)
+    for i in range(b):
+        rows = block_table[i, torch.arange(int(lengths[i])) // per] * per \
+            + torch.arange(int(lengths[i])) % per
+        kv = {kind: pools[kind].read(pools[kind].data.view(-1, pools[kind].data.shape[-1])[rows])
+              .view(-1, kv_heads, d).transpose(0, 1).repeat_interleave(h // kv_heads, dim=0)
+              for kind in ("k", "v")}
+        want = F.scaled_dot_product_attention(q[i][:, None], kv["k"], kv["v"])[:, 0]
+        assert torch.allclose(out[i], want, atol=1e-5, rtol=1e-5), i
+
+
+def test_the_dense_control_decodes_the_same_tokens_with_the_c_kernels_as_with_torch():
+    config = dense_control(preset("tiny"))
+    prompts = [[5, 9, 2, 7] * 20, [3, 1] * 33]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = {}
+    for choice in ("c", "torch"):
+        llm = LLM(config, random_init=True, kv_budget="8MiB", max_num_seqs=2,
+                  cpu_kernels=choice)
+        outputs[choice] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs["c"] == outputs["torch"]
 
 
 def test_the_engine_decodes_the_same_tokens_with_the_c_kernels_as_with_torch():

@@ -62,9 +62,7 @@ class DecodeBatch(KVStore):
         self.stores, self.pools = stores, pools
         self.rings, self.partials = stores[0].rings, stores[0].partials
         self.triton = kernels
-        self.c_attention = (not kernels and native.enabled() and pools.device.type == "cpu"
-                            and all(native.decodes(r.fmt) for r in self.rings.rows.values())
-                            and all(native.decodes(r.fmt) for r in pools.rows.values()))
+        self.c_attention = not kernels and native.enabled() and pools.device.type == "cpu"
         dev, null = self.device, pools.null_block
         lengths = [s.num_tokens for s in stores] + [0] * pad  # the new tokens' positions
         width = max(len(s.block_table) for s in stores)
@@ -226,6 +224,19 @@ class DecodeBatch(KVStore):
         """Whether `attend` runs this step's attention: the Triton kernel, or the C one;
         never inside a traced step, whose graph holds the model's own math."""
         return self.triton or (self.c_attention and not torch.compiler.is_compiling())
+
+    def attends_dense(self) -> bool:
+        """Whether `attend_dense` runs a dense layer's attention: the C kernel."""
+        return self.c_attention and not torch.compiler.is_compiling()
+
+    def attend_dense(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Where `attends_dense()`: q [B, 1, H, D] over every entry of the dense layer's
+        "k" and "v" streams up to each sequence's own (this step's written), causal GQA:
+        [B, 1, H, D]."""
+        keys, values = self.pools.rows[layer, "k"], self.pools.rows[layer, "v"]
+        out = native.dense_attention(q[:, 0], keys.data, values.data, keys.fmt, keys.width,
+                                     self.block_table, self.stream_lens[layer])
+        return out[:, None].type_as(q)
 
     def attend(self, layer: int, source: int | None, q: torch.Tensor,
                selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:

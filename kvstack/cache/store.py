@@ -33,6 +33,11 @@ class KVStore(ABC):
         rows) rather than the model's own math over what the read methods hand back."""
         return False
 
+    def attends_dense(self) -> bool:
+        """Whether a decode step's dense-layer attention (the dense control's) is
+        `attend_dense`, a kernel reading the packed rows."""
+        return False
+
     def __init__(
         self, config: ModelConfig, batch_size: int, device: torch.device | str = "cpu"
     ) -> None:

@@ -973,6 +973,8 @@ class DenseAttention(nn.Module):
         q = rotate(self.wq(x).unflatten(-1, (c.n_heads, c.head_dim)), positions, self.freqs)
         k = rotate(self.wk(x).unflatten(-1, (c.n_kv_heads, c.head_dim)), positions, self.freqs)
         store.append_stream(self.layer, {"k": k.flatten(2), "v": self.wv(x)})
+        if x.shape[1] == 1 and store.attends_dense():  # a decode step, from the packed rows
+            return self.wo(store.attend_dense(self.layer, q).flatten(2))
         total = store.stream_len(self.layer)
         group = c.n_heads // c.n_kv_heads
 

@@ -70,6 +70,8 @@ _SIGNATURES = {
     "kv_sparse_attention": [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P,
                             _I, _I, _P, _I, _P, _I, _I, ctypes.c_int, _P, _P, _I, _I, _I,
                             ctypes.c_float, _P, _P, _P, ctypes.c_int],
+    "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
+                           _I, _I, _I, ctypes.c_float, _P, _P, _P, _P],
     "kv_grouped_mm": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
     "kv_packed_linear": [_P, _I, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int, _P,
                          ctypes.c_int, ctypes.c_int],
@@ -283,6 +285,13 @@ def _decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     return f.scale_block, int(f.element == "e2m1"), *tables
 
 
+def _any_decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """`_decoding` for any cache format: block 0 (and unused tables) for bf16."""
+    if decode_tables(fmt) is None:
+        return 0, 0, *_weight_tables("fp8")
+    return _decoding(fmt)
+
+
 def decodes(fmt: str) -> bool:
     """Whether the C kernels read rows of this format (every block-scaled one)."""
     return decode_tables(fmt) is not None
@@ -326,15 +335,15 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
                      block_table: torch.Tensor, selected: torch.Tensor,
                      window_size: int) -> torch.Tensor:
     """`kvstack.cache.kernels.sparse_attention` from the packed rows on a CPU, for any
-    block-scaled ring and stream formats: q [B, H, D] over each sequence's window ring
+    ring and stream formats: q [B, H, D] over each sequence's window ring
     rows (ring [slots, W, bytes], ring_positions [slots, W]) at its slot and the entries
     it selected (selected [B, k], -1 for none, from pool [blocks, per, bytes] through
     block_table), the sink [H] in the denominator: [B, H, D] float32, within float
     rounding of the model's softmax over the values the store hands back."""
     b, h, d = q.shape
     w, k = ring.shape[1], selected.shape[1]
-    ring_block, ring_packed, ring_elem, ring_scale = _decoding(ring_fmt)
-    kv_block, kv_packed, kv_elem, kv_scale = _decoding(kv_fmt)
+    ring_block, ring_packed, ring_elem, ring_scale = _any_decoding(ring_fmt)
+    kv_block, kv_packed, kv_elem, kv_scale = _any_decoding(kv_fmt)
     q = _as(q, torch.float32)
     ring, pool = ring.contiguous(), pool.contiguous()
     ints = [_as(t, torch.int64) for t in (ring_positions, slots, positions, block_table,
@@ -348,6 +357,32 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
         _ptr(ring_elem), _ptr(ring_scale), _ptr(pool), pool.shape[1], pool.shape[2],
         _ptr(ints[3]), ints[3].shape[1], _ptr(ints[4]), k, kv_block, kv_packed, _ptr(kv_elem),
         _ptr(kv_scale), b, h, d, d**-0.5, _ptr(rows), _ptr(logits), _ptr(out), _threads())
+    return out
+
+
+def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fmt: str,
+                    width: int, block_table: torch.Tensor,
+                    lengths: torch.Tensor) -> torch.Tensor:
+    """One decode step's causal GQA from the packed rows: q [B, H, D] over entries
+    0 .. lengths[b] - 1 of each sequence's key and value streams (rows of `width` = KV
+    heads * D values in format fmt, pools [blocks, per, bytes] through block_table
+    [B, max_blocks]), scale D^-0.5, no sink: [B, H, D] float32, within float rounding of
+    `F.scaled_dot_product_attention` on the values the store hands back."""
+    b, h, d = q.shape
+    block, packed, elem, scale = _any_decoding(fmt)
+    kv_heads = width // d
+    q = _as(q, torch.float32)
+    table, lengths = _as(block_table, torch.int64), _as(lengths, torch.int64)
+    longest = int(lengths.max()) if b else 0
+    keys = torch.empty(longest, kv_heads * d)
+    values = torch.empty(longest, kv_heads * d)
+    logits = torch.empty(longest)
+    out = torch.empty(b, h, d)
+    _load().kv_dense_attention(
+        _ptr(q), _ptr(k_pool.contiguous()), _ptr(v_pool.contiguous()), k_pool.shape[1],
+        k_pool.shape[2], v_pool.shape[2], _ptr(table), table.shape[1], _ptr(lengths), block,
+        packed, _ptr(elem), _ptr(scale), b, h, kv_heads, d, d**-0.5, _ptr(keys), _ptr(values),
+        _ptr(logits), _ptr(out))
     return out
 
 

@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -227,6 +228,20 @@ void kv_grouped_mm(const float *x, int64_t K, const float *w, int64_t G, int64_t
     }
 }
 
+/* A row of `width` values in any cache format: block-scaled (decode_row), or, block 0,
+ * little-endian bf16 (the float32's high half). */
+static inline void decode_any(const uint8_t *row, int64_t width, int64_t block, int packed,
+                              const float *elem, const float *scale, float *out) {
+    if (block) {
+        decode_row(row, width, block, packed, elem, scale, out);
+        return;
+    }
+    for (int64_t i = 0; i < width; i++) {
+        const uint32_t bits = (uint32_t)(row[2 * i] | (row[2 * i + 1] << 8)) << 16;
+        memcpy(out + i, &bits, 4);
+    }
+}
+
 /* a . b in eight running sums (lanes a vector unit keeps), added pairwise at the end. */
 static inline float dot_lanes(const float *a, const float *b, int64_t n) {
     float lane[8] = {0};
@@ -265,7 +280,7 @@ void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
         for (int64_t i = 0; i < w; i++) {
             const int64_t pos = ring_pos[slot * w + i];
             if (pos < 0 || pos > t || pos <= t - window_size) continue;
-            decode_row(ring + (slot * w + i) * ring_bytes, d, ring_block, ring_packed,
+            decode_any(ring + (slot * w + i) * ring_bytes, d, ring_block, ring_packed,
                        ring_elem, ring_scale, rows + n * d);
             n++;
         }
@@ -273,7 +288,7 @@ void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
             const int64_t entry = selected[s * k + j];
             if (entry < 0) continue;
             const int64_t block = block_table[s * max_blocks + entry / per];
-            decode_row(pool + (block * per + entry % per) * kv_bytes, d, kv_block, kv_packed,
+            decode_any(pool + (block * per + entry % per) * kv_bytes, d, kv_block, kv_packed,
                        kv_elem, kv_scale, rows + n * d);
             n++;
         }
@@ -293,6 +308,49 @@ void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
                 total += p;
                 const float *row = rows + r * d;
                 for (int64_t i = 0; i < d; i++) o[i] += p * row[i];
+            }
+            for (int64_t i = 0; i < d; i++) o[i] /= total;
+        }
+    }
+}
+
+/* One decode step's causal GQA of one dense layer (the dense control's attention): q
+ * [b, h, d] over entries 0 .. lengths[s] - 1 of each sequence's "k" and "v" streams
+ * (rows of kv_heads * d values, k_pool and v_pool [blocks, per, bytes] through
+ * block_table [b, max_blocks]); query head i reads kv head i / (h / kv_heads); softmax of
+ * q . k times `scale`, no sink: out [b, h, d]. keys, values: [max length, kv_heads * d]
+ * of scratch (a sequence's rows decoded once for all heads); logits: [max length]. */
+void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_pool,
+                        int64_t per, int64_t k_bytes, int64_t v_bytes,
+                        const int64_t *block_table, int64_t max_blocks, const int64_t *lengths,
+                        int64_t block, int packed, const float *elem, const float *scale_table,
+                        int64_t b, int64_t h, int64_t kv_heads, int64_t d, float scale,
+                        float *keys, float *values, float *logits, float *out) {
+    const int64_t width = kv_heads * d, group = h / kv_heads;
+    for (int64_t s = 0; s < b; s++) {
+        const int64_t n = lengths[s];
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t row = block_table[s * max_blocks + j / per] * per + j % per;
+            decode_any(k_pool + row * k_bytes, width, block, packed, elem, scale_table,
+                       keys + j * width);
+            decode_any(v_pool + row * v_bytes, width, block, packed, elem, scale_table,
+                       values + j * width);
+        }
+        for (int64_t hd = 0; hd < h; hd++) {
+            const float *qh = q + (s * h + hd) * d;
+            const int64_t kv = (hd / group) * d;
+            float top = -INFINITY;
+            for (int64_t j = 0; j < n; j++) {
+                logits[j] = dot_lanes(qh, keys + j * width + kv, d) * scale;
+                if (logits[j] > top) top = logits[j];
+            }
+            float *o = out + (s * h + hd) * d, total = 0.0f;
+            for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                const float p = expf(logits[j] - top);
+                const float *v = values + j * width + kv;
+                total += p;
+                for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
             }
             for (int64_t i = 0; i < d; i++) o[i] /= total;
         }
