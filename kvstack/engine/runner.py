@@ -42,13 +42,15 @@ class ModelRunner:
         self.packed_weights = _packed_weights_backend(model, self.device, self.cpu_kernels)
         if self.packed_weights is not None:
             log.info("kvstack packed weights: %s", self.packed_weights)
-        log.info("kvstack decode: %s, attention by %s, packed reads, index scoring and expert "
-                 "matmuls by %s", "torch.compile (inductor, one graph "
+        # On a CPU the C kernels attend in an eager step; a compiled one keeps torch's math.
+        attention = ("the Triton kernel" if self.attention == "triton" else
+                     "the C kernel" if self.cpu_kernels and not compile_decode else "torch")
+        log.info("kvstack decode: %s, attention by %s, packed reads, index scoring, the "
+                 "experts and the step's small ops (norms, RoPE, hyper-connections, "
+                 "quantisation, top-k) by %s", "torch.compile (inductor, one graph "
                  f"per batch-size bucket {self.buckets}, each compiled on its "
-                 "first decode step)" if compile_decode
-                 else "eager torch", "the Triton kernel" if self.attention == "triton"
-                 else "torch", "the C kernels (kvstack.native)" if self.cpu_kernels
-                 else "torch")
+                 "first decode step)" if compile_decode else "eager torch", attention,
+                 "the C kernels (kvstack.native)" if self.cpu_kernels else "torch")
 
     @torch.no_grad()
     def prefill(self, seq: Sequence) -> Sample:
