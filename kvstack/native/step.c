@@ -17,6 +17,21 @@
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+/* a . b in sixteen running sums (four of a 128-bit vector unit's registers, enough
+ * independent adds to hide their latency; a loop of one sum is a chain the compiler may
+ * not reorder), added pairwise at the end. */
+static inline float dot_lanes(const float *a, const float *b, int64_t n) {
+    float lane[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) lane[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 8; l++) lane[l] += lane[l + 8];
+    float total = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
+                  ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
 /* The mixes of one sublayer's hyper-connection (kvstack.model.model.HyperConnection.mixes)
  * for n tokens of h residual copies of width dim:
  *   mix [m] = (fn [m, h*dim] . x) * rsqrt(mean(x^2) + norm_eps), m = (2 + h) * h
@@ -31,15 +46,9 @@ void kv_hc_mixes(const float *x, int64_t n, int64_t h, int64_t dim, const float 
 #pragma omp parallel for schedule(static) num_threads(threads) if (n >= 64)
     for (int64_t t = 0; t < n; t++) {
         const float *row = x + t * width;
-        float squares = 0.0f, mix[64];  /* m <= 64: h <= 6 */
-        for (int64_t j = 0; j < width; j++) squares += row[j] * row[j];
-        const float norm = 1.0f / sqrtf(squares / (float)width + norm_eps);
-        for (int64_t k = 0; k < m; k++) {
-            const float *w = fn + k * width;
-            float dot = 0.0f;
-            for (int64_t j = 0; j < width; j++) dot += row[j] * w[j];
-            mix[k] = dot * norm;
-        }
+        float mix[64];  /* m <= 64: h <= 6 */
+        const float norm = 1.0f / sqrtf(dot_lanes(row, row, width) / (float)width + norm_eps);
+        for (int64_t k = 0; k < m; k++) mix[k] = dot_lanes(row, fn + k * width, width) * norm;
         float *p = pre + t * h, *q = post + t * h, *c = comb + t * h * h;
         for (int64_t i = 0; i < h; i++) {
             p[i] = sigmoid(mix[i] * scale[0] + base[i]) + hc_eps;
@@ -138,9 +147,8 @@ void kv_rmsnorm(const float *x, int64_t rows, int64_t dim, const float *weight, 
                 float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
-        float *o = out + r * dim, squares = 0.0f;
-        for (int64_t d = 0; d < dim; d++) squares += xr[d] * xr[d];
-        const float norm = 1.0f / sqrtf(squares / (float)dim + eps);
+        float *o = out + r * dim;
+        const float norm = 1.0f / sqrtf(dot_lanes(xr, xr, dim) / (float)dim + eps);
         for (int64_t d = 0; d < dim; d++) o[d] = (xr[d] * norm) * weight[d];
     }
 }
@@ -274,17 +282,6 @@ float kv_quantize(const float *x, int64_t rows, int64_t d, int element, int scal
         }
     }
     return nan ? NAN : largest;
-}
-
-static inline float dot_lanes(const float *a, const float *b, int64_t n) {
-    float lane[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) lane[l] += a[i + l] * b[i + l];
-    float total = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
-                  ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
 }
 
 /* The routed experts' sum (kvstack.model.model.MoE with float experts): for each token t
