@@ -253,25 +253,15 @@ def test_dense_attention_equals_sdpa_over_the_stored_rows(fmt):
         assert torch.allclose(out[i], want, atol=1e-5, rtol=1e-5), i
 
 
-def test_the_dense_control_decodes_the_same_tokens_with_the_c_kernels_as_with_torch():
-    config = dense_control(preset("tiny"))
+@pytest.mark.parametrize("dense", [False, True])
+def test_the_engine_decodes_the_same_tokens_with_the_c_kernels_as_with_torch(dense):
+    """The compressed stack and its dense control (whose attention is another kernel)."""
+    config = dense_control(preset("tiny")) if dense else preset("tiny")
     prompts = [[5, 9, 2, 7] * 20, [3, 1] * 33]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outputs = {}
     for choice in ("c", "torch"):
         llm = LLM(config, random_init=True, kv_budget="8MiB", max_num_seqs=2,
-                  cpu_kernels=choice)
-        outputs[choice] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outputs["c"] == outputs["torch"]
-
-
-def test_the_engine_decodes_the_same_tokens_with_the_c_kernels_as_with_torch():
-    config = preset("tiny")
-    prompts = [[5, 9, 2, 7] * 20, [3, 1] * 33]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    outputs = {}
-    for choice in ("c", "torch"):
-        llm = LLM(config, random_init=True, kv_budget="4MiB", max_num_seqs=2,
                   cpu_kernels=choice)
         assert llm.memory_report()["backend"]["cpu_kernels"] == choice
         outputs[choice] = [o.token_ids for o in llm.generate(prompts, params)]

@@ -12,7 +12,7 @@ def test_every_file_the_package_reads_at_run_time_is_package_data():
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"]["kvstack"]
     needed = [p for p in (ROOT / "kvstack" / "data").rglob("*") if p.is_file()]
-    needed += list((ROOT / "kvstack" / "native").glob("*.c"))
+    needed += [p for p in (ROOT / "kvstack" / "native").iterdir() if p.suffix in (".c", ".h")]
     for path in needed:
         relative = path.relative_to(ROOT / "kvstack").as_posix()
         assert any(fnmatch.fnmatch(relative, g) and relative.count("/") == g.count("/")

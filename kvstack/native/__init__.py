@@ -47,6 +47,7 @@ from kvstack.formats.spec import check_width
 log = logging.getLogger("kvstack")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "weights.c", "step.c"))
+HEADERS = (Path(__file__).with_name("vec.h"),)  # in the build's key, not its command
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 
@@ -151,7 +152,7 @@ def _build() -> Path:
                                  timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeUnavailable(f"the C compiler {cc} does not run: {e}") from e
-    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES), cc, version,
+    key = hashlib.sha256("\0".join([*(p.read_text() for p in SOURCES + HEADERS), cc, version,
                                     " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
     for folder in _folders():
         target = folder / f"kernels-{key}.so"

@@ -10,6 +10,7 @@
  * 2i in the low nibble, when `packed`; else one byte each), then one scale byte per
  * `block` elements. Built by kvstack/native/__init__.py (cc -O3 -march=native -fopenmp).
  */
+#include "vec.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -240,20 +241,6 @@ static inline void decode_any(const uint8_t *row, int64_t width, int64_t block, 
         const uint32_t bits = (uint32_t)(row[2 * i] | (row[2 * i + 1] << 8)) << 16;
         memcpy(out + i, &bits, 4);
     }
-}
-
-/* a . b in sixteen running sums (enough independent adds to hide their latency; a loop
- * of one sum is a chain the compiler may not reorder), added pairwise at the end. */
-static inline float dot_lanes(const float *a, const float *b, int64_t n) {
-    float lane[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; l++) lane[l] += a[i + l] * b[i + l];
-    for (int l = 0; l < 8; l++) lane[l] += lane[l + 8];
-    float total = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
-                  ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
 }
 
 /* One decode step's attention of one layer (what kvstack.cache.kernels.sparse_attention

@@ -10,27 +10,13 @@
  * Built with -std=c11, so the compiler contracts no a*b+c into a fused multiply-add:
  * each product and sum is rounded as torch rounds its separate ops.
  */
+#include "vec.h"
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-/* a . b in sixteen running sums (four of a 128-bit vector unit's registers, enough
- * independent adds to hide their latency; a loop of one sum is a chain the compiler may
- * not reorder), added pairwise at the end. */
-static inline float dot_lanes(const float *a, const float *b, int64_t n) {
-    float lane[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; l++) lane[l] += a[i + l] * b[i + l];
-    for (int l = 0; l < 8; l++) lane[l] += lane[l + 8];
-    float total = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
-                  ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
-}
 
 /* The mixes of one sublayer's hyper-connection (kvstack.model.model.HyperConnection.mixes)
  * for n tokens of h residual copies of width dim:
