@@ -1,11 +1,13 @@
 /* CPU kernels of the decode step's small per-token ops, in C: the hyper-connections'
- * mixes (with their Sinkhorn iterations), collapse and spread, RoPE and RMSNorm. Torch
+ * mixes (with their Sinkhorn iterations), collapse and spread, RoPE, RMSNorm, the
+ * quantisation of new cache rows, the indexer's top-k and a float MoE sublayer. Torch
  * runs each as 5 to 120 ops on tensors of a few hundred floats, where the dispatch of an
  * op, not its arithmetic, is the cost (a decode step of bench/decode.py's model issued
- * over 7,000 of them). One call here does what those ops do, in the same order of float32
+ * over 6,000 of them). One call here does what those ops do, in the same order of float32
  * operations where the order is torch's own (elementwise steps, sums over the few
  * residual copies); reductions over a row (a norm's mean, a dot product) add in another
- * order than torch's vectorised ones, so results agree within float rounding.
+ * order than torch's vectorised ones, so results agree within float rounding. The
+ * quantisation and the top-k are exact: the codecs' bytes, the sort's entries.
  *
  * Built with -std=c11, so the compiler contracts no a*b+c into a fused multiply-add:
  * each product and sum is rounded as torch rounds its separate ops.
