@@ -192,11 +192,11 @@ class Gate(nn.Module):
         return weights * self.config.route_scale, chosen
 
 
-# Up to this many tokens a float MoE sublayer runs as one C call (`native.moe`), its
-# matrix-vector products one token at a time; from here on the grouped matmuls are faster
-# (bench/decode.py's model, one thread: 0.37 against 1.17 ms at 1 token, 6.0 against
-# 6.1 at 32, 20.7 against 19.5 at 64).
-FUSED_MOE_TOKENS = 32
+# Up to this many tokens a float MoE sublayer runs as one C call (`native.moe`); from
+# here on torch's grouped matmuls are as fast and keep the prefill chunks (bench/decode.py's
+# model, one thread: 0.34 against 1.70 ms at 1 token, 1.5 against 3.2 at 8, 3.3 against
+# 4.7 at 32, 6.0 against 5.9 at 64, 8.9 against 9.0 at 128).
+FUSED_MOE_TOKENS = 64
 
 
 class MoE(nn.Module):

@@ -626,14 +626,17 @@ def moe(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, score_func: str
     w1, w2, w3 = (w.contiguous() for w in experts)
     s1, s2, s3 = (None, None, None) if shared is None else (w.contiguous() for w in shared)
     inter, shared_inter = w1.shape[1], 0 if s1 is None else s1.shape[0]
-    n_experts = gate.shape[0]
-    scratch = torch.empty(2 * n_experts + k + max(inter, shared_inter) + x.shape[1])
-    chosen = torch.empty(k, dtype=torch.int64)
+    n_experts, (n, dim) = gate.shape[0], x.shape
+    if k < 1:
+        raise ValueError("moe: a token routes to at least one expert")
+    pairs = n * k
+    scratch = torch.empty(2 * n_experts + 2 * pairs + pairs * (max(inter, shared_inter) + 2 * dim))
+    ints = torch.empty(3 * pairs, dtype=torch.int64)
     out = torch.empty_like(x)
     _load().kv_moe(
         _ptr(x), x.shape[0], x.shape[1], _ptr(gate.contiguous()), _ptr(bias.contiguous()),
         n_experts, SCORE_FUNCS.index(score_func), gate_temp, k, int(renormalise), route_scale,
         _ptr(w1), _ptr(w2), _ptr(w3), inter, 0 if s1 is None else _ptr(s1),
         0 if s2 is None else _ptr(s2), 0 if s3 is None else _ptr(s3), shared_inter, limit,
-        _ptr(scratch), _ptr(chosen), _ptr(out))
+        _ptr(scratch), _ptr(ints), _ptr(out))
     return out

@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -272,41 +273,6 @@ float kv_quantize(const float *x, int64_t rows, int64_t d, int element, int scal
     return nan ? NAN : largest;
 }
 
-/* The routed experts' sum (kvstack.model.model.MoE with float experts): for each token t
- * of x [n, dim] and each of its k (expert, weight) pairs (chosen, weights [n, k]),
- * w2[e] (silu(clamp(w1[e] x)) * clamp(w3[e] x) * weight) with w1, w3 [E, inter, dim] and
- * w2 [E, dim, inter] read where they lie (no gathered copy of a chosen expert's weights);
- * the pairs' outputs added in order into out [n, dim]. limit > 0 clamps the gate from
- * above and the up branch to +-limit. hidden: [inter] of scratch. */
-static void experts_swiglu(const float *x, int64_t n, int64_t dim, const float *w1,
-                           const float *w2, const float *w3, int64_t inter,
-                           const int64_t *chosen, const float *weights, int64_t k, float limit,
-                           float *hidden, float *out) {
-    for (int64_t t = 0; t < n; t++) {
-        const float *xt = x + t * dim;
-        float *o = out + t * dim;
-        for (int64_t j = 0; j < k; j++) {
-            const int64_t e = chosen[t * k + j];
-            const float *a = w1 + e * inter * dim, *c = w3 + e * inter * dim;
-            for (int64_t i = 0; i < inter; i++) {
-                float gate = dot_lanes(xt, a + i * dim, dim), up = dot_lanes(xt, c + i * dim, dim);
-                if (limit > 0) {
-                    if (gate > limit) gate = limit;
-                    up = up > limit ? limit : (up < -limit ? -limit : up);
-                }
-                hidden[i] = (gate / (1.0f + expf(-gate))) * up * weights[t * k + j];
-            }
-            const float *b = w2 + e * dim * inter;
-            for (int64_t d = 0; d < dim; d++) {
-                const float y = dot_lanes(hidden, b + d * inter, inter);
-                o[d] = j == 0 ? y : o[d] + y;
-            }
-        }
-        if (k == 0)
-            for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
-    }
-}
-
 /* ---- the indexer's top-k (kvstack.model.model.select_topk) ---------------------------
  * Per row of scores [rows, n]: the k best entries of a stable descending sort (ties to
  * the earlier entry; -0.0 as +0.0; a NaN above everything, as the float's bits order
@@ -363,57 +329,111 @@ void kv_select_topk(const float *scores, int64_t rows, int64_t n, int64_t k, int
 /* ---- a MoE sublayer whole (kvstack.model.model.MoE with float weights) -----------------
  * The router (logits / temp, scored by softmax (0), sigmoid (1) or sqrt(softplus) (2),
  * the top k of score + bias in descending order, ties to the lower expert, weights the
- * chosen scores, renormalised when asked, times route_scale), the routed experts as
- * experts_swiglu, and the shared expert (shared_inter > 0: s1, s3 [inter, dim], s2
- * [dim, inter], unweighted) added after: out [n, dim]. scratch: 2 * E + k + max(inter,
- * shared_inter) + dim floats; chosen: k int64. */
+ * chosen scores, renormalised when asked, times route_scale); each (token, expert) pair's
+ * w2[e] (silu(clamp(w1[e] x)) * clamp(w3[e] x) * weight), with w1, w3 [E, inter, dim] and
+ * w2 [E, dim, inter] read where they lie; the pairs of a token added in its order; then
+ * the shared expert (shared_inter > 0: s1, s3 [inter, dim], s2 [dim, inter], unweighted)
+ * added: out [n, dim]. An expert's pairs run together, each weight row read once for all
+ * the tokens that chose it. limit > 0 clamps the gate from above and the up branch to
+ * +-limit. scratch: 2 * E + 2 * n * k + n * k * (max(inter, shared_inter) + 2 * dim)
+ * floats (with k >= 1); ints: 3 * n * k int64. */
+
+static inline void route(const float *xt, int64_t dim, const float *gate_w, const float *bias,
+                         int64_t n_experts, int score_func, float temp, int64_t k,
+                         int renormalise, float route_scale, float *scores, float *ranked,
+                         int64_t *chosen, float *weights) {
+    float top = -INFINITY;
+    for (int64_t e = 0; e < n_experts; e++) {
+        scores[e] = dot_lanes(xt, gate_w + e * dim, dim) / temp;
+        if (scores[e] > top) top = scores[e];
+    }
+    if (score_func == 0) {
+        float total = 0.0f;
+        for (int64_t e = 0; e < n_experts; e++) total += (scores[e] = expf(scores[e] - top));
+        for (int64_t e = 0; e < n_experts; e++) scores[e] /= total;
+    } else if (score_func == 1) {
+        for (int64_t e = 0; e < n_experts; e++) scores[e] = 1.0f / (1.0f + expf(-scores[e]));
+    } else {
+        for (int64_t e = 0; e < n_experts; e++)
+            scores[e] = sqrtf(scores[e] > 20.0f ? scores[e] : log1pf(expf(scores[e])));
+    }
+    for (int64_t e = 0; e < n_experts; e++) ranked[e] = scores[e] + bias[e];
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; j++) {  /* k is small: a pass per pick */
+        int64_t best = -1;
+        for (int64_t e = 0; e < n_experts; e++)
+            if (ranked[e] == ranked[e] && (best < 0 || ranked[e] > ranked[best])) best = e;
+        if (best < 0) best = 0;
+        ranked[best] = NAN;
+        chosen[j] = best;
+        weights[j] = scores[best];
+        total += weights[j];
+    }
+    for (int64_t j = 0; j < k; j++)
+        weights[j] = (renormalise && k > 1 ? weights[j] / (total + 1e-20f) : weights[j])
+                     * route_scale;
+}
+
+/* SwiGLU of one expert (w1, w3 [inter, dim], w2 [dim, inter]) for m inputs (rows of x
+ * [*, dim] at index[p], weight weights[p] or 1 without): ys [m, dim]. hidden: [m, inter]. */
+static void expert_rows(const float *x, int64_t dim, const int64_t *index,
+                        const float *weights, int64_t m, const float *w1, const float *w2,
+                        const float *w3, int64_t inter, float limit, float *hidden, float *ys) {
+    for (int64_t i = 0; i < inter; i++) {
+        const float *a = w1 + i * dim, *c = w3 + i * dim;
+        for (int64_t p = 0; p < m; p++) {
+            const float *xt = x + index[p] * dim;
+            float gate = dot_lanes(xt, a, dim), up = dot_lanes(xt, c, dim);
+            if (limit > 0) {
+                if (gate > limit) gate = limit;
+                up = up > limit ? limit : (up < -limit ? -limit : up);
+            }
+            const float h = (gate / (1.0f + expf(-gate))) * up;
+            hidden[p * inter + i] = weights ? h * weights[p] : h;
+        }
+    }
+    for (int64_t d = 0; d < dim; d++) {
+        const float *b = w2 + d * inter;
+        for (int64_t p = 0; p < m; p++) ys[p * dim + d] = dot_lanes(hidden + p * inter, b, inter);
+    }
+}
+
 void kv_moe(const float *x, int64_t n, int64_t dim, const float *gate_w, const float *bias,
             int64_t n_experts, int score_func, float temp, int64_t k, int renormalise,
             float route_scale, const float *w1, const float *w2, const float *w3,
             int64_t inter, const float *s1, const float *s2, const float *s3,
-            int64_t shared_inter, float limit, float *scratch, int64_t *chosen, float *out) {
-    float *scores = scratch, *ranked = scratch + n_experts, *weights = ranked + n_experts;
-    float *hidden = weights + k, *shared = hidden + (inter > shared_inter ? inter : shared_inter);
-    for (int64_t t = 0; t < n; t++) {
-        const float *xt = x + t * dim;
-        float top = -INFINITY;
-        for (int64_t e = 0; e < n_experts; e++) {
-            scores[e] = dot_lanes(xt, gate_w + e * dim, dim) / temp;
-            if (scores[e] > top) top = scores[e];
-        }
-        if (score_func == 0) {
-            float total = 0.0f;
-            for (int64_t e = 0; e < n_experts; e++) total += (scores[e] = expf(scores[e] - top));
-            for (int64_t e = 0; e < n_experts; e++) scores[e] /= total;
-        } else if (score_func == 1) {
-            for (int64_t e = 0; e < n_experts; e++) scores[e] = 1.0f / (1.0f + expf(-scores[e]));
-        } else {
-            for (int64_t e = 0; e < n_experts; e++)
-                scores[e] = sqrtf(scores[e] > 20.0f ? scores[e] : log1pf(expf(scores[e])));
-        }
-        for (int64_t e = 0; e < n_experts; e++) ranked[e] = scores[e] + bias[e];
-        float total = 0.0f;
-        for (int64_t j = 0; j < k; j++) {  /* k is small: a pass per pick */
-            int64_t best = -1;
-            for (int64_t e = 0; e < n_experts; e++)
-                if (ranked[e] == ranked[e] && (best < 0 || ranked[e] > ranked[best])) best = e;
-            if (best < 0) best = 0;
-            ranked[best] = NAN;
-            chosen[j] = best;
-            weights[j] = scores[best];
-            total += weights[j];
-        }
-        for (int64_t j = 0; j < k; j++)
-            weights[j] = (renormalise && k > 1 ? weights[j] / (total + 1e-20f) : weights[j])
-                         * route_scale;
-        experts_swiglu(xt, 1, dim, w1, w2, w3, inter, chosen, weights, k, limit, hidden,
-                       out + t * dim);
-        if (shared_inter > 0) {
-            const int64_t only = 0;
-            const float one = 1.0f;
-            experts_swiglu(xt, 1, dim, s1, s2, s3, shared_inter, &only, &one, 1, limit, hidden,
-                           shared);
-            for (int64_t d = 0; d < dim; d++) out[t * dim + d] += shared[d];
-        }
+            int64_t shared_inter, float limit, float *scratch, int64_t *ints, float *out) {
+    const int64_t widest = inter > shared_inter ? inter : shared_inter, pairs = n * k;
+    float *scores = scratch, *ranked = scores + n_experts, *weights = ranked + n_experts;
+    float *pair_weights = weights + pairs, *hidden = pair_weights + pairs;
+    float *rows = hidden + pairs * widest, *ys = rows + pairs * dim;
+    int64_t *chosen = ints, *members = chosen + pairs, *tokens = members + pairs;
+    for (int64_t t = 0; t < n; t++)
+        route(x + t * dim, dim, gate_w, bias, n_experts, score_func, temp, k, renormalise,
+              route_scale, scores, ranked, chosen + t * k, weights + t * k);
+    for (int64_t e = 0; e < n_experts; e++) {  /* ys row t * k + j: pair (t, j)'s output */
+        int64_t m = 0;
+        for (int64_t q = 0; q < pairs; q++)
+            if (chosen[q] == e) {
+                members[m] = q;
+                tokens[m] = q / k;
+                pair_weights[m++] = weights[q];
+            }
+        if (m == 0) continue;
+        expert_rows(x, dim, tokens, pair_weights, m, w1 + e * inter * dim,
+                    w2 + e * dim * inter, w3 + e * inter * dim, inter, limit, hidden, rows);
+        for (int64_t p = 0; p < m; p++)
+            memcpy(ys + members[p] * dim, rows + p * dim, (size_t)dim * sizeof(float));
+    }
+    for (int64_t t = 0; t < n; t++) {  /* a token's pairs added in its order */
+        float *o = out + t * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = k ? ys[t * k * dim + d] : 0.0f;
+        for (int64_t j = 1; j < k; j++)
+            for (int64_t d = 0; d < dim; d++) o[d] += ys[(t * k + j) * dim + d];
+    }
+    if (shared_inter > 0) {
+        for (int64_t t = 0; t < n; t++) tokens[t] = t;
+        expert_rows(x, dim, tokens, NULL, n, s1, s2, s3, shared_inter, limit, hidden, rows);
+        for (int64_t i = 0; i < n * dim; i++) out[i] += rows[i];
     }
 }
