@@ -22,9 +22,13 @@ $(BIN)/.installed: pyproject.toml Makefile
 demo: $(BIN)/.installed
 	$(BIN)/kvstack demo
 
+# Two processes, each running whole test files (--dist loadfile): a file's module
+# fixtures (a server, a trained model) are built once, and the README's blocks run in
+# order in one scratch directory. A test runs torch on one thread (tests/conftest.py), so
+# one process leaves the second core idle.
 test: $(BIN)/.installed
 	$(BIN)/ruff check kvstack tests bench
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 bench: $(BIN)/.installed
 	$(BIN)/python bench/formats.py
