@@ -106,6 +106,26 @@ def test_quantize_writes_the_codecs_bytes_and_values_bit_for_bit(fmt):
             native.quantize(bad, fmt)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ue8m0_32", "fp4_e4m3_16"])
+def test_a_ring_write_leaves_the_bytes_and_positions_a_pack_and_scatter_leaves(fmt):
+    """Three sequences' new entries into their slots' rings (one wrapping past the ring's
+    end): the same ring bytes, positions and returned values as torch's pack and scatter."""
+    g = torch.Generator().manual_seed(4)
+    window, d = 8, 64
+    rings = PackedRows(fmt, d, (4, window), torch.device("cpu"))
+    rings.data[:], _ = rings.pack(torch.randn(4, window, d, generator=g))
+    pos = torch.randint(0, 50, (4, window), generator=g)
+    slots, positions = torch.tensor([2, 0, 3]), torch.tensor([17, 3, 40])
+    entries = torch.randn(3, d, generator=g) * 5
+    want_data, want_pos = rings.data.clone(), pos.clone()
+    rows, want = rings.pack(entries, check=False)
+    want_data[slots, positions % window] = rows
+    want_pos[slots, positions % window] = positions
+    got = native.ring_write(entries, fmt, rings.data, pos, slots, positions)
+    assert torch.equal(rings.data, want_data) and torch.equal(pos, want_pos)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("h", [2, 4])
 def test_hyper_connection_ops_equal_torchs(h):
     """Mixes (Sinkhorn included), collapse and spread for a batch of tokens."""

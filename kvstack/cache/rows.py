@@ -149,6 +149,10 @@ class WindowRings:
                  positions: torch.Tensor) -> torch.Tensor:
         """Write entries [B, 1, D] of slots [B] at positions [B]; the stored values (not
         looked at: the decode step's logits are checked instead)."""
+        ring = self.rows[layer]
+        if native.fuses(entries) and native.decodes(ring.fmt):  # one C call, in place
+            return native.ring_write(entries[:, 0], ring.fmt, ring.data, self.pos[layer],
+                                     slots, positions)[:, None]
         rows, stored = self.rows[layer].pack(entries[:, 0], check=False)
         self.rows[layer].data[slots, positions % self.window] = rows
         self.pos[layer][slots, positions % self.window] = positions

@@ -86,6 +86,8 @@ _SIGNATURES = {
     "kv_hc_post": [_P, _P, _P, _P, _I, _I, _I, _P],
     "kv_rope": [_P, _I, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P],
     "kv_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
+    "kv_ring_write": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P, _I, _P, _P,
+                      _P],
     "kv_select_topk": [_P, _I, _I, _I, _P, _P],
     "kv_moe": [_P, _I, _I, _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P, _P],
@@ -595,6 +597,27 @@ def quantize(x: torch.Tensor, fmt: str, rows: bool = True, values: bool = True,
     if check:
         check_magnitude(f, magnitude)
     return packed, out
+
+
+def ring_write(entries: torch.Tensor, fmt: str, rings: torch.Tensor, ring_pos: torch.Tensor,
+               slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each sequence's new entry (entries [B, D] float32) quantised to a block-scaled fmt
+    straight into row positions % W of its slot of rings [slots, W, bytes] (contiguous,
+    written in place), ring_pos [slots, W] (int64) set there: the values a read gives
+    back, [B, D], bit for bit `quantize`'s. Positions are not negative."""
+    f = get_format(fmt)
+    block, _, elem, scale = _decoding(fmt)
+    if not (rings.is_contiguous() and ring_pos.is_contiguous()
+            and ring_pos.dtype is torch.int64):
+        raise ValueError("ring_write: rings and ring_pos must be contiguous, ring_pos int64")
+    entries = _as(entries, torch.float32)
+    values = torch.empty_like(entries)
+    _load().kv_ring_write(_ptr(entries), entries.shape[0], entries.shape[1],
+                          int(f.element != "e2m1"), int(f.scale == "e4m3"), block, _ptr(elem),
+                          _ptr(scale), _ptr(rings), _ptr(ring_pos), rings.shape[1],
+                          _ptr(_as(slots, torch.int64)), _ptr(_as(positions, torch.int64)),
+                          _ptr(values))
+    return values
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -437,3 +437,20 @@ void kv_moe(const float *x, int64_t n, int64_t dim, const float *gate_w, const f
         for (int64_t i = 0; i < n * dim; i++) out[i] += rows[i];
     }
 }
+
+/* One new entry per sequence into its window ring (kvstack.cache.rows.WindowRings.write_at):
+ * entry s of x [b, d] quantised (kv_quantize) straight into row positions[s] % w of ring
+ * slot slots[s] (rings [n_slots, w, row bytes]), that row's position set in ring_pos
+ * [n_slots, w], and the values a read gives back into values [b, d]. */
+void kv_ring_write(const float *x, int64_t b, int64_t d, int element, int scale_kind,
+                   int64_t block, const float *elem, const float *scale_table, uint8_t *rings,
+                   int64_t *ring_pos, int64_t w, const int64_t *slots,
+                   const int64_t *positions, float *values) {
+    const int64_t row_bytes = (element == 0 ? d / 2 : d) + d / block;
+    for (int64_t s = 0; s < b; s++) {
+        const int64_t row = slots[s] * w + positions[s] % w;
+        kv_quantize(x + s * d, 1, d, element, scale_kind, block, elem, scale_table,
+                    rings + row * row_bytes, values + s * d);
+        ring_pos[row] = positions[s];
+    }
+}
