@@ -173,6 +173,11 @@ def test_rope_and_rmsnorm_equal_torchs():
         want = norm(x)
         with torch.no_grad(), native.active(True):
             assert torch.allclose(norm(x), want, rtol=1e-5, atol=1e-6)
+    x, positions = cases[0]
+    with pytest.raises(ValueError, match="positions must be"):  # no read past them
+        native.rope(x, positions[:, :2], freqs, False)
+    with pytest.raises(ValueError, match="pre must be"):
+        native.hc_collapse(x, x[..., 0, 0])
 
 
 @pytest.mark.parametrize(("ring_fmt", "kv_fmt"), [("fp8_ue8m0_32", "fp4_e4m3_16"),

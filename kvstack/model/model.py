@@ -105,7 +105,9 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
     positions [P, n] with P = 1 or B. Angles in the precision of freqs (float64 by
     default, so a position rotates the same in any chunk)."""
     rd = freqs.shape[0] * 2
-    if freqs.dtype == torch.float64 and x.dim() in (3, 4) and native.fuses(x):
+    if (freqs.dtype == torch.float64 and x.dim() in (3, 4) and positions.dim() == 2
+            and positions.shape[1] == x.shape[1] and positions.shape[0] in (1, x.shape[0])
+            and native.fuses(x)):  # the C kernel broadcasts positions over heads alone
         return native.rope(x, positions, freqs, inverse)
     angles = positions.to(freqs.dtype)[..., None] * freqs.to(positions.device)
     cos, sin = angles.cos().float(), angles.sin().float()
@@ -388,7 +390,7 @@ class HyperConnection(nn.Module):
     @staticmethod
     def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """sum_i pre_i * copy i: [B, n, h, dim] -> [B, n, dim]."""
-        if native.fuses(x, pre):
+        if pre.shape == x.shape[:-1] and native.fuses(x, pre):
             return native.hc_collapse(x, pre)
         return (pre.unsqueeze(-1) * x.float()).sum(2).type_as(x)
 
@@ -396,7 +398,8 @@ class HyperConnection(nn.Module):
     def post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
              comb: torch.Tensor) -> torch.Tensor:
         # copy i <- post_i * out + sum_k comb[k, i] * copy k
-        if native.fuses(out, x, post, comb):
+        if (post.shape == x.shape[:-1] and comb.shape == (*x.shape[:-1], x.shape[-2])
+                and out.shape == (*x.shape[:-2], x.shape[-1]) and native.fuses(out, x, post, comb)):
             return native.hc_post(out, x, post, comb)
         mixed = torch.einsum("bnki,bnkd->bnid", comb, x.float())
         return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).type_as(x)

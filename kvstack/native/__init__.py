@@ -527,6 +527,8 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
 def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_i pre_i * copy i: x [..., h, dim], pre [..., h] -> [..., dim]."""
     *lead, h, dim = x.shape
+    if pre.shape != x.shape[:-1]:
+        raise ValueError(f"hc_collapse: pre must be {list(x.shape[:-1])}, got {list(pre.shape)}")
     x, pre = x.contiguous(), pre.contiguous()
     out = x.new_empty(*lead, dim)
     _load().kv_hc_collapse(_ptr(x), _ptr(pre), x.numel() // (h * dim), h, dim, _ptr(out))
@@ -538,6 +540,10 @@ def hc_post(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor,
     """Copy i <- post_i * y + sum_k comb[k, i] * copy k: y [..., dim], x [..., h, dim],
     post [..., h], comb [..., h, h] -> [..., h, dim]."""
     h, dim = x.shape[-2:]
+    if (post.shape != x.shape[:-1] or comb.shape != (*x.shape[:-1], h)
+            or y.shape != (*x.shape[:-2], dim)):
+        raise ValueError(f"hc_post: x {list(x.shape)} needs y [..., {dim}], post [..., {h}] "
+                         f"and comb [..., {h}, {h}] of its leading dims")
     y, x, post, comb = y.contiguous(), x.contiguous(), post.contiguous(), comb.contiguous()
     out = torch.empty_like(x)
     _load().kv_hc_post(_ptr(y), _ptr(x), _ptr(post), _ptr(comb), x.numel() // (h * dim), h, dim,
@@ -552,6 +558,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
     b, n = x.shape[:2]
     heads = x.shape[2] if x.dim() == 4 else 1
     half = freqs.shape[0]
+    if positions.dim() != 2 or positions.shape[1] != n or positions.shape[0] not in (1, b):
+        raise ValueError(f"rope: positions must be [1 or {b}, {n}], got {list(positions.shape)}")
     if half > 512 or x.dim() not in (3, 4):
         raise ValueError(f"rope: x [B, n, (heads,) width] with at most 1024 rotated dims, "
                          f"got {list(x.shape)} and {2 * half}")
