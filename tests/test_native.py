@@ -12,10 +12,12 @@ import torch.nn.functional as F
 
 from kvstack import LLM, SamplingParams, native
 from kvstack.cache.batch import _scores
+from kvstack.cache.contiguous import ContiguousCache
 from kvstack.cache.rows import PackedRows, _rows_at
 from kvstack.config import dense_control, preset
 from kvstack.engine.config import EngineConfig
 from kvstack.formats import dequantize, pack_rows, quantize, unpack_rows
+from kvstack.model import Model
 from kvstack.model.model import (
     HyperConnection,
     MoE,
@@ -213,6 +215,55 @@ def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt):
         logits = torch.cat((q[i] @ rows.T * d**-0.5, sink[:, None]), dim=1)
         want = logits.softmax(-1)[:, :-1] @ rows
         assert torch.allclose(out[i], want, atol=1e-5, rtol=1e-5), i
+
+
+def test_prefill_attention_equals_the_masked_softmax_over_window_and_entries():
+    """Queries of two sequences (positions shared, then each its own), window keys too old,
+    too new and never written, selections with holes and none at all, a sink that
+    dominates and one that vanishes: torch's softmax over what each query sees."""
+    g = torch.Generator().manual_seed(2)
+    b, n, h, d, m, u, k, window = 2, 7, 3, 40, 12, 9, 4, 5
+    q = torch.randn(b, n, h, d, generator=g) * 2
+    keys, rows = torch.randn(b, m, d, generator=g), torch.randn(b, u, d, generator=g)
+    key_positions = torch.stack([torch.arange(m) - 3, torch.randperm(m, generator=g)])
+    key_positions[1, 4] = -(1 << 40)  # never written
+    columns = torch.randint(-1, u, (b, n, k), generator=g)
+    columns[0, 2] = -1
+    sink = torch.tensor([0.5, 8.0, -40.0])
+    shared, own = torch.arange(n)[None] + 2, torch.stack([torch.arange(n), torch.arange(n) + 4])
+    for positions in (shared, own):
+        out = native.prefill_attention(q, positions, keys, key_positions, window, rows,
+                                       columns, sink)
+        for s in range(b):
+            for i in range(n):
+                t = int(positions[min(s, positions.shape[0] - 1), i])
+                held = key_positions[s]
+                seen = [keys[s, (held <= t) & (held > t - window)]]
+                seen += [rows[s, c][None] for c in columns[s, i].tolist() if c >= 0]
+                seen = torch.cat(seen)
+                logits = torch.cat((q[s, i] @ seen.T * d**-0.5, sink[:, None]), dim=1)
+                want = logits.softmax(-1)[:, :-1] @ seen
+                assert torch.allclose(out[s, i], want, atol=1e-5, rtol=1e-5), (s, i)
+    with pytest.raises(ValueError, match="prefill_attention"):
+        native.prefill_attention(q, positions, keys, key_positions[:, :3], window, rows,
+                                 columns, sink)
+
+
+def test_a_prefill_with_the_c_kernels_gives_torchs_logits():
+    """Chunks, tiles and a cache that already holds a prompt: the C prefill attention (and
+    the step's other C ops) within float rounding of torch's."""
+    config = preset("tiny")
+    torch.manual_seed(0)
+    model = Model(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 300))
+    logits = {}
+    for on in (False, True):
+        cache = ContiguousCache(config, batch_size=1, max_tokens=400)
+        with torch.no_grad(), native.active(on):
+            first = model.prefill(ids[:, :200], cache, chunk_size=64)
+            logits[on] = (first, model.prefill(ids[:, 200:], cache, chunk_size=64))
+    for want, got in zip(logits[False], logits[True], strict=True):
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("limit", "score_func", "shared"), [

@@ -594,6 +594,24 @@ class Indexer(nn.Module):
         return all_reduce(s, self.shard)
 
 
+def _selected_rows(store: KVStore, source: int, chosen: torch.Tensor,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct entries chosen [B, q, k] (-1 for none) select from a stream, read
+    once each: rows [B, U, width] and, for each choice, its row's column [B, q, k] (-1
+    for none). Distinct over the batch, so every sequence reads the same U entries."""
+    b = chosen.shape[0]
+    valid = chosen >= 0
+    if not bool(valid.any()):
+        return chosen.new_empty(b, 0, width, dtype=torch.float32), torch.full_like(chosen, -1)
+    flat = chosen.clamp(min=0)
+    marked = torch.zeros(int(flat.max()) + 1, dtype=torch.bool, device=chosen.device)
+    marked[flat[valid]] = True
+    distinct = marked.nonzero().flatten()
+    columns = torch.where(valid, (marked.cumsum(0) - 1)[flat], -1)
+    rows = store.gather_stream(source, "kv", distinct.view(1, 1, -1).expand(b, 1, -1))[:, 0]
+    return rows, columns
+
+
 def _visible(positions: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
     """Entries visible to each query [P, n, 1]: j < (t+1) // r, its group complete."""
     return ((positions + 1) // spec.ratio)[..., None]
@@ -877,6 +895,9 @@ class Attention(nn.Module):
             scale *= tools.logit_factor(spec.index)
             if spec.index in tools.window_only:
                 all_kv = selected = None  # window and sink only
+        if (tools is None and all_kv is None and not ctx.collect
+                and native.fuses(q, window, self.sink)):
+            return self._attend_in_c(q, positions, window, window_positions, store, selected)
         t, s = positions[:, :, None], window_positions[:, None, :]
         in_window = (s <= t) & (s > t - c.window_size)  # [P, q, m]
         if window.shape[1] > c.window_size + q.shape[1]:
@@ -912,6 +933,29 @@ class Attention(nn.Module):
             if ctx.collect and self.indexer is not None:
                 self._collect_target(p, ctx)
         return out.type_as(q)
+
+    def _attend_in_c(self, q: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
+                     window_positions: torch.Tensor, store: KVStore,
+                     selected: torch.Tensor | None) -> torch.Tensor:
+        """`_attend`'s softmax in C (`native.prefill_attention`), a few queries at a time:
+        the entries those queries selected are dequantised once each, however many of
+        them share an entry, and never more than GATHER_FLOATS floats at once."""
+        c, spec = self.config, self.spec
+        b, n = q.shape[:2]
+        if selected is None or not spec.ratio or not selected.shape[-1]:
+            return native.prefill_attention(
+                q, positions, window, window_positions, c.window_size,
+                window.new_empty(b, 0, c.head_dim), selected.new_empty(b, n, 0)
+                if selected is not None else positions.new_empty(b, n, 0), self.sink)
+        per = max(1, GATHER_FLOATS // (selected.shape[-1] * c.head_dim))
+        outs = []
+        for i in range(0, n, per):
+            chosen = selected[:, i : i + per]  # [B, q', k]
+            rows, columns = _selected_rows(store, spec.kv_source, chosen, c.head_dim)
+            outs.append(native.prefill_attention(q[:, i : i + per], positions[:, i : i + per],
+                                                 window, window_positions, c.window_size,
+                                                 rows, columns, self.sink))
+        return torch.cat(outs, dim=1).type_as(q)
 
     def _collect_rows(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor,
                       positions: torch.Tensor, store: KVStore, ctx: StepContext,

@@ -71,6 +71,8 @@ _SIGNATURES = {
     "kv_sparse_attention": [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P,
                             _I, _I, _P, _I, _P, _I, _I, ctypes.c_int, _P, _P, _I, _I, _I,
                             ctypes.c_float, _P, _P, _P, ctypes.c_int],
+    "kv_prefill_attention": [_P, _P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I,
+                             ctypes.c_float, _P, ctypes.c_int],
     "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
                            _I, _I, _I, ctypes.c_float, _P, _P, _P, _P],
     "kv_grouped_mm": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
@@ -360,6 +362,32 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
         _ptr(ring_elem), _ptr(ring_scale), _ptr(pool), pool.shape[1], pool.shape[2],
         _ptr(ints[3]), ints[3].shape[1], _ptr(ints[4]), k, kv_block, kv_packed, _ptr(kv_elem),
         _ptr(kv_scale), b, h, d, d**-0.5, _ptr(rows), _ptr(logits), _ptr(out), _threads())
+    return out
+
+
+def prefill_attention(q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                      key_positions: torch.Tensor, window_size: int, rows: torch.Tensor,
+                      columns: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """A prefill chunk's attention over float rows: queries q [B, n, H, D] at positions
+    [B or 1, n] over the window keys [B, m, D] at key_positions [B, m] (those at
+    t - window_size + 1 .. t) and each query's selected entries (columns [B, n, k] into
+    rows [B, U, D], -1 for none), the sink [H] in the denominator; keys are their own
+    values: [B, n, H, D] float32, within float rounding of the model's torch softmax."""
+    b, n, h, d = q.shape
+    m, k, u = keys.shape[1], columns.shape[-1], rows.shape[1]
+    if positions.shape[-1] != n or key_positions.shape != (b, m) or columns.shape[:2] != (b, n):
+        raise ValueError(f"prefill_attention: positions {tuple(positions.shape)}, key "
+                         f"positions {tuple(key_positions.shape)} or columns "
+                         f"{tuple(columns.shape)} do not match queries {tuple(q.shape)} and "
+                         f"keys {tuple(keys.shape)}")
+    q, keys, rows = (_as(t, torch.float32) for t in (q, keys, rows))
+    positions, key_positions, columns = (_as(t, torch.int64)
+                                         for t in (positions, key_positions, columns))
+    out = torch.empty(b, n, h, d, dtype=torch.float32)
+    _load().kv_prefill_attention(
+        _ptr(q), _ptr(positions), n if positions.shape[0] > 1 else 0, _ptr(keys),
+        _ptr(key_positions), m, window_size, _ptr(rows), u, _ptr(columns), k,
+        _ptr(_as(sink, torch.float32)), b, n, h, d, d**-0.5, _ptr(out), _threads())
     return out
 
 

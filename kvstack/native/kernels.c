@@ -13,6 +13,7 @@
 #include "vec.h"
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -343,5 +344,110 @@ void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_
             }
             for (int64_t i = 0; i < d; i++) o[i] /= total;
         }
+    }
+}
+
+/* One query's softmax over the rows it sees (seen [r], each d values, keys their own
+ * values) with the sink's logit [h] in the denominator, for its heads q [h, d]: out [h, d].
+ * probs: [h, r] of scratch. The AVX2 path (d a multiple of 16) keeps eight sums in flight
+ * in both products: four rows by two heads for the logits, two eights of a row's values
+ * by four heads for the weighted sum. */
+static void attend_rows(const float *q, const float *const *seen, int64_t r, int64_t h,
+                        int64_t d, const float *sink, float scale, float *probs, float *out) {
+    for (int64_t hd = 0; hd < h; hd++) {
+        const float *qh = q + hd * d;
+        float *logit = probs + hd * r;
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (d % 16 == 0)
+            for (; j + 4 <= r; j += 4) {
+                __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                               _mm256_setzero_ps()};
+                for (int64_t e = 0; e < d; e += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + e);
+                    for (int i = 0; i < 4; i++)
+                        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(seen[j + i] + e), a[i]);
+                }
+                for (int i = 0; i < 4; i++) logit[j + i] = hsum(a[i]) * scale;
+            }
+#endif
+        for (; j < r; j++) logit[j] = dot_lanes(qh, seen[j], d) * scale;
+        float top = sink[hd];
+        for (j = 0; j < r; j++)
+            if (logit[j] > top) top = logit[j];
+        float total = expf(sink[hd] - top);
+        for (j = 0; j < r; j++) {
+            logit[j] = expf(logit[j] - top);
+            total += logit[j];
+        }
+        for (j = 0; j < r; j++) logit[j] /= total;
+    }
+    int64_t hd = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (d % 16 == 0)
+        for (; hd + 4 <= h; hd += 4)
+            for (int64_t e = 0; e < d; e += 16) {
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+                for (int64_t j = 0; j < r; j++) {
+                    const __m256 lo = _mm256_loadu_ps(seen[j] + e);
+                    const __m256 hi = _mm256_loadu_ps(seen[j] + e + 8);
+                    for (int i = 0; i < 4; i++) {
+                        const __m256 p = _mm256_set1_ps(probs[(hd + i) * r + j]);
+                        a[2 * i] = _mm256_fmadd_ps(p, lo, a[2 * i]);
+                        a[2 * i + 1] = _mm256_fmadd_ps(p, hi, a[2 * i + 1]);
+                    }
+                }
+                for (int i = 0; i < 4; i++) {
+                    _mm256_storeu_ps(out + (hd + i) * d + e, a[2 * i]);
+                    _mm256_storeu_ps(out + (hd + i) * d + e + 8, a[2 * i + 1]);
+                }
+            }
+#endif
+    for (; hd < h; hd++) {
+        float *o = out + hd * d;
+        for (int64_t e = 0; e < d; e++) o[e] = 0.0f;
+        for (int64_t j = 0; j < r; j++) {
+            const float p = probs[hd * r + j], *row = seen[j];
+            for (int64_t e = 0; e < d; e++) o[e] += p * row[e];
+        }
+    }
+}
+
+/* A prefill chunk's attention of one layer (the model's own softmax over the window and
+ * the selected entries, for many queries at once): queries q [b, n, h, d] at positions
+ * (row s at positions + s * pos_stride, [n]) over the window keys (keys [b, m, d] at
+ * key_pos [b, m]: those at t - window_size + 1 .. t are seen) and their selected entries
+ * (columns [b, n, k] into rows [b, u, d], -1 for none), with the sink's logit [h] in the
+ * softmax's denominator; keys are their own values (one shared KV): out [b, n, h, d].
+ * Logits are q . row times `scale`, as torch's. Queries run in parallel over `threads`. */
+void kv_prefill_attention(const float *q, const int64_t *positions, int64_t pos_stride,
+                          const float *keys, const int64_t *key_pos, int64_t m,
+                          int64_t window_size, const float *rows, int64_t u,
+                          const int64_t *columns, int64_t k, const float *sink, int64_t b,
+                          int64_t n, int64_t h, int64_t d, float scale, float *out,
+                          int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        /* The rows one query reads (at most every key and every entry it selected), and
+         * their logits, then probabilities, for each head. */
+        const float **seen = malloc((size_t)(m + k + 1) * sizeof *seen);
+        float *probs = malloc((size_t)(m + k + 1) * (size_t)h * sizeof *probs);
+#pragma omp for schedule(static)
+        for (int64_t bq = 0; bq < b * n; bq++) {
+            const int64_t s = bq / n, i = bq % n, t = positions[s * pos_stride + i];
+            int64_t r = 0;
+            for (int64_t j = 0; j < m; j++) {
+                const int64_t pos = key_pos[s * m + j];
+                if (pos <= t && pos > t - window_size) seen[r++] = keys + (s * m + j) * d;
+            }
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t c = columns[bq * k + j];
+                if (c >= 0) seen[r++] = rows + (s * u + c) * d;
+            }
+            attend_rows(q + bq * h * d, seen, r, h, d, sink, scale, probs, out + bq * h * d);
+        }
+        free(seen);
+        free(probs);
     }
 }
