@@ -73,6 +73,34 @@ def test_index_scores_equal_dequantise_then_score(ratio, heads, short):
     assert torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [4, 3])
+def test_index_scores_at_chosen_entries_equal_gather_dequantise_then_score(heads):
+    """Each sequence's own entries through its block table (eight a pass and the rest one
+    at a time), entries past its count -inf, a NaN scale's NaN score, entries outside the
+    table's reach refused."""
+    g = torch.Generator().manual_seed(heads)
+    fmt, b, width, per, blocks, k = "fp4_ue8m0_32", 3, 64, 16, 24, 13
+    pool = pack_rows(quantize(torch.randn(blocks * per, width, generator=g), fmt))
+    pool = pool.view(blocks, per, -1).clone()
+    table = torch.randint(1, blocks, (b, 8), generator=g)
+    pool[table[1, 0], 3, width // 2] = 0xFF  # a NaN scale (E8M0): sequence 1's entry 3
+    held = torch.tensor([40, 128, 100])
+    entries = torch.randint(0, 128, (b, k), generator=g)
+    entries[1, 5] = 3
+    q, w = torch.randn(b, heads, width, generator=g), torch.randn(b, heads, generator=g)
+    got = native.index_scores_at(q, w, pool, table, held, entries, fmt)
+    rows = pool[table.gather(1, entries // per), entries % per]  # [B, K, bytes]
+    keys = dequantize(unpack_rows(rows, fmt, width))
+    want = (torch.einsum("bhd,bkd->bkh", q, keys).relu() * w[:, None]).sum(-1)
+    want = want.masked_fill(entries >= held[:, None], float("-inf"))
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(got).any()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[1, 5])
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="reach"):
+        native.index_scores_at(q, w, pool, table, held, entries + 128, fmt)
+
+
 def test_grouped_mm_equals_a_matmul_per_group():
     """Empty groups, odd group sizes, experts' [N, K] weights and a contiguous [K, N]."""
     g = torch.Generator().manual_seed(0)

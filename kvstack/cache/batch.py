@@ -220,6 +220,22 @@ class DecodeBatch(KVStore):
             return index_scores(*args)[:, None]
         return score_index_keys(*args, rows.fmt, rows.width)[:, None]
 
+    def scores_entries(self, source: int) -> bool:
+        """Whether `index_scores_at` scores source's index keys: the C kernel, where it
+        decodes the stream's format."""
+        return (self.c_attention and not torch.compiler.is_compiling()
+                and native.decodes(self.pools.rows[source, "index"].fmt))
+
+    def index_scores_at(self, source: int, q: torch.Tensor, w: torch.Tensor,
+                        entries: torch.Tensor) -> torch.Tensor:
+        """Where `scores_entries(source)`: the indexer's scores of queries q [B, 1, Hi,
+        Di] with head weights w [B, 1, Hi] at each sequence's own entries [B, 1, K] of
+        source's index stream, read where they lie, -inf past its count: [B, 1, K]."""
+        rows = self.pools.rows[source, "index"]
+        return native.index_scores_at(q[:, 0], w[:, 0], rows.data, self.block_table,
+                                      self.stream_lens[source], entries[:, 0],
+                                      rows.fmt)[:, None]
+
     def attends(self) -> bool:
         """Whether `attend` runs this step's attention: the Triton kernel, or the C one;
         never inside a traced step, whose graph holds the model's own math."""

@@ -28,6 +28,11 @@ class KVStore(ABC):
     # itself).
     scores_index_keys = False
 
+    def scores_entries(self, source: int) -> bool:
+        """Whether the indexer's scores at chosen entries of source's stream are
+        `index_scores_at` (a kernel reading the packed keys) rather than a gather."""
+        return False
+
     def attends(self) -> bool:
         """Whether a decode step's attention is `attend` (a kernel reading the packed
         rows) rather than the model's own math over what the read methods hand back."""

@@ -589,6 +589,11 @@ class Indexer(nn.Module):
     def _scores_of(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
                    store: KVStore, entries: torch.Tensor) -> torch.Tensor:
         q, w = self._queries(x, qr, positions)
+        if entries.shape[1] == 1 and store.scores_entries(self.spec.kv_source):
+            # A decode step's pool, scored where its keys lie (-inf past a sequence's
+            # entries, which the caller masks as invisible anyway).
+            return all_reduce(store.index_scores_at(self.spec.kv_source, q, w, entries),
+                              self.shard)
         keys = store.gather_stream(self.spec.kv_source, "index", entries).float()  # [B,n,K,Di]
         s = torch.einsum("bnhk,bnh->bnk", torch.einsum("bnhd,bnkd->bnhk", q, keys).relu(), w)
         return all_reduce(s, self.shard)

@@ -68,6 +68,8 @@ _SIGNATURES = {
     "kv_read_rows": [_P, _I, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int],
     "kv_index_scores": [_P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_int, _P, _P,
                         _I, _I, _P, ctypes.c_int],
+    "kv_index_scores_at": [_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I,
+                           ctypes.c_int, _P, _P, _P, ctypes.c_int],
     "kv_sparse_attention": [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P,
                             _I, _I, _P, _I, _P, _I, _I, ctypes.c_int, _P, _P, _I, _I, _I,
                             ctypes.c_float, _P, _P, _P, ctypes.c_int],
@@ -331,6 +333,36 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
                             _ptr(table), table.shape[1], _ptr(positions), b, hi, di, block,
                             packed, _ptr(elem), _ptr(scale), n_entries, ratio,
                             _ptr(out), _threads())
+    return out
+
+
+def index_scores_at(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
+                    block_table: torch.Tensor, held: torch.Tensor, entries: torch.Tensor,
+                    fmt: str) -> torch.Tensor:
+    """score(b, i) = sum_h w_h relu(q_h . k) of each sequence's query (q [B, H, D], w
+    [B, H]) over its own entries (entries [B, K]) of a stream of keys in format fmt (pool
+    [blocks, per, bytes] through block_table [B, max_blocks]), read where they lie; -inf
+    at or past the sequence's count held [B]: [B, K], within float rounding of gather,
+    dequantise and score."""
+    block, packed, elem, scale = _decoding(fmt)
+    b, hi, di = q.shape
+    if entries.shape[0] != b or w.shape != (b, hi) or held.shape != (b,):
+        raise ValueError(f"index_scores_at: entries {tuple(entries.shape)}, weights "
+                         f"{tuple(w.shape)} or counts {tuple(held.shape)} do not match "
+                         f"queries {tuple(q.shape)}")
+    reach = block_table.shape[1] * pool.shape[1]
+    if entries.numel() and not 0 <= int(entries.min()) <= int(entries.max()) < reach:
+        raise ValueError(f"index_scores_at: entries outside 0..{reach - 1}, the block "
+                         "table's reach")
+    q, w = _as(q, torch.float32), _as(w, torch.float32)
+    table, entries = _as(block_table, torch.int64), _as(entries, torch.int64)
+    held = _as(held, torch.int64)
+    out = torch.empty(b, entries.shape[1], dtype=torch.float32)
+    _load().kv_index_scores_at(_ptr(q), _ptr(w), _ptr(pool.contiguous()), pool.shape[1],
+                               pool.shape[2], _ptr(table), table.shape[1], _ptr(held),
+                               _ptr(entries),
+                               entries.shape[1], b, hi, di, block, packed, _ptr(elem),
+                               _ptr(scale), _ptr(out), _threads())
     return out
 
 

@@ -171,6 +171,47 @@ void kv_index_scores(const float *q, const float *w, const uint8_t *pool, int64_
     }
 }
 
+/* score(b, i) = sum_h w[b, h] relu(q[b, h] . key(b, entries[b, i])) of each sequence's
+ * own entries (entries [B, K] within the table's reach: row e % per of block table[b, e /
+ * per] of pool [blocks, per, row_bytes]), -inf for an entry at or past the sequence's
+ * count held[b]: a candidate pool's scores, read where its keys lie. q [B, H, D], w [B,
+ * H], out [B, K]; relu keeps a NaN, as torch's does. */
+void kv_index_scores_at(const float *q, const float *w, const uint8_t *pool, int64_t per,
+                        int64_t row_bytes, const int64_t *table, int64_t max_blocks,
+                        const int64_t *held, const int64_t *entries, int64_t K, int64_t B,
+                        int64_t H, int64_t D,
+                        int64_t block, int packed, const float *elem, const float *scale,
+                        float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < B; b++) {
+        const float *qb = q + b * H * D, *wb = w + b * H;
+        float keys[8 * D], dots[H];
+        int64_t i = 0;
+#ifdef __AVX2__
+        if (D % 8 == 0)
+            for (; i + 8 <= K; i += 8) {
+                for (int r = 0; r < 8; r++) {
+                    const int64_t e = entries[b * K + i + r];
+                    decode_row(pool + (table[b * max_blocks + e / per] * per + e % per) * row_bytes,
+                               D, block, packed, elem, scale, keys + r * D);
+                }
+                _mm256_storeu_ps(out + b * K + i, scores_8(keys, D, qb, wb, H));
+                for (int r = 0; r < 8; r++)
+                    if (entries[b * K + i + r] >= held[b]) out[b * K + i + r] = -INFINITY;
+            }
+#endif
+        for (; i < K; i++) {
+            const int64_t e = entries[b * K + i];
+            decode_row(pool + (table[b * max_blocks + e / per] * per + e % per) * row_bytes, D,
+                       block, packed, elem, scale, keys);
+            for (int64_t h = 0; h < H; h++) dots[h] = dot_lanes(qb + h * D, keys, D);
+            float total = 0.0f;
+            for (int64_t h = 0; h < H; h++) total += wb[h] * (dots[h] < 0.0f ? 0.0f : dots[h]);
+            out[b * K + i] = e < held[b] ? total : -INFINITY;
+        }
+    }
+}
+
 #ifdef __AVX2__
 /* out rows m0, m0 + 1 (two when `two`) and columns n0..n0+3 of x times w[g] stored [N, K]
  * (K a multiple of 8): eight accumulators, so that each load of x and of w serves four and
