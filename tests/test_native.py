@@ -245,6 +245,43 @@ def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt):
         assert torch.allclose(out[i], want, atol=1e-5, rtol=1e-5), i
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_attention_projections_in_and_out_equal_torchs(tokens):
+    """One token and a few, sequences at their own positions and one shared start, YaRN's
+    frequencies: qr, the rotated queries and window entries, and the output projection
+    through the grouped wo_a, within float rounding of the module's torch ops."""
+    config = preset("tiny").replace(rope_factor=4.0, original_seq_len=64)
+    torch.manual_seed(0)
+    model = Model(config).eval()
+    attention = next(layer.attn for layer in model.layers if layer.attn.spec.ratio)
+    h, d = config.n_heads, config.head_dim
+    x = torch.randn(tokens, 1, config.dim)
+    out = torch.randn(tokens, 1, h, d)
+    for positions in (torch.arange(tokens)[:, None] * 37 + 3, torch.tensor([[900]])):
+        with torch.no_grad():
+            qr = attention.q_norm(attention.wq_a(x))
+            want = (qr, rotate(attention.wq_b(qr).unflatten(-1, (h, d)), positions,
+                               attention.freqs),
+                    rotate(attention.kv_norm(attention.wkv(x)), positions, attention.freqs))
+            got = native.attention_in(x, positions, attention.wq_a.weight,
+                                      attention.q_norm.weight, attention.wq_b.weight,
+                                      attention.wkv.weight, attention.kv_norm.weight,
+                                      config.norm_eps, attention.freqs, h)
+            for g, w in zip(got, want, strict=True):
+                assert torch.allclose(g, w, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(
+                native.attention_out(out, positions, attention.freqs, attention.wo_a.weight,
+                                     config.o_groups, attention.wo_b.weight),
+                attention.project_out(out, positions), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="attention_in"):
+        native.attention_in(x, positions, attention.wq_b.weight, attention.q_norm.weight,
+                            attention.wq_b.weight, attention.wkv.weight,
+                            attention.kv_norm.weight, config.norm_eps, attention.freqs, h)
+    with pytest.raises(ValueError, match="attention_out"):
+        native.attention_out(out, positions, attention.freqs, attention.wo_a.weight,
+                             config.o_groups + 1, attention.wo_b.weight)
+
+
 def test_prefill_attention_equals_the_masked_softmax_over_window_and_entries():
     """Queries of two sequences (positions shared, then each its own), window keys too old,
     too new and never written, selections with holes and none at all, a sink that

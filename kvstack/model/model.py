@@ -199,6 +199,12 @@ class Gate(nn.Module):
 # model, one thread: 0.34 against 1.70 ms at 1 token, 1.5 against 3.2 at 8, 3.3 against
 # 4.7 at 32, 6.0 against 5.9 at 64, 8.9 against 9.0 at 128).
 FUSED_MOE_TOKENS = 64
+# The most tokens whose attention projections in and out (with their norms and RoPE) run as
+# one C call each (Attention._projects_in_c): each weight row read once for the tokens,
+# against torch's ~15 ops. Measured on bench/decode.py's model, one thread, in / out, C
+# against torch: 82 / 82 against 238 / 149 us at 1 token, 158 / 173 against 312 / 246 at
+# 8, 243 / 277 against 360 / 293 at 16, 441 / 534 against 457 / 434 at 32.
+FUSED_PROJECTION_TOKENS = 16
 
 
 class MoE(nn.Module):
@@ -771,6 +777,14 @@ class Attention(nn.Module):
         own_index = spec.mode in (Mode.FULL, Mode.REINDEX)
         self.indexer = Indexer(c, spec, self.freqs) if own_index else None
 
+    @property
+    def _float_projections(self) -> bool:
+        """Whether every projection of the attention is a plain float32 linear (not a
+        checkpoint's packed weight, which its own kernels multiply)."""
+        return all(type(m) is nn.Linear and m.weight.dtype is torch.float32
+                   for m in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b)) and all(
+            m.weight.dtype is torch.float32 for m in (self.q_norm, self.kv_norm))
+
     def set_rope_precision(self, dtype: torch.dtype) -> None:
         """Form this layer's RoPE angles (its compressor's and indexer's too) in dtype."""
         self.freqs = rope_frequencies(self.config, self.spec.ratio > 0, dtype)
@@ -783,10 +797,16 @@ class Attention(nn.Module):
         c, spec = self.config, self.spec
         n = x.shape[1]
         positions = token_positions(start, n, x.device)  # [1 or B, n]
-        qr = self.q_norm(self.wq_a(x))
-        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)), positions,
-                   self.freqs)
-        window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
+        if self._projects_in_c(x, ctx):
+            qr, q, window = native.attention_in(
+                x, positions, self.wq_a.weight, self.q_norm.weight, self.wq_b.weight,
+                self.wkv.weight, self.kv_norm.weight, c.norm_eps, self.freqs,
+                self.n_local_heads)
+        else:
+            qr = self.q_norm(self.wq_a(x))
+            q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
+                       positions, self.freqs)
+            window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
         # A kernel backend reads the ring itself, once the new entry is in it.
         kernel = store.attends() and ctx.instruments is None and not (ctx.collect or ctx.dense)
         if kernel:
@@ -855,7 +875,20 @@ class Attention(nn.Module):
         if ctx.target_rows is not None and self.indexer is not None and n_entries:
             self._collect_rows(x, qr, q, positions, store, ctx, n_entries)
         self._publish(ctx, topks, pools, scores)
-        return self.project_out(torch.cat(outs, dim=1), positions)
+        out = torch.cat(outs, dim=1)
+        if self._projects_in_c(out, ctx):
+            return all_reduce(native.attention_out(out, positions, self.freqs,
+                                                   self.wo_a.weight, self.local_groups,
+                                                   self.wo_b.weight), self.shard)
+        return self.project_out(out, positions)
+
+    def _projects_in_c(self, x: torch.Tensor, ctx: StepContext) -> bool:
+        """Whether this call's projections in and out (and their norms and rotations) run
+        as one C call each: in an engine step with the C kernels, for a few tokens (a
+        decode batch: torch's matmuls win on a prefill chunk's) through float weights."""
+        return (x.shape[0] * x.shape[1] <= FUSED_PROJECTION_TOKENS and ctx.instruments is None
+                and native.fuses(x) and self.freqs.dtype is torch.float64
+                and self._float_projections)
 
     def project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The heads' outputs [B, n, H, D] at `positions` -> [B, n, dim]: the queries'

@@ -90,6 +90,10 @@ _SIGNATURES = {
     "kv_hc_post": [_P, _P, _P, _P, _I, _I, _I, _P],
     "kv_rope": [_P, _I, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P],
     "kv_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
+    "kv_attention_in": [_P, _I, _I, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_float, _P, _P,
+                        _I, _P, _P, _P, ctypes.c_int],
+    "kv_attention_out": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P,
+                         ctypes.c_int],
     "kv_ring_write": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P, _I, _P, _P,
                       _P],
     "kv_select_topk": [_P, _I, _I, _I, _P, _P],
@@ -638,6 +642,57 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _load().kv_rmsnorm(_ptr(x), x.numel() // x.shape[-1], x.shape[-1],
                        _ptr(weight.contiguous()), eps, _ptr(out))
     return out
+
+
+def attention_in(x: torch.Tensor, positions: torch.Tensor, wq_a: torch.Tensor,
+                 q_norm: torch.Tensor, wq_b: torch.Tensor, wkv: torch.Tensor,
+                 kv_norm: torch.Tensor, eps: float, freqs: torch.Tensor,
+                 heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`Attention.forward`'s inputs to its attention for x [B, n, dim] at positions [B or
+    1, n] with float weights (wq_a [rank, dim], wq_b [heads * D, rank], wkv [D, dim], the
+    norms' weights, float64 RoPE freqs [R/2]): qr [B, n, rank], q [B, n, heads, D] and
+    window [B, n, D], within float rounding of torch's."""
+    b, n, dim = x.shape
+    rank, d, half = wq_a.shape[0], wkv.shape[0], freqs.shape[0]
+    if (wq_a.shape[1] != dim or wq_b.shape != (heads * d, rank) or wkv.shape[1] != dim
+            or half > 512 or 2 * half > d):
+        raise ValueError(f"attention_in: weights {list(wq_a.shape)}, {list(wq_b.shape)}, "
+                         f"{list(wkv.shape)} and {2 * half} rotated dims do not fit x "
+                         f"{list(x.shape)} and {heads} heads")
+    x = _as(x, torch.float32)
+    positions = _as(positions.expand(b, n), torch.int64)
+    qr, q, window = x.new_empty(b, n, rank), x.new_empty(b, n, heads, d), x.new_empty(b, n, d)
+    _load().kv_attention_in(_ptr(x), b * n, dim, _ptr(_as(wq_a, torch.float32)),
+                            _ptr(_as(q_norm, torch.float32)), rank,
+                            _ptr(_as(wq_b, torch.float32)), heads, d,
+                            _ptr(_as(wkv, torch.float32)), _ptr(_as(kv_norm, torch.float32)),
+                            eps, _ptr(positions), _ptr(_as(freqs, torch.float64)), half,
+                            _ptr(qr), _ptr(q), _ptr(window), _threads())
+    return qr, q, window
+
+
+def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
+                  wo_a: torch.Tensor, groups: int, wo_b: torch.Tensor) -> torch.Tensor:
+    """`Attention.project_out` of the heads' outputs out [B, n, H, D] at positions [B or
+    1, n] with float weights (wo_a [groups * rank, H / groups * D], wo_b [dim, groups *
+    rank]): [B, n, dim], within float rounding of torch's."""
+    b, n, h, d = out.shape
+    half = freqs.shape[0]
+    rank = wo_a.shape[0] // groups
+    if (h % groups or wo_a.shape != (groups * rank, h // groups * d)
+            or wo_b.shape[1] != groups * rank or half > 512 or 2 * half > d):
+        raise ValueError(f"attention_out: weights {list(wo_a.shape)} and {list(wo_b.shape)} "
+                         f"in {groups} groups and {2 * half} rotated dims do not fit the "
+                         f"heads' outputs {list(out.shape)}")
+    rotated = out.to(torch.float32, copy=True).contiguous()  # rotated back in place
+    positions = _as(positions.expand(b, n), torch.int64)
+    low, y = out.new_empty(b * n, groups * rank), out.new_empty(b, n, wo_b.shape[0])
+    _load().kv_attention_out(_ptr(rotated), b * n, h, d, _ptr(positions),
+                             _ptr(_as(freqs, torch.float64)), half,
+                             _ptr(_as(wo_a, torch.float32)), groups, rank,
+                             _ptr(_as(wo_b, torch.float32)), wo_b.shape[0], _ptr(low),
+                             _ptr(y), _threads())
+    return y
 
 
 def quantize(x: torch.Tensor, fmt: str, rows: bool = True, values: bool = True,

@@ -103,35 +103,49 @@ void kv_hc_post(const float *y, const float *x, const float *post, const float *
  * the last 2 * half values rotated in interleaved pairs at the row's position
  * (positions [pb, n], pb = 1 or b), the angle formed in double as torch forms it from
  * float64 frequencies, its cosine and sine rounded to float32; the rest copied. */
+/* The cosines and sines of a position's angles (cs, sn [half]): double angles from the
+ * float64 frequencies, rounded to float32 as torch rounds them; sines negated to undo. */
+static void rope_angles(int64_t position, const double *freqs, int64_t half, int inverse,
+                        float *cs, float *sn) {
+    for (int64_t j = 0; j < half; j++) {
+        const double angle = (double)position * freqs[j];
+        cs[j] = (float)cos(angle);
+        sn[j] = inverse ? -(float)sin(angle) : (float)sin(angle);
+    }
+}
+
+/* heads rows of `width` values from x to out (in place when they are one), the last
+ * 2 * half of each rotated in interleaved pairs by the angles (cs, sn). */
+static void rope_rows(const float *x, int64_t heads, int64_t width, const float *cs,
+                      const float *sn, int64_t half, float *out) {
+    const int64_t rest = width - 2 * half;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        const float *xr = x + hd * width;
+        float *o = out + hd * width;
+        for (int64_t d = 0; d < rest; d++) o[d] = xr[d];
+        for (int64_t j = 0; j < half; j++) {
+            const float even = xr[rest + 2 * j], odd = xr[rest + 2 * j + 1];
+            o[rest + 2 * j] = even * cs[j] - odd * sn[j];
+            o[rest + 2 * j + 1] = even * sn[j] + odd * cs[j];
+        }
+    }
+}
+
 void kv_rope(const float *x, int64_t b, int64_t n, int64_t heads, int64_t width,
              const int64_t *positions, int64_t pb, const double *freqs, int64_t half,
              int inverse, float *out) {
     float cs[512], sn[512];  /* half <= 512 */
     for (int64_t s = 0; s < b; s++) {
         for (int64_t t = 0; t < n; t++) {
-            const double pos = (double)positions[(pb == 1 ? 0 : s) * n + t];
-            for (int64_t j = 0; j < half; j++) {
-                const double angle = pos * freqs[j];
-                cs[j] = (float)cos(angle);
-                sn[j] = inverse ? -(float)sin(angle) : (float)sin(angle);
-            }
-            for (int64_t hd = 0; hd < heads; hd++) {
-                const int64_t r = (s * n + t) * heads + hd;
-                const float *xr = x + r * width;
-                float *o = out + r * width;
-                const int64_t rest = width - 2 * half;
-                for (int64_t d = 0; d < rest; d++) o[d] = xr[d];
-                for (int64_t j = 0; j < half; j++) {
-                    const float even = xr[rest + 2 * j], odd = xr[rest + 2 * j + 1];
-                    o[rest + 2 * j] = even * cs[j] - odd * sn[j];
-                    o[rest + 2 * j + 1] = even * sn[j] + odd * cs[j];
-                }
-            }
+            rope_angles(positions[(pb == 1 ? 0 : s) * n + t], freqs, half, inverse, cs, sn);
+            const int64_t r = (s * n + t) * heads;
+            rope_rows(x + r * width, heads, width, cs, sn, half, out + r * width);
         }
     }
 }
 
-/* RMSNorm: out [rows, dim] = (x * rsqrt(mean(x^2) + eps)) * weight. */
+/* RMSNorm: out [rows, dim] = (x * rsqrt(mean(x^2) + eps)) * weight (in place when out
+ * is x). */
 void kv_rmsnorm(const float *x, int64_t rows, int64_t dim, const float *weight, float eps,
                 float *out) {
     for (int64_t r = 0; r < rows; r++) {
@@ -140,6 +154,63 @@ void kv_rmsnorm(const float *x, int64_t rows, int64_t dim, const float *weight, 
         const float norm = 1.0f / sqrtf(dot_lanes(xr, xr, dim) / (float)dim + eps);
         for (int64_t d = 0; d < dim; d++) o[d] = (xr[d] * norm) * weight[d];
     }
+}
+
+/* y [t, out] = x [t, in] W^T for a float W [out, in] and a few tokens: each row of W is
+ * read once for all of them. Rows of W run in parallel over `threads`. */
+static void small_linear(const float *x, int64_t t, int64_t in, const float *w, int64_t out,
+                         float *y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && out >= 64)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t i = 0; i < t; i++) y[i * out + o] = dot_lanes(x + i * in, w + o * in, in);
+}
+
+/* A layer's attention inputs for t tokens x [t, dim] at positions [t], float weights
+ * (kvstack.model.model.Attention.forward up to its attention):
+ *   qr [t, rank] = q_norm(x wq_a^T)
+ *   q [t, heads, d] = rope(qr wq_b^T)
+ *   window [t, d] = rope(kv_norm(x wkv^T))
+ * the rotation on each row's last 2 * half values (kv_rope's). */
+void kv_attention_in(const float *x, int64_t t, int64_t dim, const float *wq_a,
+                     const float *q_norm, int64_t rank, const float *wq_b, int64_t heads,
+                     int64_t d, const float *wkv, const float *kv_norm, float eps,
+                     const int64_t *positions, const double *freqs, int64_t half, float *qr,
+                     float *q, float *window, int threads) {
+    float cs[512], sn[512];  /* half <= 512 */
+    small_linear(x, t, dim, wq_a, rank, qr, threads);
+    kv_rmsnorm(qr, t, rank, q_norm, eps, qr);
+    small_linear(qr, t, rank, wq_b, heads * d, q, threads);
+    small_linear(x, t, dim, wkv, d, window, threads);
+    kv_rmsnorm(window, t, d, kv_norm, eps, window);
+    for (int64_t i = 0; i < t; i++) {
+        rope_angles(positions[i], freqs, half, 0, cs, sn);
+        rope_rows(q + i * heads * d, heads, d, cs, sn, half, q + i * heads * d);
+        rope_rows(window + i * d, 1, d, cs, sn, half, window + i * d);
+    }
+}
+
+/* A layer's output projection for t tokens (kvstack.model.model.Attention.project_out):
+ * the heads' outputs o [t, heads, d] at positions [t] rotated back (in place), then each
+ * of the g groups of heads / g heads through its block of wo_a [g * rank, heads / g * d]
+ * into low [t, g * rank], then y [t, dim] = low wo_b^T (wo_b [dim, g * rank]). */
+void kv_attention_out(float *o, int64_t t, int64_t heads, int64_t d,
+                      const int64_t *positions, const double *freqs, int64_t half,
+                      const float *wo_a, int64_t g, int64_t rank, const float *wo_b,
+                      int64_t dim, float *low, float *y, int threads) {
+    float cs[512], sn[512];  /* half <= 512 */
+    const int64_t width = heads / g * d;  /* a group's inputs */
+    for (int64_t i = 0; i < t; i++) {
+        rope_angles(positions[i], freqs, half, 1, cs, sn);
+        rope_rows(o + i * heads * d, heads, d, cs, sn, half, o + i * heads * d);
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < g * rank; r++) {
+        const int64_t group = r / rank;
+        for (int64_t i = 0; i < t; i++)
+            low[i * g * rank + r] = dot_lanes(o + i * heads * d + group * width,
+                                              wo_a + r * width, width);
+    }
+    small_linear(low, t, g * rank, wo_b, dim, y, threads);
 }
 
 /* ---- block-scaled quantisation (kvstack.formats.quantize), bit for bit ----------------
