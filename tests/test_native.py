@@ -76,8 +76,8 @@ def test_index_scores_equal_dequantise_then_score(ratio, heads, short):
 @pytest.mark.parametrize("heads", [4, 3])
 def test_index_scores_at_chosen_entries_equal_gather_dequantise_then_score(heads):
     """Each sequence's own entries through its block table (eight a pass and the rest one
-    at a time), entries past its count -inf, a NaN scale's NaN score, entries outside the
-    table's reach refused."""
+    at a time), entries past its count or outside the table -inf, a NaN scale's NaN
+    score."""
     g = torch.Generator().manual_seed(heads)
     fmt, b, width, per, blocks, k = "fp4_ue8m0_32", 3, 64, 16, 24, 13
     pool = pack_rows(quantize(torch.randn(blocks * per, width, generator=g), fmt))
@@ -97,8 +97,8 @@ def test_index_scores_at_chosen_entries_equal_gather_dequantise_then_score(heads
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[1, 5])
     finite = torch.isfinite(want)
     assert torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="reach"):
-        native.index_scores_at(q, w, pool, table, held, entries + 128, fmt)
+    outside = native.index_scores_at(q, w, pool, table, held, entries + 128, fmt)
+    assert torch.isinf(outside).all()  # past the table: -inf, and nothing read
 
 
 def test_grouped_mm_equals_a_matmul_per_group():
@@ -263,15 +263,19 @@ def test_the_attention_projections_in_and_out_equal_torchs(tokens):
             want = (qr, rotate(attention.wq_b(qr).unflatten(-1, (h, d)), positions,
                                attention.freqs),
                     rotate(attention.kv_norm(attention.wkv(x)), positions, attention.freqs))
+            # Weights as strided views (a sharded rank's columns): the copies the C call
+            # reads must outlive it.
+            wq_b, wo_b = (w.t().contiguous().t() for w in (attention.wq_b.weight,
+                                                           attention.wo_b.weight))
             got = native.attention_in(x, positions, attention.wq_a.weight,
-                                      attention.q_norm.weight, attention.wq_b.weight,
-                                      attention.wkv.weight, attention.kv_norm.weight,
-                                      config.norm_eps, attention.freqs, h)
+                                      attention.q_norm.weight, wq_b, attention.wkv.weight,
+                                      attention.kv_norm.weight, config.norm_eps,
+                                      attention.freqs, h)
             for g, w in zip(got, want, strict=True):
                 assert torch.allclose(g, w, atol=1e-5, rtol=1e-5)
             assert torch.allclose(
                 native.attention_out(out, positions, attention.freqs, attention.wo_a.weight,
-                                     config.o_groups, attention.wo_b.weight),
+                                     config.o_groups, wo_b),
                 attention.project_out(out, positions), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="attention_in"):
         native.attention_in(x, positions, attention.wq_b.weight, attention.q_norm.weight,

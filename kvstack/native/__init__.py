@@ -281,6 +281,9 @@ def portable() -> Iterator[None]:
 
 
 def _ptr(t: torch.Tensor) -> int:
+    """t's address for a C call. Only an address: a tensor made in the call's own argument
+    list (a contiguous copy, a cast) is freed before the call runs, so each wrapper binds
+    what it converts to a name first."""
     return t.data_ptr()
 
 
@@ -346,23 +349,19 @@ def index_scores_at(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
     """score(b, i) = sum_h w_h relu(q_h . k) of each sequence's query (q [B, H, D], w
     [B, H]) over its own entries (entries [B, K]) of a stream of keys in format fmt (pool
     [blocks, per, bytes] through block_table [B, max_blocks]), read where they lie; -inf
-    at or past the sequence's count held [B]: [B, K], within float rounding of gather,
-    dequantise and score."""
+    (and not read) at or past the sequence's count held [B] or outside the table: [B, K],
+    within float rounding of gather, dequantise and score."""
     block, packed, elem, scale = _decoding(fmt)
     b, hi, di = q.shape
     if entries.shape[0] != b or w.shape != (b, hi) or held.shape != (b,):
         raise ValueError(f"index_scores_at: entries {tuple(entries.shape)}, weights "
                          f"{tuple(w.shape)} or counts {tuple(held.shape)} do not match "
                          f"queries {tuple(q.shape)}")
-    reach = block_table.shape[1] * pool.shape[1]
-    if entries.numel() and not 0 <= int(entries.min()) <= int(entries.max()) < reach:
-        raise ValueError(f"index_scores_at: entries outside 0..{reach - 1}, the block "
-                         "table's reach")
     q, w = _as(q, torch.float32), _as(w, torch.float32)
     table, entries = _as(block_table, torch.int64), _as(entries, torch.int64)
-    held = _as(held, torch.int64)
+    held, pool = _as(held, torch.int64), pool.contiguous()
     out = torch.empty(b, entries.shape[1], dtype=torch.float32)
-    _load().kv_index_scores_at(_ptr(q), _ptr(w), _ptr(pool.contiguous()), pool.shape[1],
+    _load().kv_index_scores_at(_ptr(q), _ptr(w), _ptr(pool), pool.shape[1],
                                pool.shape[2], _ptr(table), table.shape[1], _ptr(held),
                                _ptr(entries),
                                entries.shape[1], b, hi, di, block, packed, _ptr(elem),
@@ -392,8 +391,9 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
     rows = torch.empty(w + k, d, dtype=torch.float32)  # one sequence's decoded rows
     logits = torch.empty(w + k, dtype=torch.float32)
     out = torch.empty(b, h, d, dtype=torch.float32)
+    sink = _as(sink, torch.float32)
     _load().kv_sparse_attention(
-        _ptr(q), _ptr(_as(sink, torch.float32)), _ptr(ring), ring.shape[2], _ptr(ints[0]),
+        _ptr(q), _ptr(sink), _ptr(ring), ring.shape[2], _ptr(ints[0]),
         _ptr(ints[1]), _ptr(ints[2]), w, window_size, ring_block, ring_packed,
         _ptr(ring_elem), _ptr(ring_scale), _ptr(pool), pool.shape[1], pool.shape[2],
         _ptr(ints[3]), ints[3].shape[1], _ptr(ints[4]), k, kv_block, kv_packed, _ptr(kv_elem),
@@ -420,10 +420,11 @@ def prefill_attention(q: torch.Tensor, positions: torch.Tensor, keys: torch.Tens
     positions, key_positions, columns = (_as(t, torch.int64)
                                          for t in (positions, key_positions, columns))
     out = torch.empty(b, n, h, d, dtype=torch.float32)
+    sink = _as(sink, torch.float32)
     _load().kv_prefill_attention(
         _ptr(q), _ptr(positions), n if positions.shape[0] > 1 else 0, _ptr(keys),
         _ptr(key_positions), m, window_size, _ptr(rows), u, _ptr(columns), k,
-        _ptr(_as(sink, torch.float32)), b, n, h, d, d**-0.5, _ptr(out), _threads())
+        _ptr(sink), b, n, h, d, d**-0.5, _ptr(out), _threads())
     return out
 
 
@@ -445,8 +446,9 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     values = torch.empty(longest, kv_heads * d)
     logits = torch.empty(longest)
     out = torch.empty(b, h, d)
+    k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()
     _load().kv_dense_attention(
-        _ptr(q), _ptr(k_pool.contiguous()), _ptr(v_pool.contiguous()), k_pool.shape[1],
+        _ptr(q), _ptr(k_pool), _ptr(v_pool), k_pool.shape[1],
         k_pool.shape[2], v_pool.shape[2], _ptr(table), table.shape[1], _ptr(lengths), block,
         packed, _ptr(elem), _ptr(scale), b, h, kv_heads, d, d**-0.5, _ptr(keys), _ptr(values),
         _ptr(logits), _ptr(out))
@@ -522,7 +524,8 @@ def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
         return torch.einsum("ngk,grk->ngr", x.view(n, groups, k), weight).reshape(n, o)
     elem, scale = _weight_tables(fmt)
     codes = codes.contiguous()
-    scale_ptr = 0 if scales is None else _ptr(scales.contiguous())
+    scales = None if scales is None else scales.contiguous()
+    scale_ptr = 0 if scales is None else _ptr(scales)
     out = torch.empty(n, o, dtype=torch.float32)
     if n:
         _load().kv_packed_linear(_ptr(x), n, _WEIGHT_FORMATS[fmt], _ptr(codes), scale_ptr, o,
@@ -582,8 +585,9 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     n = x.numel() // (h * dim)
     pre, post = x.new_empty(*lead, h), x.new_empty(*lead, h)
     comb = x.new_empty(*lead, h, h)
-    _load().kv_hc_mixes(_ptr(x), n, h, dim, _ptr(fn.contiguous()), _ptr(scale.contiguous()),
-                        _ptr(base.contiguous()), norm_eps, hc_eps, iters, _ptr(pre), _ptr(post),
+    fn, scale, base = fn.contiguous(), scale.contiguous(), base.contiguous()
+    _load().kv_hc_mixes(_ptr(x), n, h, dim, _ptr(fn), _ptr(scale),
+                        _ptr(base), norm_eps, hc_eps, iters, _ptr(pre), _ptr(post),
                         _ptr(comb), _threads())
     return pre, post, comb
 
@@ -630,17 +634,18 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
     x = x.contiguous()
     positions = _as(positions, torch.int64)
     out = torch.empty_like(x)
+    freqs = freqs.contiguous()
     _load().kv_rope(_ptr(x), b, n, heads, x.shape[-1], _ptr(positions), positions.shape[0],
-                    _ptr(freqs.contiguous()), half, int(inverse), _ptr(out))
+                    _ptr(freqs), half, int(inverse), _ptr(out))
     return out
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """(x * rsqrt(mean(x^2) + eps)) * weight over x's last dim."""
-    x = x.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
-    _load().kv_rmsnorm(_ptr(x), x.numel() // x.shape[-1], x.shape[-1],
-                       _ptr(weight.contiguous()), eps, _ptr(out))
+    _load().kv_rmsnorm(_ptr(x), x.numel() // x.shape[-1], x.shape[-1], _ptr(weight), eps,
+                       _ptr(out))
     return out
 
 
@@ -662,12 +667,12 @@ def attention_in(x: torch.Tensor, positions: torch.Tensor, wq_a: torch.Tensor,
     x = _as(x, torch.float32)
     positions = _as(positions.expand(b, n), torch.int64)
     qr, q, window = x.new_empty(b, n, rank), x.new_empty(b, n, heads, d), x.new_empty(b, n, d)
-    _load().kv_attention_in(_ptr(x), b * n, dim, _ptr(_as(wq_a, torch.float32)),
-                            _ptr(_as(q_norm, torch.float32)), rank,
-                            _ptr(_as(wq_b, torch.float32)), heads, d,
-                            _ptr(_as(wkv, torch.float32)), _ptr(_as(kv_norm, torch.float32)),
-                            eps, _ptr(positions), _ptr(_as(freqs, torch.float64)), half,
-                            _ptr(qr), _ptr(q), _ptr(window), _threads())
+    wq_a, q_norm, wq_b, wkv, kv_norm = (_as(t, torch.float32)
+                                        for t in (wq_a, q_norm, wq_b, wkv, kv_norm))
+    freqs = _as(freqs, torch.float64)
+    _load().kv_attention_in(_ptr(x), b * n, dim, _ptr(wq_a), _ptr(q_norm), rank, _ptr(wq_b),
+                            heads, d, _ptr(wkv), _ptr(kv_norm), eps, _ptr(positions),
+                            _ptr(freqs), half, _ptr(qr), _ptr(q), _ptr(window), _threads())
     return qr, q, window
 
 
@@ -687,10 +692,10 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
     rotated = out.to(torch.float32, copy=True).contiguous()  # rotated back in place
     positions = _as(positions.expand(b, n), torch.int64)
     low, y = out.new_empty(b * n, groups * rank), out.new_empty(b, n, wo_b.shape[0])
-    _load().kv_attention_out(_ptr(rotated), b * n, h, d, _ptr(positions),
-                             _ptr(_as(freqs, torch.float64)), half,
-                             _ptr(_as(wo_a, torch.float32)), groups, rank,
-                             _ptr(_as(wo_b, torch.float32)), wo_b.shape[0], _ptr(low),
+    freqs, wo_a, wo_b = (_as(freqs, torch.float64), _as(wo_a, torch.float32),
+                         _as(wo_b, torch.float32))
+    _load().kv_attention_out(_ptr(rotated), b * n, h, d, _ptr(positions), _ptr(freqs), half,
+                             _ptr(wo_a), groups, rank, _ptr(wo_b), wo_b.shape[0], _ptr(low),
                              _ptr(y), _threads())
     return y
 
@@ -735,11 +740,11 @@ def ring_write(entries: torch.Tensor, fmt: str, rings: torch.Tensor, ring_pos: t
         raise ValueError("ring_write: rings and ring_pos must be contiguous, ring_pos int64")
     entries = _as(entries, torch.float32)
     values = torch.empty_like(entries)
+    slots, positions = _as(slots, torch.int64), _as(positions, torch.int64)
     _load().kv_ring_write(_ptr(entries), entries.shape[0], entries.shape[1],
                           int(f.element != "e2m1"), int(f.scale == "e4m3"), block, _ptr(elem),
                           _ptr(scale), _ptr(rings), _ptr(ring_pos), rings.shape[1],
-                          _ptr(_as(slots, torch.int64)), _ptr(_as(positions, torch.int64)),
-                          _ptr(values))
+                          _ptr(slots), _ptr(positions), _ptr(values))
     return values
 
 
@@ -779,8 +784,9 @@ def moe(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, score_func: str
     scratch = torch.empty(2 * n_experts + 2 * pairs + pairs * (max(inter, shared_inter) + 2 * dim))
     ints = torch.empty(3 * pairs, dtype=torch.int64)
     out = torch.empty_like(x)
+    gate, bias = gate.contiguous(), bias.contiguous()
     _load().kv_moe(
-        _ptr(x), x.shape[0], x.shape[1], _ptr(gate.contiguous()), _ptr(bias.contiguous()),
+        _ptr(x), x.shape[0], x.shape[1], _ptr(gate), _ptr(bias),
         n_experts, SCORE_FUNCS.index(score_func), gate_temp, k, int(renormalise), route_scale,
         _ptr(w1), _ptr(w2), _ptr(w3), inter, 0 if s1 is None else _ptr(s1),
         0 if s2 is None else _ptr(s2), 0 if s3 is None else _ptr(s3), shared_inter, limit,

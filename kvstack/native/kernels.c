@@ -172,10 +172,10 @@ void kv_index_scores(const float *q, const float *w, const uint8_t *pool, int64_
 }
 
 /* score(b, i) = sum_h w[b, h] relu(q[b, h] . key(b, entries[b, i])) of each sequence's
- * own entries (entries [B, K] within the table's reach: row e % per of block table[b, e /
- * per] of pool [blocks, per, row_bytes]), -inf for an entry at or past the sequence's
- * count held[b]: a candidate pool's scores, read where its keys lie. q [B, H, D], w [B,
- * H], out [B, K]; relu keeps a NaN, as torch's does. */
+ * own entries (entries [B, K]: row e % per of block table[b, e / per] of pool [blocks,
+ * per, row_bytes]), -inf for an entry at or past the sequence's count held[b] (or outside
+ * the table, which is never read): a candidate pool's scores, read where its keys lie.
+ * q [B, H, D], w [B, H], out [B, K]; relu keeps a NaN, as torch's does. */
 void kv_index_scores_at(const float *q, const float *w, const uint8_t *pool, int64_t per,
                         int64_t row_bytes, const int64_t *table, int64_t max_blocks,
                         const int64_t *held, const int64_t *entries, int64_t K, int64_t B,
@@ -185,29 +185,38 @@ void kv_index_scores_at(const float *q, const float *w, const uint8_t *pool, int
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; b++) {
         const float *qb = q + b * H * D, *wb = w + b * H;
+        /* Entries a sequence does not hold score -inf and are never read. */
+        const int64_t count = held[b] < max_blocks * per ? held[b] : max_blocks * per;
         float keys[8 * D], dots[H];
         int64_t i = 0;
 #ifdef __AVX2__
         if (D % 8 == 0)
             for (; i + 8 <= K; i += 8) {
                 for (int r = 0; r < 8; r++) {
-                    const int64_t e = entries[b * K + i + r];
+                    int64_t e = entries[b * K + i + r];
+                    e = e >= 0 && e < count ? e : 0;  /* scored, then set to -inf below */
                     decode_row(pool + (table[b * max_blocks + e / per] * per + e % per) * row_bytes,
                                D, block, packed, elem, scale, keys + r * D);
                 }
                 _mm256_storeu_ps(out + b * K + i, scores_8(keys, D, qb, wb, H));
-                for (int r = 0; r < 8; r++)
-                    if (entries[b * K + i + r] >= held[b]) out[b * K + i + r] = -INFINITY;
+                for (int r = 0; r < 8; r++) {
+                    const int64_t e = entries[b * K + i + r];
+                    if (e < 0 || e >= count) out[b * K + i + r] = -INFINITY;
+                }
             }
 #endif
         for (; i < K; i++) {
             const int64_t e = entries[b * K + i];
+            if (e < 0 || e >= count) {
+                out[b * K + i] = -INFINITY;
+                continue;
+            }
             decode_row(pool + (table[b * max_blocks + e / per] * per + e % per) * row_bytes, D,
                        block, packed, elem, scale, keys);
             for (int64_t h = 0; h < H; h++) dots[h] = dot_lanes(qb + h * D, keys, D);
             float total = 0.0f;
             for (int64_t h = 0; h < H; h++) total += wb[h] * (dots[h] < 0.0f ? 0.0f : dots[h]);
-            out[b * K + i] = e < held[b] ? total : -INFINITY;
+            out[b * K + i] = total;
         }
     }
 }
