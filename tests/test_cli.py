@@ -277,3 +277,11 @@ def test_each_engine_option_sets_its_config_field():
             config.host_budget, config.max_num_seqs) == ("2GiB", True, 5.0, "1MiB", 3)
     # An option left out is the config's own default.
     assert engine_config(build_parser().parse_args(["chat"])) == EngineConfig()
+    # but for the server's step, smaller than offline generation's
+    from kvstack.cli.serve import SERVE_MAX_NUM_BATCHED_TOKENS
+
+    serve = engine_config(build_parser().parse_args(["serve"]))
+    assert serve.max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
+    assert EngineConfig().max_num_batched_tokens > SERVE_MAX_NUM_BATCHED_TOKENS
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "900"])
+    assert engine_config(args).max_num_batched_tokens == 900

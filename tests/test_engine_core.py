@@ -640,13 +640,47 @@ def test_a_long_prompt_stalls_no_running_stream():
     assert steps_until_first_token > 5  # the prompt took several steps, the stream with it
 
 
+def test_a_prefix_hits_replay_spends_its_steps_budget():
+    """A part whose store owes a replay counts the replayed tokens: two hits that do not
+    fit one step's budget together prefill in two steps (the first alone, over the
+    budget if it must), and their tokens are those of an engine with room for both."""
+    from kvstack.engine.scheduler import Scheduler, StepPlan
+
+    sched = Scheduler(tiny().cache, 4, 100, replay_tokens=lambda cached: min(cached, 30))
+    hit = types.SimpleNamespace(num_tokens=90,
+                                store=types.SimpleNamespace(num_tokens=80, needs_replay=True))
+    plan = StepPlan()
+    assert sched._plan_part(plan, hit, 100) == 40  # 10 tokens after a replay of 30
+    assert sched._plan_part(plan, hit, 25) == 0  # its replay alone outgrows what is left
+    assert sched._plan_part(StepPlan(), hit, 20) == 40  # alone: it runs, over the budget
+
+    prefix = list(range(3, 163))
+    asks = [[*prefix, 7, 8, 9], [*prefix, 11, 12]]
+    roomy = tiny(max_num_batched_tokens=4096, kv_budget="8MiB")
+    roomy.generate([prefix], GREEDY)
+    expected = [o.token_ids for o in roomy.generate(asks, GREEDY)]
+    llm = tiny(max_num_batched_tokens=4096, kv_budget="8MiB")
+    llm.generate([prefix], GREEDY)
+    replay = llm.model.rebuild_spans(len(prefix), "exact")[0]
+    llm.scheduler.max_num_batched_tokens = replay + 8  # room for one hit's replay and part
+    ids = [llm.add_request(ask, GREEDY) for ask in asks]
+    steps, done = [], {}
+    while llm.has_unfinished_requests():
+        steps.append(outputs := llm.step())
+        done |= {o.request_id: o.token_ids for o in outputs if o.finished}
+    assert {o.request_id for o in steps[0]} == {ids[0]}  # the second hit waits a step
+    assert ids[1] in {o.request_id for o in steps[1]}
+    assert [done[i] for i in ids] == expected
+
+
 def test_a_prompt_part_keeps_room_for_the_decoder_span():
     """A part is cut so that the last part holds at least the decoder span; a prompt that
     cannot be cut so runs whole, over the budget, when nothing else prefills."""
     from kvstack.engine.scheduler import Scheduler, StepPlan
 
     sched = Scheduler(tiny().cache, 4, 100, final_prefill_tokens=20)
-    seq = types.SimpleNamespace(num_tokens=110, store=types.SimpleNamespace(num_tokens=0))
+    seq = types.SimpleNamespace(num_tokens=110,
+                                store=types.SimpleNamespace(num_tokens=0, needs_replay=False))
     plan = StepPlan()
     assert sched._plan_part(plan, seq, 100) == 90  # leaves 20 for the last part
     seq.store.num_tokens = 90

@@ -48,6 +48,11 @@ ENGINE_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                     "matmuls and packed-weight matmuls: C kernels built on "
                                     "first use (c: or fail), torch, or auto (C where the "
                                     "system's C compiler builds them)")),
+    ("--max-num-batched-tokens", "max_num_batched_tokens",
+     dict(type=positive_int, metavar="N",
+          help="tokens one step runs: its decode batch's, its prompt parts' and the replay "
+               "of each prefix-cache hit it starts; a longer prompt is prefilled in parts "
+               "over several steps (default: %(default)s)")),
     ("--max-model-len", "max_model_len",
      dict(type=positive_int, metavar="N",
           help="tokens a sequence may hold, below the model's max_seq_len")),

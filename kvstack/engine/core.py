@@ -77,7 +77,8 @@ class EngineCore:
                                 pad_slot=config.compile_decode)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens,
-                                   model.final_prefill_tokens(config.replay))
+                                   model.final_prefill_tokens(config.replay),
+                                   lambda cached: model.rebuild_spans(cached, config.replay)[0])
         if workers is None:
             self.runner = ModelRunner(model, config)
         else:

@@ -1,7 +1,8 @@
 """Continuous batching: who runs in the next step.
 
 A step decodes every running sequence that has its prompt in cache, and prefills prompts
-in the rest of the step's token budget (max_num_batched_tokens, one token per decode):
+in the rest of the step's token budget (max_num_batched_tokens: one token per decode, each
+prompt token, and the tokens a prefix-cache hit replays before its first part):
 waiting sequences are admitted FIFO while max_num_seqs allows, and a prompt longer than
 what the budget leaves is prefilled in parts over several steps, so that it stalls no
 running stream for long and no prompt waits for a long one ahead of it. A prompt's last
@@ -16,6 +17,7 @@ exception for it.
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstack.cache.paged import PagedCache
@@ -38,15 +40,19 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache: PagedCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 final_prefill_tokens: int = 1) -> None:
+                 final_prefill_tokens: int = 1,
+                 replay_tokens: Callable[[int], int] = lambda cached: 0) -> None:
         """final_prefill_tokens: the fewest tokens the last part of a prompt prefilled in
-        parts may hold (`Model.final_prefill_tokens`)."""
+        parts may hold (`Model.final_prefill_tokens`); replay_tokens: the tokens a store
+        started on `cached` tokens of cached blocks re-runs to rebuild its window state
+        (`Model.rebuild_spans`), which its first part's step spends of the budget."""
         if max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got "
                              f"{max_num_batched_tokens}")
         self.cache = cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.final_prefill_tokens = final_prefill_tokens
+        self.replay_tokens = replay_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Finished sequences whose cache is kept for a follow-up turn, oldest first.
@@ -87,17 +93,23 @@ class Scheduler:
         return plan
 
     def _plan_part(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
-        """Plan the sequence's next prompt part within `budget` tokens: all that is left
+        """Plan the sequence's next prompt part within `budget` tokens, after the replay its
+        store owes (a prefix-cache hit's, re-run before its first part): all that is left
         when it fits, else as much as leaves the last part its decoder span, else (the
-        step has no other part) all that is left, over the budget. The tokens planned."""
+        step has no other part) all that is left, over the budget. The tokens planned and
+        replayed."""
         left = seq.num_tokens - seq.store.num_tokens
-        part = left if left <= budget else min(budget, left - self.final_prefill_tokens)
+        replay = self.replay_tokens(seq.store.num_tokens) if seq.store.needs_replay else 0
+        room = budget - replay
+        if room <= 0 and not plan.prefill:
+            room = budget  # alone in the step: its part is sized as if it owed no replay
+        part = left if left <= room else min(room, left - self.final_prefill_tokens)
         if part <= 0:
             if plan.prefill:
                 return 0
             part = left
         plan.prefill.append((seq, part))
-        return part
+        return part + replay
 
     def _decoding(self) -> list[Sequence]:
         """The running sequences with their prompt in cache, each with room for its next
