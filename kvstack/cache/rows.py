@@ -114,7 +114,8 @@ class WindowRings:
         rows = torch.nonzero(pos >= 0).flatten()
         rows = rows[torch.argsort(pos[rows])]
         ring = self.rows[layer]
-        return ring.read(ring.data[slots][:, rows]), pos[rows]
+        held = torch.arange(ring.data.shape[0], device=rows.device)[slots]  # [S]
+        return ring.read_at(held[:, None] * self.window + rows), pos[rows]
 
     def write(self, layer: int, slots: slice, entries: torch.Tensor, start: int) -> torch.Tensor:
         """Write entries [S, n, D] at positions start..start+n-1; the stored values."""
