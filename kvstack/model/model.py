@@ -753,6 +753,9 @@ class SelectedEntries:
         return self.store.gather_stream(self.source, "kv", chosen).float()  # [B, q', k, D]
 
 
+_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")  # Attention's, in C for a few tokens
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()
@@ -780,10 +783,12 @@ class Attention(nn.Module):
     @property
     def _float_projections(self) -> bool:
         """Whether every projection of the attention is a plain float32 linear (not a
-        checkpoint's packed weight, which its own kernels multiply)."""
-        return all(type(m) is nn.Linear and m.weight.dtype is torch.float32
-                   for m in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b)) and all(
-            m.weight.dtype is torch.float32 for m in (self.q_norm, self.kv_norm))
+        checkpoint's packed weight, which its own kernels multiply). Read from the module
+        dicts directly: asked twice a layer in every step."""
+        modules = self._modules
+        return all(type(modules[name]) is nn.Linear for name in _PROJECTIONS) and all(
+            modules[name]._parameters["weight"].dtype is torch.float32
+            for name in (*_PROJECTIONS, "q_norm", "kv_norm"))
 
     def set_rope_precision(self, dtype: torch.dtype) -> None:
         """Form this layer's RoPE angles (its compressor's and indexer's too) in dtype."""
