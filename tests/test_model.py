@@ -363,6 +363,28 @@ def test_rebuild_window_exact_restores_the_next_token_logits():
     assert (model.decode(ids[:, 120], stale) - model(ids[:, :121]).logits[:, -1]).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("replay", ["bounded", "exact"])
+def test_a_rebuild_without_logits_leaves_the_same_window_state(replay):
+    """Without logits the last layer only writes its rings and partial groups: the same
+    bytes and positions as a whole rebuild's, so the next tokens' logits are the same."""
+    model = make_model()
+    ids = tokens(2, 131)
+    cache = ContiguousCache(model.config, batch_size=2, max_tokens=140)
+    model.prefill(ids[:, :121], cache, replay="exact")
+    cache.drop_window_state()
+    whole, lean = copy.deepcopy(cache), copy.deepcopy(cache)
+    assert model.rebuild_window(lean, replay=replay, logits=False) is None
+    model.rebuild_window(whole, replay=replay)
+    a, b = whole._rings, lean._rings
+    assert all(torch.equal(a.rows[k].data, b.rows[k].data) for k in a.rows)
+    assert all(torch.equal(a.pos[k], b.pos[k]) for k in a.pos)
+    assert whole._partial.keys() == lean._partial.keys() and whole._partial
+    assert all(torch.equal(u, v) for k in whole._partial
+               for u, v in zip(whole._partial[k], lean._partial[k], strict=True))
+    for t in range(121, 125):
+        assert torch.equal(model.decode(ids[:, t], whole), model.decode(ids[:, t], lean)), t
+
+
 def test_rebuild_window_bounded_is_close_but_approximate():
     model = make_model()
     ids = tokens(1, 200)

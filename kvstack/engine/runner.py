@@ -80,7 +80,7 @@ class ModelRunner:
                 self.replayed_tokens += self.model.rebuild_spans(store.num_tokens,
                                                                  self.config.replay)[0]
                 self.model.rebuild_window(store, replay=self.config.replay,
-                                          chunk_size=self.config.chunk_size)
+                                          chunk_size=self.config.chunk_size, logits=False)
                 store.needs_replay = False
             ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
             if not final:

@@ -887,6 +887,16 @@ class Attention(nn.Module):
                                                    self.wo_b.weight), self.shard)
         return self.project_out(out, positions)
 
+    def write_window(self, x: torch.Tensor, start: int, store: KVStore) -> None:
+        """The window entries of attention inputs x [B, n, dim] at start.. and the
+        compressor's partial group: what `forward` leaves for later tokens, with no
+        attention computed (the replay's last layer)."""
+        positions = token_positions(start, x.shape[1], x.device)
+        store.write_window(self.spec.index,
+                           rotate(self.kv_norm(self.wkv(x)), positions, self.freqs), start)
+        if self.compressor is not None:
+            self.compressor(x, start, store)
+
     def _projects_in_c(self, x: torch.Tensor, ctx: StepContext) -> bool:
         """Whether this call's projections in and out (and their norms and rotations) run
         as one C call each: in an engine step with the C kernels, for a few tokens (a
@@ -1165,6 +1175,15 @@ class Layer(nn.Module):
         y = self.hc_ffn.collapse(x, attn_pre if self.single_pass else ffn_pre)
         x = self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb)
         return TokenStates(x, ffn_pre if self.single_pass else None, s.engram_rows)
+
+    def write_window(self, s: TokenStates, start: int, store: KVStore) -> None:
+        """Only what later tokens read of this layer at the tokens of s: their window
+        entries and its partial groups (a replay's last layer, whose output nothing
+        reads), from its attention input as `forward` makes it."""
+        x = self._add_engram(s)
+        if self.hc_attn is not None:
+            x = self.hc_attn.collapse(x, s.mix if self.single_pass else self.hc_attn.mixes(x)[0])
+        self.attn.write_window(self.attn_norm(x), start, store)
 
     def write_stream(self, s: TokenStates, start: int, store: KVStore) -> None:
         """Only this layer's compressed stream, for tokens no later layer runs on (the
@@ -1568,11 +1587,13 @@ class Model(nn.Module):
         return self._logits(s)[:, 0]
 
     @torch.no_grad()
-    def rebuild_window(self, cache: KVStore, replay: str = "bounded",
-                       chunk_size: int = 512) -> torch.Tensor:
+    def rebuild_window(self, cache: KVStore, replay: str = "bounded", chunk_size: int = 512,
+                       logits: bool = True) -> torch.Tensor | None:
         """Rebuild every window ring and partial group from the persisted streams by
         re-running the last tokens (nothing new is written to the streams); returns the
-        last position's logits [B, V]."""
+        last position's logits [B, V]. Without `logits` (an engine, which prefills the next
+        tokens anyway) the last layer only writes its rings and partial groups: nothing
+        reads its attention or feed-forward output, and None is returned."""
         c = self.config
         n = cache.num_tokens
         if c.arch == "dense":
@@ -1583,13 +1604,19 @@ class Model(nn.Module):
         span, dec_span = self.rebuild_spans(n, replay)
         cache.drop_window_state()
         enc = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
+        last = c.n_layers if logits else c.n_layers - 1  # layers run whole
         ids = cache.token_ids()[:, n - span :]
-        s = self._run_chunked(self._states(ids, n - span, cache), n - span, cache, range(enc),
-                              chunk_size)
+        s = self._run_chunked(self._states(ids, n - span, cache), n - span, cache,
+                              range(min(enc, last)), chunk_size)
+        start = n - span
         if c.n_encoder_layers:
-            s = self._run_chunked(s[span - dec_span :], n - dec_span, cache,
-                                  range(enc, c.n_layers), chunk_size)
-        return self._logits(s[-1:])[:, 0]
+            s, start = s[span - dec_span :], n - dec_span
+            s = self._run_chunked(s, start, cache, range(enc, last), chunk_size)
+        if logits:
+            return self._logits(s[-1:])[:, 0]
+        for i in range(0, s.x.shape[1], chunk_size):
+            self.layers[last].write_window(s[i : i + chunk_size], start + i, cache)
+        return None
 
     def _run_chunked(self, s: TokenStates, start: int, store: KVStore, layers: range,
                      chunk_size: int) -> TokenStates:
