@@ -263,8 +263,8 @@ def test_the_attention_projections_in_and_out_equal_torchs(tokens):
             want = (qr, rotate(attention.wq_b(qr).unflatten(-1, (h, d)), positions,
                                attention.freqs),
                     rotate(attention.kv_norm(attention.wkv(x)), positions, attention.freqs))
-            # Weights as strided views (a sharded rank's columns): the copies the C call
-            # reads must outlive it.
+            # Weights as strided views, as a sharded rank's columns are: the wrapper hands
+            # C a contiguous copy of each.
             wq_b, wo_b = (w.t().contiguous().t() for w in (attention.wq_b.weight,
                                                            attention.wo_b.weight))
             got = native.attention_in(x, positions, attention.wq_a.weight,

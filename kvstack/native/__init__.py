@@ -389,7 +389,7 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
     ints = [_as(t, torch.int64) for t in (ring_positions, slots, positions, block_table,
                                            selected)]
     rows = torch.empty(w + k, d, dtype=torch.float32)  # one sequence's decoded rows
-    logits = torch.empty(w + k, dtype=torch.float32)
+    logits = torch.empty(h, w + k, dtype=torch.float32)  # then each head's probabilities
     out = torch.empty(b, h, d, dtype=torch.float32)
     sink = _as(sink, torch.float32)
     _load().kv_sparse_attention(
@@ -689,7 +689,7 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
         raise ValueError(f"attention_out: weights {list(wo_a.shape)} and {list(wo_b.shape)} "
                          f"in {groups} groups and {2 * half} rotated dims do not fit the "
                          f"heads' outputs {list(out.shape)}")
-    rotated = out.to(torch.float32, copy=True).contiguous()  # rotated back in place
+    rotated = out.float().clone(memory_format=torch.contiguous_format)  # rotated in place
     positions = _as(positions.expand(b, n), torch.int64)
     low, y = out.new_empty(b * n, groups * rank), out.new_empty(b, n, wo_b.shape[0])
     freqs, wo_a, wo_b = (_as(freqs, torch.float64), _as(wo_a, torch.float32),

@@ -294,109 +294,6 @@ static inline void decode_any(const uint8_t *row, int64_t width, int64_t block, 
     }
 }
 
-/* One decode step's attention of one layer (what kvstack.cache.kernels.sparse_attention
- * computes on a GPU, and the model's own softmax over the window and the selected entries
- * on the rows the store hands back): q [b, h, d] at positions [b] over each sequence's
- * window ring (ring rows [slots, w, ring_bytes] and the positions they hold [slots, w],
- * the new token's row already written; slots [b]: the rows in window seen, those at
- * positions t - window_size + 1 .. t) and its selected compressed entries (selected
- * [b, k], -1 for none, rows of pool [blocks, per, kv_bytes] through block_table
- * [b, max_blocks]), with the sink's logit [h] in the softmax's denominator: out [b, h, d].
- * Logits are q . row times `scale`, as torch's; every row is decoded once for all heads. */
-void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
-                         int64_t ring_bytes, const int64_t *ring_pos, const int64_t *slots,
-                         const int64_t *positions, int64_t w, int64_t window_size,
-                         int64_t ring_block, int ring_packed, const float *ring_elem,
-                         const float *ring_scale, const uint8_t *pool, int64_t per,
-                         int64_t kv_bytes, const int64_t *block_table, int64_t max_blocks,
-                         const int64_t *selected, int64_t k, int64_t kv_block, int kv_packed,
-                         const float *kv_elem, const float *kv_scale, int64_t b, int64_t h,
-                         int64_t d, float scale, float *rows, float *logits, float *out,
-                         int threads) {
-    (void)threads;
-    for (int64_t s = 0; s < b; s++) {
-        const int64_t t = positions[s], slot = slots[s];
-        int64_t n = 0;  /* rows attended */
-        for (int64_t i = 0; i < w; i++) {
-            const int64_t pos = ring_pos[slot * w + i];
-            if (pos < 0 || pos > t || pos <= t - window_size) continue;
-            decode_any(ring + (slot * w + i) * ring_bytes, d, ring_block, ring_packed,
-                       ring_elem, ring_scale, rows + n * d);
-            n++;
-        }
-        for (int64_t j = 0; j < k; j++) {
-            const int64_t entry = selected[s * k + j];
-            if (entry < 0) continue;
-            const int64_t block = block_table[s * max_blocks + entry / per];
-            decode_any(pool + (block * per + entry % per) * kv_bytes, d, kv_block, kv_packed,
-                       kv_elem, kv_scale, rows + n * d);
-            n++;
-        }
-        for (int64_t hd = 0; hd < h; hd++) {
-            const float *qh = q + (s * h + hd) * d;
-            float top = sink[hd];
-            for (int64_t r = 0; r < n; r++) {
-                const float *row = rows + r * d;
-                logits[r] = dot_lanes(qh, row, d) * scale;
-                if (logits[r] > top) top = logits[r];
-            }
-            float total = expf(sink[hd] - top);
-            float *o = out + (s * h + hd) * d;
-            for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-            for (int64_t r = 0; r < n; r++) {
-                const float p = expf(logits[r] - top);
-                total += p;
-                const float *row = rows + r * d;
-                for (int64_t i = 0; i < d; i++) o[i] += p * row[i];
-            }
-            for (int64_t i = 0; i < d; i++) o[i] /= total;
-        }
-    }
-}
-
-/* One decode step's causal GQA of one dense layer (the dense control's attention): q
- * [b, h, d] over entries 0 .. lengths[s] - 1 of each sequence's "k" and "v" streams
- * (rows of kv_heads * d values, k_pool and v_pool [blocks, per, bytes] through
- * block_table [b, max_blocks]); query head i reads kv head i / (h / kv_heads); softmax of
- * q . k times `scale`, no sink: out [b, h, d]. keys, values: [max length, kv_heads * d]
- * of scratch (a sequence's rows decoded once for all heads); logits: [max length]. */
-void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_pool,
-                        int64_t per, int64_t k_bytes, int64_t v_bytes,
-                        const int64_t *block_table, int64_t max_blocks, const int64_t *lengths,
-                        int64_t block, int packed, const float *elem, const float *scale_table,
-                        int64_t b, int64_t h, int64_t kv_heads, int64_t d, float scale,
-                        float *keys, float *values, float *logits, float *out) {
-    const int64_t width = kv_heads * d, group = h / kv_heads;
-    for (int64_t s = 0; s < b; s++) {
-        const int64_t n = lengths[s];
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t row = block_table[s * max_blocks + j / per] * per + j % per;
-            decode_any(k_pool + row * k_bytes, width, block, packed, elem, scale_table,
-                       keys + j * width);
-            decode_any(v_pool + row * v_bytes, width, block, packed, elem, scale_table,
-                       values + j * width);
-        }
-        for (int64_t hd = 0; hd < h; hd++) {
-            const float *qh = q + (s * h + hd) * d;
-            const int64_t kv = (hd / group) * d;
-            float top = -INFINITY;
-            for (int64_t j = 0; j < n; j++) {
-                logits[j] = dot_lanes(qh, keys + j * width + kv, d) * scale;
-                if (logits[j] > top) top = logits[j];
-            }
-            float *o = out + (s * h + hd) * d, total = 0.0f;
-            for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                const float p = expf(logits[j] - top);
-                const float *v = values + j * width + kv;
-                total += p;
-                for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
-            }
-            for (int64_t i = 0; i < d; i++) o[i] /= total;
-        }
-    }
-}
-
 /* One query's softmax over the rows it sees (seen [r], each d values, keys their own
  * values) with the sink's logit [h] in the denominator, for its heads q [h, d]: out [h, d].
  * probs: [h, r] of scratch. The AVX2 path (d a multiple of 16) keeps eight sums in flight
@@ -460,6 +357,95 @@ static void attend_rows(const float *q, const float *const *seen, int64_t r, int
         for (int64_t j = 0; j < r; j++) {
             const float p = probs[hd * r + j], *row = seen[j];
             for (int64_t e = 0; e < d; e++) o[e] += p * row[e];
+        }
+    }
+}
+
+/* One decode step's attention of one layer (what kvstack.cache.kernels.sparse_attention
+ * computes on a GPU, and the model's own softmax over the window and the selected entries
+ * on the rows the store hands back): q [b, h, d] at positions [b] over each sequence's
+ * window ring (ring rows [slots, w, ring_bytes] and the positions they hold [slots, w],
+ * the new token's row already written; slots [b]: the rows in window seen, those at
+ * positions t - window_size + 1 .. t) and its selected compressed entries (selected
+ * [b, k], -1 for none, rows of pool [blocks, per, kv_bytes] through block_table
+ * [b, max_blocks]), with the sink's logit [h] in the softmax's denominator: out [b, h, d].
+ * Logits are q . row times `scale`, as torch's; every row is decoded once for all heads. */
+void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
+                         int64_t ring_bytes, const int64_t *ring_pos, const int64_t *slots,
+                         const int64_t *positions, int64_t w, int64_t window_size,
+                         int64_t ring_block, int ring_packed, const float *ring_elem,
+                         const float *ring_scale, const uint8_t *pool, int64_t per,
+                         int64_t kv_bytes, const int64_t *block_table, int64_t max_blocks,
+                         const int64_t *selected, int64_t k, int64_t kv_block, int kv_packed,
+                         const float *kv_elem, const float *kv_scale, int64_t b, int64_t h,
+                         int64_t d, float scale, float *rows, float *logits, float *out,
+                         int threads) {
+    (void)threads;
+    const float **seen = malloc((size_t)(w + k + 1) * sizeof *seen);
+    for (int64_t s = 0; s < b; s++) {
+        const int64_t t = positions[s], slot = slots[s];
+        int64_t n = 0;  /* rows attended */
+        for (int64_t i = 0; i < w; i++) {
+            const int64_t pos = ring_pos[slot * w + i];
+            if (pos < 0 || pos > t || pos <= t - window_size) continue;
+            decode_any(ring + (slot * w + i) * ring_bytes, d, ring_block, ring_packed,
+                       ring_elem, ring_scale, rows + n * d);
+            seen[n] = rows + n * d;
+            n++;
+        }
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t entry = selected[s * k + j];
+            if (entry < 0) continue;
+            const int64_t block = block_table[s * max_blocks + entry / per];
+            decode_any(pool + (block * per + entry % per) * kv_bytes, d, kv_block, kv_packed,
+                       kv_elem, kv_scale, rows + n * d);
+            seen[n] = rows + n * d;
+            n++;
+        }
+        attend_rows(q + s * h * d, seen, n, h, d, sink, scale, logits, out + s * h * d);
+    }
+    free(seen);
+}
+
+/* One decode step's causal GQA of one dense layer (the dense control's attention): q
+ * [b, h, d] over entries 0 .. lengths[s] - 1 of each sequence's "k" and "v" streams
+ * (rows of kv_heads * d values, k_pool and v_pool [blocks, per, bytes] through
+ * block_table [b, max_blocks]); query head i reads kv head i / (h / kv_heads); softmax of
+ * q . k times `scale`, no sink: out [b, h, d]. keys, values: [max length, kv_heads * d]
+ * of scratch (a sequence's rows decoded once for all heads); logits: [max length]. */
+void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_pool,
+                        int64_t per, int64_t k_bytes, int64_t v_bytes,
+                        const int64_t *block_table, int64_t max_blocks, const int64_t *lengths,
+                        int64_t block, int packed, const float *elem, const float *scale_table,
+                        int64_t b, int64_t h, int64_t kv_heads, int64_t d, float scale,
+                        float *keys, float *values, float *logits, float *out) {
+    const int64_t width = kv_heads * d, group = h / kv_heads;
+    for (int64_t s = 0; s < b; s++) {
+        const int64_t n = lengths[s];
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t row = block_table[s * max_blocks + j / per] * per + j % per;
+            decode_any(k_pool + row * k_bytes, width, block, packed, elem, scale_table,
+                       keys + j * width);
+            decode_any(v_pool + row * v_bytes, width, block, packed, elem, scale_table,
+                       values + j * width);
+        }
+        for (int64_t hd = 0; hd < h; hd++) {
+            const float *qh = q + (s * h + hd) * d;
+            const int64_t kv = (hd / group) * d;
+            float top = -INFINITY;
+            for (int64_t j = 0; j < n; j++) {
+                logits[j] = dot_lanes(qh, keys + j * width + kv, d) * scale;
+                if (logits[j] > top) top = logits[j];
+            }
+            float *o = out + (s * h + hd) * d, total = 0.0f;
+            for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                const float p = expf(logits[j] - top);
+                const float *v = values + j * width + kv;
+                total += p;
+                for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
+            }
+            for (int64_t i = 0; i < d; i++) o[i] /= total;
         }
     }
 }
