@@ -802,7 +802,8 @@ class Attention(nn.Module):
         c, spec = self.config, self.spec
         n = x.shape[1]
         positions = token_positions(start, n, x.device)  # [1 or B, n]
-        if self._projects_in_c(x, ctx):
+        in_c = self._projects_in_c(x, ctx)  # in and out alike: the same tokens
+        if in_c:
             qr, q, window = native.attention_in(
                 x, positions, self.wq_a.weight, self.q_norm.weight, self.wq_b.weight,
                 self.wkv.weight, self.kv_norm.weight, c.norm_eps, self.freqs,
@@ -811,7 +812,7 @@ class Attention(nn.Module):
             qr = self.q_norm(self.wq_a(x))
             q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
                        positions, self.freqs)
-            window = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
+            window = self._window_entries(x, positions)
         # A kernel backend reads the ring itself, once the new entry is in it.
         kernel = store.attends() and ctx.instruments is None and not (ctx.collect or ctx.dense)
         if kernel:
@@ -881,7 +882,7 @@ class Attention(nn.Module):
             self._collect_rows(x, qr, q, positions, store, ctx, n_entries)
         self._publish(ctx, topks, pools, scores)
         out = torch.cat(outs, dim=1)
-        if self._projects_in_c(out, ctx):
+        if in_c:
             return all_reduce(native.attention_out(out, positions, self.freqs,
                                                    self.wo_a.weight, self.local_groups,
                                                    self.wo_b.weight), self.shard)
@@ -892,10 +893,13 @@ class Attention(nn.Module):
         compressor's partial group: what `forward` leaves for later tokens, with no
         attention computed (the replay's last layer)."""
         positions = token_positions(start, x.shape[1], x.device)
-        store.write_window(self.spec.index,
-                           rotate(self.kv_norm(self.wkv(x)), positions, self.freqs), start)
+        store.write_window(self.spec.index, self._window_entries(x, positions), start)
         if self.compressor is not None:
             self.compressor(x, start, store)
+
+    def _window_entries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The window entries of attention inputs x [B, n, dim] at positions: [B, n, D]."""
+        return rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
 
     def _projects_in_c(self, x: torch.Tensor, ctx: StepContext) -> bool:
         """Whether this call's projections in and out (and their norms and rotations) run

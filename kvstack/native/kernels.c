@@ -296,9 +296,9 @@ static inline void decode_any(const uint8_t *row, int64_t width, int64_t block, 
 
 /* One query's softmax over the rows it sees (seen [r], each d values, keys their own
  * values) with the sink's logit [h] in the denominator, for its heads q [h, d]: out [h, d].
- * probs: [h, r] of scratch. The AVX2 path (d a multiple of 16) keeps eight sums in flight
- * in both products: four rows by two heads for the logits, two eights of a row's values
- * by four heads for the weighted sum. */
+ * probs: [h, r] of scratch. The AVX2 path (d a multiple of 16) keeps four sums in
+ * flight in the logits (four rows a pass) and eight in the weighted sum (two eights of a
+ * row's values by four heads). */
 static void attend_rows(const float *q, const float *const *seen, int64_t r, int64_t h,
                         int64_t d, const float *sink, float scale, float *probs, float *out) {
     for (int64_t hd = 0; hd < h; hd++) {
