@@ -315,14 +315,14 @@ def count_ops(step: Callable[[], None]) -> OpCount:
 def engine(config: ModelConfig, max_tokens: int, batch: int = 1,
            compile_decode: bool = False, cpu_kernels: str = "auto") -> LLM:
     """An LLM whose budget holds `batch` sequences of max_tokens and nothing more (a
-    window-ring slot and the blocks of each, and a compiled step's pad slot), so the
-    benchmark allocates what it uses."""
+    window-ring slot and the blocks of each, and a compiled step's pad slot; no window
+    checkpoints, as it makes no prefix hits), so the benchmark allocates what it uses."""
     layout = CacheLayout.from_config(config)
     budget = ((batch + compile_decode) * layout.window_bytes_per_sequence
               + batch * block_bytes(layout, BLOCK_TOKENS) * -(-max_tokens // BLOCK_TOKENS))
     return LLM(config, random_init=True, kv_budget=budget, max_num_seqs=batch,
                block_tokens=BLOCK_TOKENS, compile_decode=compile_decode,
-               cpu_kernels=cpu_kernels)
+               cpu_kernels=cpu_kernels, window_checkpoints=0)
 
 
 def fill(store: PagedSequenceStore, config: ModelConfig, context: int,

@@ -62,7 +62,7 @@ def test_preemption_finishes_every_request_with_the_roomy_output():
     ring_bytes = roomy.cache.layout.window_bytes_per_sequence
     block = 16 * roomy.memory_report()["bytes_per_token"]
     tight = LLM("tiny", random_init=True, kv_budget=int(4 * ring_bytes + 10 * block),
-                replay="exact", block_tokens=16, max_num_seqs=4)
+                replay="exact", block_tokens=16, max_num_seqs=4, window_checkpoints=0)
     assert tight.memory_report()["blocks_total"] == 10
     outputs = tight.generate(work, params)
     assert [o.token_ids for o in outputs] == expected

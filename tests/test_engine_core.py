@@ -155,7 +155,7 @@ def test_a_request_that_keeps_failing_ends_with_its_error_and_the_others_go_on(
 
 
 def test_a_request_the_pool_cannot_hold_is_reported_not_left_hanging():
-    llm = tiny(kv_budget="12KiB", max_num_seqs=1)
+    llm = tiny(kv_budget="12KiB", max_num_seqs=1, window_checkpoints=0)
     report = llm.memory_report()
     capacity = report["capacity_tokens"]
     assert capacity < report["context"]  # the pool, not max_model_len, is what stops it
@@ -647,12 +647,14 @@ def test_a_prefix_hits_replay_spends_its_steps_budget():
     from kvstack.engine.scheduler import Scheduler, StepPlan
 
     sched = Scheduler(tiny().cache, 4, 100, replay_tokens=lambda cached: min(cached, 30))
-    hit = types.SimpleNamespace(num_tokens=90,
-                                store=types.SimpleNamespace(num_tokens=80, needs_replay=True))
+    hit = types.SimpleNamespace(num_tokens=90, store=types.SimpleNamespace(
+        num_tokens=80, needs_replay=True, window_checkpointed=False))
     plan = StepPlan()
     assert sched._plan_part(plan, hit, 100) == 40  # 10 tokens after a replay of 30
     assert sched._plan_part(plan, hit, 25) == 0  # its replay alone outgrows what is left
     assert sched._plan_part(StepPlan(), hit, 20) == 40  # alone: it runs, over the budget
+    hit.store.window_checkpointed = True  # it will copy a window checkpoint: no replay
+    assert sched._plan_part(StepPlan(), hit, 100) == 10
 
     prefix = list(range(3, 163))
     asks = [[*prefix, 7, 8, 9], [*prefix, 11, 12]]
@@ -679,10 +681,36 @@ def test_a_prompt_part_keeps_room_for_the_decoder_span():
     from kvstack.engine.scheduler import Scheduler, StepPlan
 
     sched = Scheduler(tiny().cache, 4, 100, final_prefill_tokens=20)
-    seq = types.SimpleNamespace(num_tokens=110,
-                                store=types.SimpleNamespace(num_tokens=0, needs_replay=False))
+    seq = types.SimpleNamespace(num_tokens=110, store=types.SimpleNamespace(
+        num_tokens=0, needs_replay=False, window_checkpointed=False))
     plan = StepPlan()
     assert sched._plan_part(plan, seq, 100) == 90  # leaves 20 for the last part
     seq.store.num_tokens = 90
     assert sched._plan_part(StepPlan(), seq, 15) == 20  # 20 left: whole, over the budget
     assert sched._plan_part(plan, seq, 15) == 0  # the step already prefills a part
+
+
+def test_a_step_hands_out_each_output_when_its_model_call_returns():
+    """A step that decodes a batch and prefills several prompts routes the decode
+    batch's tokens before any prefill runs, and each prompt's first token before the next
+    prompt's prefill, the shortest prompt first."""
+    llm = tiny(max_num_seqs=4)
+    core, events = llm.core, []
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    running = core.add_request(list(range(1, 20)), params,
+                               on_output=lambda out: events.append(("out", out.request_id)))
+    core.step()  # prefilled: it decodes in the next step
+    events.clear()
+    prefill = core.runner.prefill
+
+    def recorded(seq):
+        events.append(("prefill", seq.request_id))
+        return prefill(seq)
+
+    core.runner.prefill = recorded
+    long_, short = (core.add_request(ids, params, on_output=lambda out: events.append(
+        ("out", out.request_id))) for ids in (list(range(1, 60)), list(range(1, 9))))
+    outputs = core.step()
+    assert events == [("out", running), ("prefill", short), ("out", short),
+                      ("prefill", long_), ("out", long_)]
+    assert [o.request_id for o in outputs] == [running, short, long_]

@@ -224,6 +224,10 @@ def test_an_engine_over_two_ranks_serves_what_one_serves(tmp_path: Path) -> None
         # A prefix hit: the second rank's pools hold the same rows as rank 0's.
         again = two.generate(PROMPTS[0], GREEDY)[0]
         assert again.num_cached_tokens > 0 and again.token_ids == expected[0]
+        # Another: every rank copies the window checkpoint its own replay left.
+        restored = two.memory_report()["window_checkpoints"]["restored"]
+        assert two.generate(PROMPTS[0], GREEDY)[0].token_ids == expected[0]
+        assert two.memory_report()["window_checkpoints"]["restored"] == restored + 1
         # A session saved under two ranks resumes in one process and goes on the same.
         saved = two.session("tp")
         saved.append(list(range(3, 50)))

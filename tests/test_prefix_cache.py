@@ -6,10 +6,13 @@ from kvstack import LLM, SamplingParams
 from kvstack.cache.paged import block_bytes
 from kvstack.cache.prefix import block_hashes, chain_seed
 from kvstack.config import preset
+from kvstack.engine.config import EngineConfig
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+# Window-ring slots a tiny_llm's budget holds: one per sequence, one per window checkpoint.
+RINGS = 8 + EngineConfig().window_checkpoints
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -122,7 +125,8 @@ def test_shared_blocks_are_counted_and_evicted_blocks_are_recomputed():
 
     # A small pool: other prompts take every block, the cached ones included.
     layout = llm.cache.layout
-    tight = tiny_llm(kv_budget=layout.window_bytes_per_sequence * 8 + 13 * block_bytes(layout, 8))
+    budget = layout.window_bytes_per_sequence * RINGS + 13 * block_bytes(layout, 8)
+    tight = tiny_llm(kv_budget=budget)
     assert tight.cache.pools.capacity_tokens == 104
     cold = tight.generate(prompt, GREEDY)[0]
     for s in range(3, 6):
@@ -135,7 +139,7 @@ def test_shared_blocks_are_counted_and_evicted_blocks_are_recomputed():
 def test_blocks_evicted_to_the_host_tier_come_back_with_the_same_output():
     prompt = tokens(40)
     layout = tiny_llm().cache.layout
-    budget = layout.window_bytes_per_sequence * 8 + 13 * block_bytes(layout, 8)
+    budget = layout.window_bytes_per_sequence * RINGS + 13 * block_bytes(layout, 8)
     tiered = tiny_llm(kv_budget=budget, host_budget="1MiB")
     cold = tiered.generate(prompt, GREEDY)[0]
     for s in range(3, 6):  # every device block handed out again: the cached ones go down
@@ -151,7 +155,7 @@ def test_blocks_evicted_to_the_host_tier_come_back_with_the_same_output():
 def test_the_host_tier_keeps_the_newest_blocks_within_its_budget():
     layout = tiny_llm().cache.layout
     per_block = block_bytes(layout, 8)
-    budget = layout.window_bytes_per_sequence * 8 + 13 * per_block
+    budget = layout.window_bytes_per_sequence * RINGS + 13 * per_block
     tiered = tiny_llm(kv_budget=budget, host_budget=3 * per_block)
     for s in range(3, 7):
         tiered.generate(tokens(tiered.cache.pools.capacity_tokens - 12, seed=s), GREEDY)
@@ -164,7 +168,7 @@ def test_blocks_go_down_to_disk_and_come_back_here_or_in_a_new_engine(tmp_path):
     prompt = tokens(40)
     layout = tiny_llm().cache.layout
     per_block = block_bytes(layout, 8)
-    tiers = dict(kv_budget=layout.window_bytes_per_sequence * 8 + 13 * per_block,
+    tiers = dict(kv_budget=layout.window_bytes_per_sequence * RINGS + 13 * per_block,
                  host_budget=2 * per_block, disk_prefix_cache=True, cache_dir=tmp_path)
     tiered = tiny_llm(**tiers)
     cold = tiered.generate(prompt, GREEDY)[0]
@@ -215,3 +219,74 @@ def test_the_disk_prefix_cache_serves_a_second_run_of_the_command(tmp_path, caps
     second = json.loads(capsys.readouterr().out)
     assert second["num_cached_tokens"] >= 64 and second["token_ids"] == first["token_ids"]
     assert second["memory"]["prefix_cache"]["disk_hit_tokens"] >= 64
+
+
+def hit_and_keep(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, dict, int]:
+    """A prefix hit through the engine's own path: its logits, its slot's window state
+    after the prefill, and the tokens it replayed."""
+    store = llm.cache.open_sequence()
+    cached = llm.cache.attach_prefix(store, prompt)
+    assert cached > 0 and store.reserve(len(prompt))
+    replayed = llm.runner.replayed_tokens
+    logits = llm.runner.prefill_store(store, prompt[cached:])
+    state = {"rings": llm.cache.rings.copy_slot(store.slot),
+             "partials": llm.cache.partials.copy_slot(store.slot)}
+    llm.cache.close_sequence(store)
+    return logits, state, llm.runner.replayed_tokens - replayed
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return all(torch.equal(x, y) for kind in a for key in a[kind]
+               for x, y in zip(a[kind][key], b[kind][key], strict=True))
+
+
+def test_a_second_hit_copies_the_window_state_the_first_hits_replay_built():
+    llm = tiny_llm(replay="bounded")
+    prompt = tokens(6 * llm.config.window_size + 5)
+    llm.generate(prompt, GREEDY)  # names the prompt's blocks
+    replayed_logits, replayed_state, replayed = hit_and_keep(llm, prompt)
+    copied_logits, copied_state, none = hit_and_keep(llm, prompt)
+    assert replayed > 0 and none == 0
+    # Bit for bit what the replay built, rings and partial groups alike.
+    assert torch.equal(copied_logits, replayed_logits)
+    assert same_state(copied_state, replayed_state)
+    report = llm.memory_report()["window_checkpoints"]
+    assert report["saved"] == 1 and report["restored"] == 1 and report["held"] == 1
+    assert report["bytes"] == (llm.cache.layout.window_bytes_per_sequence
+                               + llm.cache.layout.partial_bytes_per_sequence
+                               + 8 * len(llm.cache.rings.pos) * llm.config.window_size)
+
+    without = tiny_llm(replay="bounded", window_checkpoints=0)
+    without.generate(prompt, GREEDY)
+    for _ in range(2):
+        logits, state, replays = hit_and_keep(without, prompt)
+        assert replays == replayed and torch.equal(logits, replayed_logits)
+        assert same_state(state, replayed_state)
+
+
+def test_a_hit_on_rewritten_blocks_replays_and_outputs_stay_the_cold_runs():
+    prompt = tokens(40)
+    layout = tiny_llm().cache.layout
+    checkpoints = 2
+    budget = layout.window_bytes_per_sequence * (8 + checkpoints) + 13 * block_bytes(layout, 8)
+    tight = tiny_llm(kv_budget=budget, window_checkpoints=checkpoints)
+    assert tight.cache.pools.capacity_tokens == 104  # the checkpoints' rings are in the budget
+    cold = tight.generate(prompt, GREEDY)[0]
+    assert tight.generate(prompt, GREEDY)[0].token_ids == cold.token_ids  # replays, kept
+    assert tight.generate(prompt, GREEDY)[0].token_ids == cold.token_ids  # copies
+    kept = tight.memory_report()["window_checkpoints"]
+    assert (kept["saved"], kept["restored"]) == (1, 1)
+    for s in range(3, 6):  # every block handed out again: the checkpoint names none now
+        tight.generate(tokens(tight.cache.pools.capacity_tokens - 12, seed=s), GREEDY)
+    tight.generate(prompt, GREEDY)  # recomputes its blocks
+    again = tight.generate(prompt, GREEDY)[0]
+    assert again.num_cached_tokens == 32 and again.token_ids == cold.token_ids
+    report = tight.memory_report()["window_checkpoints"]
+    assert report["restored"] == 1 and report["held"] <= checkpoints
+
+
+def test_window_checkpoints_are_validated():
+    import pytest
+
+    with pytest.raises(ValueError, match="window_checkpoints"):
+        tiny_llm(window_checkpoints=-1)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvstack.cache.checkpoints import WindowCheckpoint, WindowCheckpoints, WindowName
 from kvstack.cache.disk import DiskTier
 from kvstack.cache.host import HostTier
 from kvstack.cache.layout import CacheLayout
@@ -57,6 +58,8 @@ class BlockManager:
         self.n_blocks = n_blocks
         self.on_evict = on_evict
         self.ref_counts = [0] * n_blocks
+        # Times each block was handed out: with its id, names the bytes it holds now.
+        self.generation = [0] * n_blocks
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(n_blocks))
         self.cached: dict[bytes, int] = {}  # chain hash -> block
         self.hash_of: dict[int, bytes] = {}  # block -> chain hash
@@ -71,6 +74,7 @@ class BlockManager:
         blocks = [self.free_ids.popitem(last=False)[0] for _ in range(n)]
         for b in blocks:
             self.ref_counts[b] = 1
+            self.generation[b] += 1
             if b in self.hash_of:  # its old content is about to be overwritten
                 chain_hash = self.hash_of.pop(b)
                 del self.cached[chain_hash]
@@ -185,6 +189,7 @@ class StoreState:
     lengths: dict[int, int]
     fills: dict[int, int]
     needs_replay: bool
+    window_name: WindowName | None
 
 
 class PagedSequenceStore(KVStore):
@@ -192,10 +197,11 @@ class PagedSequenceStore(KVStore):
 
     def __init__(self, config: ModelConfig, pools: BlockPools, manager: BlockManager,
                  rings: WindowRings, partials: PartialGroups, slot: int,
-                 max_tokens: int) -> None:
+                 max_tokens: int, checkpoints: WindowCheckpoints) -> None:
         super().__init__(config, 1, pools.device)
         self.pools, self.manager = pools, manager
         self.rings, self.partials, self.slot = rings, partials, slot
+        self.checkpoints = checkpoints
         self._slot = slice(slot, slot + 1)
         self._fill = dict.fromkeys(partials.values, 0)  # source -> tokens in its partial group
         self.block_table: list[int] = []
@@ -208,6 +214,9 @@ class PagedSequenceStore(KVStore):
         # Set when the streams hold tokens the window rings never saw (a prefix-cache
         # hit): the runner rebuilds the rings by replay before anything else.
         self.needs_replay = False
+        # The cached blocks a prefix hit started it on, which name the window state a
+        # replay over them rebuilds (kvstack.cache.checkpoints); None: not a prefix hit.
+        self.window_name: WindowName | None = None
         rings.drop(self._slot)
 
     # ---- blocks ------------------------------------------------------------------------
@@ -226,11 +235,12 @@ class PagedSequenceStore(KVStore):
             self._table = torch.tensor(self.block_table, dtype=torch.long, device=self.device)
         return True
 
-    def attach(self, blocks: list[int], token_ids: list[int],
-               hashes: list[bytes]) -> None:
+    def attach(self, blocks: list[int], token_ids: list[int], hashes: list[bytes],
+               window_name: WindowName | None = None) -> None:
         """Start an empty store on cached full blocks (acquired by the caller) holding
         token_ids; its window state, if the model has one, must then be rebuilt by replay
-        (the dense control keeps every token's keys and values: nothing to rebuild)."""
+        (the dense control keeps every token's keys and values: nothing to rebuild), or
+        copied from the checkpoint `window_name` names."""
         if self._tokens or self.block_table:
             raise ValueError("cached blocks can only start an empty sequence")
         self.block_table = list(blocks)
@@ -239,6 +249,7 @@ class PagedSequenceStore(KVStore):
         self._len = {s.layer: len(token_ids) // s.ratio for s in self.pools.layout.streams}
         self.block_hashes = list(hashes)
         self.needs_replay = self.pools.layout.window_bytes_per_sequence > 0
+        self.window_name = window_name if self.needs_replay else None
 
     def free_blocks(self) -> None:
         """Give every block back (the sequence finished or was preempted)."""
@@ -359,11 +370,38 @@ class PagedSequenceStore(KVStore):
         self._fill = dict.fromkeys(self._fill, 0)
         self.needs_replay = self.pools.layout.window_bytes_per_sequence > 0
 
+    # ---- window checkpoints ----------------------------------------------------------
+    @property
+    def window_checkpointed(self) -> bool:
+        """Whether the replay it owes can be a copy of a checkpoint."""
+        return self.needs_replay and self.window_name in self.checkpoints
+
+    def restore_window(self) -> bool:
+        """Take the window state a replay over the same cached blocks left, if one was
+        kept: then no replay is owed, and True."""
+        saved = self.checkpoints.take(self.window_name)
+        if saved is None:
+            return False
+        self.window_name = None  # the store moves on from the blocks it names
+        self.rings.load_slot(self.slot, saved.rings)
+        self.partials.load_slot(self.slot, saved.partials)
+        self._fill = dict(saved.fills)
+        self.needs_replay = False
+        return True
+
+    def checkpoint_window(self) -> None:
+        """Keep the window state a replay just rebuilt, for the next hit on its blocks."""
+        if self.window_name is not None:
+            self.checkpoints.put(self.window_name, WindowCheckpoint(
+                self.rings.copy_slot(self.slot), self.partials.copy_slot(self.slot),
+                dict(self._fill)))
+            self.window_name = None
+
     # ---- mirrors ---------------------------------------------------------------------
     def state(self, first_token: int = 0) -> StoreState:
         return StoreState(self.slot, list(self.block_table), first_token,
                           self._tokens[first_token:], dict(self._len), dict(self._fill),
-                          self.needs_replay)
+                          self.needs_replay, self.window_name)
 
     def follow(self, state: StoreState) -> None:
         """Become the store `state` describes, over this process's own copy of the pools
@@ -380,7 +418,7 @@ class PagedSequenceStore(KVStore):
         else:  # the usual step: a few new ids after those this copy holds
             self._tokens.extend(state.tokens)
         self._len, self._fill = dict(state.lengths), dict(state.fills)
-        self.needs_replay = state.needs_replay
+        self.needs_replay, self.window_name = state.needs_replay, state.window_name
 
 
 class PagedCache:
@@ -391,13 +429,16 @@ class PagedCache:
     def __init__(self, config: ModelConfig, kv_budget: int | str, block_tokens: int,
                  max_num_seqs: int, device: torch.device | str = "cpu",
                  prefix_seed: bytes | None = None, host_budget: int = 0,
-                 disk: DiskTier | None = None, pad_slot: bool = False) -> None:
+                 disk: DiskTier | None = None, pad_slot: bool = False,
+                 window_checkpoints: int = 0) -> None:
         """prefix_seed: the hash chain's seed (`chain_seed`); None turns prefix caching
         off. host_budget: bytes of host memory that keep cached blocks the device pool
         needs back; disk: the tier below it. Without either, such blocks are dropped and
         recomputed when asked for again. pad_slot: one more window-ring slot, held by no
         sequence, where the pad rows of a decode batch padded to a batch-size bucket
-        write (a compiled decode step's); it comes out of kv_budget like the others."""
+        write (a compiled decode step's); it comes out of kv_budget like the others.
+        window_checkpoints: window states of prefix hits kept for the next hit on the same
+        blocks (kvstack.cache.checkpoints), each a ring slot's bytes of kv_budget."""
         check_block_tokens(config, block_tokens)
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
@@ -408,12 +449,16 @@ class PagedCache:
         ring_bytes = self.layout.window_bytes_per_sequence
         per_block = block_bytes(self.layout, block_tokens)
         n_slots = max_num_seqs + pad_slot
-        n_blocks = (budget - n_slots * ring_bytes) // per_block if per_block else 0
+        if not ring_bytes:
+            window_checkpoints = 0  # the dense control has no window state
+        rings_held = n_slots + window_checkpoints
+        n_blocks = (budget - rings_held * ring_bytes) // per_block if per_block else 0
         if n_blocks < 1:
             raise ValueError(
                 f"kv_budget of {budget:,} bytes is too small: {n_slots} window-ring "
-                f"slots take {n_slots * ring_bytes:,} bytes and one block of "
-                f"{block_tokens} tokens {per_block:,}"
+                f"slots and {window_checkpoints} window checkpoints take "
+                f"{rings_held * ring_bytes:,} bytes and one block of {block_tokens} tokens "
+                f"{per_block:,}"
             )
         self.budget = budget
         self.pools = BlockPools(self.layout, n_blocks, block_tokens, device)
@@ -427,6 +472,7 @@ class PagedCache:
         # sit outside kv_budget, which is the packed rows' (report(): partial_group_bytes).
         self.rings = WindowRings(self.layout, config.window_size, n_slots, device)
         self.partials = PartialGroups(self.layout, n_slots, device)
+        self.checkpoints = WindowCheckpoints(window_checkpoints)
         self.rings.pad_slot = max_num_seqs if pad_slot else None
         self.max_num_seqs, self.n_slots = max_num_seqs, n_slots
         self._free_slots = list(range(max_num_seqs))
@@ -456,7 +502,8 @@ class PagedCache:
             raise ValueError("no free window-ring slot: max_num_seqs sequences are running")
         slot = self._free_slots.pop()
         store = PagedSequenceStore(self.config, self.pools, self.manager, self.rings,
-                                   self.partials, slot, self.config.max_seq_len)
+                                   self.partials, slot, self.config.max_seq_len,
+                                   self.checkpoints)
         if self.prefix_seed is not None:
             store.prefix_seed = salted_seed(self.prefix_seed, cache_salt)
         self.open[id(store)] = (store, slot)
@@ -513,6 +560,7 @@ class PagedCache:
             "kv_budget": self.budget,
             "context": context,
             "partial_group_bytes": self.partials.nbytes,
+            "window_checkpoints": self.checkpoints.report(),
             "sequences_fit": min(pools.n_blocks // per_seq, self.max_num_seqs),
             "prefix_cache": {
                 "enabled": self.prefix_seed is not None,
@@ -615,7 +663,9 @@ class PagedCache:
             blocks.append(block)
         if blocks:
             n = len(blocks) * self.block_tokens
-            store.attach(blocks, token_ids[:n], hashes[: len(blocks)])
+            generation = self.manager.generation
+            store.attach(blocks, token_ids[:n], hashes[: len(blocks)],
+                         tuple((b, generation[b]) for b in blocks))
         return len(blocks) * self.block_tokens
 
     def _bring_back(self, chain_hash: bytes, payload: torch.Tensor | bytes) -> int:

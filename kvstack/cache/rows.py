@@ -159,6 +159,17 @@ class WindowRings:
         self.pos[layer][slots, positions % self.window] = positions
         return stored[:, None]
 
+    def copy_slot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of one slot's rings: layer -> (rows [window, bytes], positions [window])."""
+        return {layer: (ring.data[slot].clone(), self.pos[layer][slot].clone())
+                for layer, ring in self.rows.items()}
+
+    def load_slot(self, slot: int, saved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Make one slot's rings those `copy_slot` took."""
+        for layer, (rows, pos) in saved.items():
+            self.rows[layer].data[slot] = rows
+            self.pos[layer][slot] = pos
+
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.rows.values())
@@ -176,6 +187,16 @@ class PartialGroups:
         self.values = {g.layer: torch.zeros(n_slots, g.ratio - 1, g.width, device=device)
                        for g in layout.partial_groups}
         self.gates = {source: torch.zeros_like(v) for source, v in self.values.items()}
+
+    def copy_slot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of one slot's groups: source -> (values, gate logits) [ratio - 1, D]."""
+        return {source: (v[slot].clone(), self.gates[source][slot].clone())
+                for source, v in self.values.items()}
+
+    def load_slot(self, slot: int, saved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for source, (values, gates) in saved.items():
+            self.values[source][slot] = values
+            self.gates[source][slot] = gates
 
     @property
     def nbytes(self) -> int:

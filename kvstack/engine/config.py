@@ -80,6 +80,10 @@ class EngineConfig:
     chunk_size: int = 512  # tokens per prefill chunk
     replay: str = "bounded"  # window rebuild after a prefix hit or a resume
     enable_prefix_caching: bool = True
+    # Window states that prefix hits' replays rebuilt, kept so that the next hit on the
+    # same cached blocks copies one instead of replaying (kvstack.cache.checkpoints);
+    # each takes a window-ring slot's bytes of kv_budget. 0: every hit replays.
+    window_checkpoints: int = 16
     cache_dir: str | Path = "~/.cache/kvstack"  # the disk tier and saved sessions
     disk_budget: int | str = "16GiB"
     host_budget: int | str = 0  # host memory for prefix blocks the pool gave up; 0 = none
@@ -118,6 +122,10 @@ class EngineConfig:
         for key in ("block_tokens", "max_num_seqs", "max_num_batched_tokens", "chunk_size",
                     "tensor_parallel_size"):
             positive(key)
+        if (not isinstance(self.window_checkpoints, int)
+                or isinstance(self.window_checkpoints, bool) or self.window_checkpoints < 0):
+            raise ValueError("engine setting window_checkpoints must be a non-negative "
+                             f"integer, got {self.window_checkpoints!r}")
         for key in ("max_model_len", "threads"):
             if getattr(self, key) is not None:
                 positive(key)
@@ -166,6 +174,12 @@ class EngineConfig:
     @property
     def host_budget_bytes(self) -> int:
         return parse_bytes(self.host_budget, "host_budget") if self.host_budget else 0
+
+    @property
+    def kept_window_checkpoints(self) -> int:
+        """Window checkpoints the cache makes room for: only a prefix hit is replayed
+        over blocks that another sequence may attach again."""
+        return self.window_checkpoints if self.enable_prefix_caching else 0
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

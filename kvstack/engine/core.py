@@ -74,7 +74,8 @@ class EngineCore:
         self.cache = PagedCache(model.config, config.kv_budget, config.block_tokens,
                                 config.max_num_seqs, model.embed.weight.device, seed,
                                 config.host_budget_bytes, disk_tier,
-                                pad_slot=config.compile_decode)
+                                pad_slot=config.compile_decode,
+                                window_checkpoints=config.kept_window_checkpoints)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens,
                                    model.final_prefill_tokens(config.replay),
@@ -204,11 +205,15 @@ class EngineCore:
         """One scheduler step: decode the running sequences, then prefill prompts (or
         parts of long ones) in the rest of the step's token budget. Returns the output of
         every request that moved (and of every one that finished, however); each also goes
-        to the front end waiting for it."""
+        to the front end waiting for it as soon as the model call that moved it returns
+        (the decode batch's, then each prompt's, the shortest parts first), not at the end
+        of the step: a step that prefills several prompts one after another hands out
+        their first tokens, and the running streams' next ones, as they come."""
         plan = self.scheduler.schedule()
-        moved = self.scheduler.take_unservable()
-        for seq in moved:
+        unservable = self.scheduler.take_unservable()
+        for seq in unservable:
             self._finish(seq, "length")
+        outputs = self._outputs(unservable)
         if not plan:
             self._idle_steps = self._idle_steps + 1 if self.scheduler.has_work else 0
             if self._idle_steps > 1 and not self.scheduler.holding:
@@ -216,10 +221,9 @@ class EngineCore:
                     f"the scheduler can run none of its {len(self.scheduler.waiting)} waiting "
                     f"and {len(self.scheduler.running)} running requests "
                     f"({self.cache.free_blocks} free blocks)")
-            return self._outputs(moved)
+            return outputs
         self._idle_steps = 0
         if plan.decode:
-            moved += plan.decode
             try:
                 samples = self.runner.decode(plan.decode)
             except EngineError as e:
@@ -230,7 +234,8 @@ class EngineCore:
                 for seq, sampled in zip(plan.decode, samples, strict=True):
                     seq.suspect, seq.faults = False, 0  # it steps again: start over
                     self._advance(seq, sampled)
-        for seq, n in plan.prefill:
+            outputs += self._outputs(plan.decode)
+        for seq, n in sorted(plan.prefill, key=lambda part: part[1]):
             final = n == seq.num_tokens - seq.store.num_tokens
             try:
                 if final:
@@ -241,15 +246,15 @@ class EngineCore:
                 self._stop(e)
             except Exception as e:  # one request must not stop the others
                 self._fault([seq], e)
-                moved.append(seq)
+                outputs += self._outputs([seq])
                 continue
             if final:
                 seq.prefilling = False
                 self._advance(seq, sampled)
-                moved.append(seq)
+                outputs += self._outputs([seq])
             else:  # no token yet: nothing to report, but its full blocks are named
                 self.cache.register_full_blocks(seq.store)
-        return self._outputs(moved)
+        return outputs
 
     def wait(self, request_id: str) -> RequestOutput:
         """The request's newest output, stepping the engine until there is one (the

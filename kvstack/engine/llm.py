@@ -85,11 +85,12 @@ class LLM:
         report = self.memory_report()
         log.info(
             "kvstack cache: %.2f GiB holds %s tokens (%s blocks of %d) at %.1f B/token "
-            "measured (plan %.1f); window rings %s B for each of %d sequences; %s sequences "
-            "of %s tokens fit", report["kv_budget"] / (1 << 30),
+            "measured (plan %.1f); window rings %s B for each of %d sequences and %d window "
+            "checkpoints; %s sequences of %s tokens fit", report["kv_budget"] / (1 << 30),
             f"{report['capacity_tokens']:,}", f"{report['blocks_total']:,}",
             config.block_tokens, report["bytes_per_token"], report["planned_bytes_per_token"],
             f"{report['window_bytes_per_sequence']:,}", config.max_num_seqs,
+            report["window_checkpoints"]["capacity"],
             f"{report['sequences_fit']:,}", f"{report['context']:,}")
 
     # The core's parts, for tests, benchmarks and tools that look inside.

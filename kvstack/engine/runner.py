@@ -74,14 +74,16 @@ class ModelRunner:
                       final: bool = True) -> torch.Tensor | None:
         """Prefill `fresh` ids after what the store holds; the last logits [1, V] (a part
         that is not the prompt's last: None). A store started on cached blocks first
-        rebuilds its window rings and partial groups by replay (`bounded` or `exact`)."""
+        rebuilds its window rings and partial groups by replay (`bounded` or `exact`), or
+        copies those a replay over the same blocks left (a window checkpoint)."""
         with native.active(self.cpu_kernels):
-            if store.needs_replay:
+            if store.needs_replay and not store.restore_window():
                 self.replayed_tokens += self.model.rebuild_spans(store.num_tokens,
                                                                  self.config.replay)[0]
                 self.model.rebuild_window(store, replay=self.config.replay,
                                           chunk_size=self.config.chunk_size, logits=False)
                 store.needs_replay = False
+                store.checkpoint_window()
             ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
             if not final:
                 self.model.prefill_part(ids, store, chunk_size=self.config.chunk_size)

@@ -331,7 +331,8 @@ def serve_worker(rank: int, world_size: int, address: str | None, port: int | No
         model, _ = load_sharded(source, plan_for(config), TorchShard(), device,
                                 config.numerics)
         cache = PagedCache(model.config, config.kv_budget, config.block_tokens,
-                           config.max_num_seqs, device)
+                           config.max_num_seqs, device,
+                           window_checkpoints=config.kept_window_checkpoints)
         runner = ModelRunner(model, config)
         gather_report(model, cache)
         mirrors: dict[int, PagedSequenceStore] = {}
@@ -347,7 +348,7 @@ def serve_worker(rank: int, world_size: int, address: str | None, port: int | No
                 if state.slot not in mirrors:
                     mirrors[state.slot] = PagedSequenceStore(
                         model.config, cache.pools, cache.manager, cache.rings, cache.partials,
-                        state.slot, model.config.max_seq_len)
+                        state.slot, model.config.max_seq_len, cache.checkpoints)
                 mirrors[state.slot].follow(state)
                 stores.append(mirrors[state.slot])
             if call.kind in ("prefill", "prefill_part"):

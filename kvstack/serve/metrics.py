@@ -61,6 +61,11 @@ class EngineCollector(Collector):
                                      labels=label)
         replay.add_metric([self.model_name], replayed)
         yield replay
+        restores = CounterMetricFamily("kvstack:window_checkpoint_restores", "Prefix hits "
+                                       "whose window state was copied from a window "
+                                       "checkpoint instead of replayed", labels=label)
+        restores.add_metric([self.model_name], report["window_checkpoints"]["restored"])
+        yield restores
         hits = CounterMetricFamily("kvstack:prefix_cache_hit_tokens", "Prompt tokens found "
                                    "in the prefix cache, by the tier they came from",
                                    labels=["model_name", "tier"])
