@@ -20,6 +20,7 @@ from kvstack.formats import dequantize, pack_rows, quantize, unpack_rows
 from kvstack.model import Model
 from kvstack.model.model import (
     HyperConnection,
+    Layer,
     MoE,
     RMSNorm,
     grouped_mm_by_group,
@@ -352,6 +353,34 @@ def test_a_float_moe_sublayer_equals_torchs(limit, score_func, shared):
             want = moe(x)
             with native.active(True):
                 assert torch.allclose(moe(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("routed", "residual"), [
+    (8, "single_pass"), (0, "single_pass"), (8, "per_site")])
+def test_a_layers_feed_forward_half_in_one_call_equals_torchs(routed, residual):
+    """The hyper-connection's mixes, the collapse (with the attention half's pre or the
+    mixes' own), the norm, the MoE or a dense FFN and the spread back, as one C call: what
+    the separate torch ops compute, for one token and several."""
+    config = preset("tiny-v41").replace(n_routed_experts=routed, hc_residual=residual,
+                                        n_activated_experts=min(2, routed), inter_dim=48)
+    torch.manual_seed(0)
+    layer = Layer(config, config.layers[2])
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+        for b, n in ((1, 1), (3, 2)):
+            x = torch.randn(b, n, config.hc_mult, config.dim)
+            attn_pre = torch.rand(b, n, config.hc_mult)
+            given = attn_pre if config.single_pass_hc else None
+            assert layer._ffn_in_c(x, given) is None  # outside an engine step: torch
+            hc = layer.hc_ffn
+            pre, post, comb = hc.mixes(x)
+            y = hc.collapse(x, pre if given is None else given)
+            want = hc.post(layer.ffn(layer.ffn_norm(y)), x, post, comb)
+            with native.active(True):
+                got, got_pre = layer._ffn_in_c(x, given)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.allclose(got_pre, pre, rtol=1e-6, atol=1e-6)
 
 
 def test_select_topk_chooses_torchs_entries():

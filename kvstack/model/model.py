@@ -133,6 +133,7 @@ def token_positions(start: int | torch.Tensor, n: int, device: torch.device) -> 
 
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
+Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # an FFN's (w1, w2, w3)
 
 
 def swiglu(x: torch.Tensor, w1: Projection, w2: Projection, w3: Projection, limit: float,
@@ -160,6 +161,22 @@ class DenseFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(swiglu(x, self.w1, self.w2, self.w3, self.limit), self.shard)
+
+    def float_weights(self) -> Weights3 | None:
+        """(w1, w2, w3) as the C calls take them: plain float layers, whole on this rank;
+        else None."""
+        parts = (self.w1, self.w2, self.w3)
+        if self.shard is not None or not all(type(p) is nn.Linear for p in parts):
+            return None
+        return tuple(p.weight for p in parts)
+
+    def fused_parts(self, x: torch.Tensor) -> tuple[None, Weights3] | None:
+        """As `MoE.fused_parts`: no router, the dense weights in the shared place."""
+        weights = self.float_weights()
+        if x.numel() // x.shape[-1] > FUSED_MOE_TOKENS or weights is None \
+                or not native.fuses(x, *weights):
+            return None
+        return None, weights
 
 
 class Gate(nn.Module):
@@ -258,23 +275,28 @@ class MoE(nn.Module):
     def _fused(self, x: torch.Tensor) -> torch.Tensor | None:
         """The whole sublayer in one C call (`native.moe`) for a decode step's few tokens
         where its weights are float and its experts all here; None elsewhere."""
-        if x.shape[0] > FUSED_MOE_TOKENS or not isinstance(self.experts, Experts) or \
-                self.shard is not None or \
+        parts = self.fused_parts(x)
+        return None if parts is None else native.moe(x, *parts, self.limit)
+
+    def fused_parts(self, x: torch.Tensor) -> tuple[native.Router, Weights3 | None] | None:
+        """What the C calls take of this sublayer for tokens x [..., dim] (the router and
+        the shared expert's weights), where they run it: a few tokens, float weights, every
+        expert on this rank; else None."""
+        if x.numel() // x.shape[-1] > FUSED_MOE_TOKENS or not isinstance(self.experts, Experts) \
+                or self.shard is not None or \
                 self.first_expert or self.experts.w1.shape[0] < self.gate.weight.shape[0]:
             return None
         ex, shared = self.experts, None
         if self.shared is not None:
-            parts = (self.shared.w1, self.shared.w2, self.shared.w3)
-            if self.shared.shard is not None or \
-                    not all(type(p) is nn.Linear for p in parts):
+            shared = self.shared.float_weights()
+            if shared is None:
                 return None
-            shared = tuple(p.weight for p in parts)
         if not native.fuses(x, ex.w1, self.gate.weight, *(shared or ())):
             return None
         c = self.gate.config
-        return native.moe(x, self.gate.weight, self.gate.bias, c.score_func, c.gate_temp,
-                          c.n_activated_experts, c.norm_topk_prob, c.route_scale,
-                          (ex.w1, ex.w2, ex.w3), shared, self.limit)
+        return native.Router(self.gate.weight, self.gate.bias, c.score_func, c.gate_temp,
+                             c.n_activated_experts, c.norm_topk_prob, c.route_scale,
+                             (ex.w1, ex.w2, ex.w3)), shared
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor,
                   chosen: torch.Tensor) -> torch.Tensor:
@@ -1175,10 +1197,28 @@ class Layer(nn.Module):
         attn_pre, post, comb = self.hc_attn.mixes(x)
         y = self.hc_attn.collapse(x, s.mix if self.single_pass else attn_pre)
         x = self.hc_attn.post(self.attn(self.attn_norm(y), start, store, ctx), x, post, comb)
-        ffn_pre, post, comb = self.hc_ffn.mixes(x)
-        y = self.hc_ffn.collapse(x, attn_pre if self.single_pass else ffn_pre)
-        x = self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb)
+        collapse_pre = attn_pre if self.single_pass else None  # None: the mixes' own
+        fused = self._ffn_in_c(x, collapse_pre)
+        if fused is not None:
+            x, ffn_pre = fused
+        else:
+            ffn_pre, post, comb = self.hc_ffn.mixes(x)
+            y = self.hc_ffn.collapse(x, ffn_pre if collapse_pre is None else collapse_pre)
+            x = self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb)
         return TokenStates(x, ffn_pre if self.single_pass else None, s.engram_rows)
+
+    def _ffn_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The feed-forward half, hyper-connection and norm included, as one C call
+        (`native.ffn_block`) where the sublayer's own C call would run; else None."""
+        hc = self.hc_ffn
+        parts = self.ffn.fused_parts(x) if isinstance(self.ffn, MoE | DenseFFN) else None
+        if parts is None or not native.fuses(x, hc.fn, hc.scale, hc.base, self.ffn_norm.weight):
+            return None
+        c = hc.config
+        return native.ffn_block(x, (hc.fn, hc.scale, hc.base), c.norm_eps, c.hc_eps,
+                                c.hc_sinkhorn_iters, collapse_pre, self.ffn_norm.weight,
+                                *parts, self.ffn.limit)
 
     def write_window(self, s: TokenStates, start: int, store: KVStore) -> None:
         """Only what later tokens read of this layer at the tokens of s: their window

@@ -35,6 +35,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -100,6 +101,10 @@ _SIGNATURES = {
     "kv_moe": [_P, _I, _I, _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P, _P],
     "kv_quantize": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P],
+    "kv_ffn_block": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P,
+                     _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
+                     ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P,
+                     _P, _P, ctypes.c_int],
 }
 _RESTYPES = {"kv_weights_isa": ctypes.c_int, "kv_fp8_has_nan": ctypes.c_int,
              "kv_quantize": ctypes.c_float}
@@ -763,32 +768,98 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")  # step.c's numbering of the config's
 
 
-def moe(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, score_func: str,
-        gate_temp: float, k: int, renormalise: bool, route_scale: float,
-        experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+@dataclass(frozen=True)
+class Router:
+    """A MoE sublayer's routed half, as `moe` and `ffn_block` take it: the router (gate
+    [E, dim], bias [E], the config's score function, temperature, k, renormalisation and
+    route scale) and the experts (w1, w3 [E, inter, dim], w2 [E, dim, inter])."""
+
+    gate: torch.Tensor
+    bias: torch.Tensor
+    score_func: str
+    gate_temp: float
+    k: int
+    renormalise: bool
+    route_scale: float
+    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def moe(x: torch.Tensor, router: Router,
         shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         limit: float) -> torch.Tensor:
-    """A MoE sublayer of float weights for x [T, dim]: the router (gate [E, dim], bias [E])
-    choosing k experts of `experts` (w1, w3 [E, inter, dim], w2 [E, dim, inter]) per token,
-    their weighted SwiGLUs added, then the shared expert's (w1, w3 [inter, dim], w2 [dim,
-    inter]) where there is one: [T, dim], what `MoE.forward` computes, within float
+    """A MoE sublayer of float weights for x [T, dim]: the router choosing k experts per
+    token, their weighted SwiGLUs added, then the shared expert's (w1, w3 [inter, dim], w2
+    [dim, inter]) where there is one: [T, dim], what `MoE.forward` computes, within float
     rounding (ties between equal router scores go to the lower expert)."""
     x = x.contiguous()
-    w1, w2, w3 = (w.contiguous() for w in experts)
-    s1, s2, s3 = (None, None, None) if shared is None else (w.contiguous() for w in shared)
-    inter, shared_inter = w1.shape[1], 0 if s1 is None else s1.shape[0]
-    n_experts, (n, dim) = gate.shape[0], x.shape
-    if k < 1:
-        raise ValueError("moe: a token routes to at least one expert")
-    pairs = n * k
-    scratch = torch.empty(2 * n_experts + 2 * pairs + pairs * (max(inter, shared_inter) + 2 * dim))
-    ints = torch.empty(3 * pairs, dtype=torch.int64)
     out = torch.empty_like(x)
-    gate, bias = gate.contiguous(), bias.contiguous()
-    _load().kv_moe(
-        _ptr(x), x.shape[0], x.shape[1], _ptr(gate), _ptr(bias),
-        n_experts, SCORE_FUNCS.index(score_func), gate_temp, k, int(renormalise), route_scale,
-        _ptr(w1), _ptr(w2), _ptr(w3), inter, 0 if s1 is None else _ptr(s1),
-        0 if s2 is None else _ptr(s2), 0 if s3 is None else _ptr(s3), shared_inter, limit,
-        _ptr(scratch), _ptr(ints), _ptr(out))
+    args, _held = _ffn_args(x.shape[0], x.shape[1], router, shared, limit)  # alive past the call
+    _load().kv_moe(_ptr(x), x.shape[0], x.shape[1], *args, _ptr(out))
     return out
+
+
+def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+              norm_eps: float, hc_eps: float, iters: int, collapse_pre: torch.Tensor | None,
+              norm: torch.Tensor, router: Router | None,
+              shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+              limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's feed-forward half with its hyper-connection for x [..., h, dim] (h
+    residual copies): its mixes (hc: fn, scale, base), the copies collapsed with
+    collapse_pre [..., h] or the mixes' own pre (None), RMSNorm (norm), the float MoE
+    (router, shared) or, without a router, the dense FFN `shared`, spread back: ([..., h,
+    dim], the mixes' pre [..., h]), what `Layer.forward` computes there within float
+    rounding."""
+    *lead, h, dim = x.shape
+    if (2 + h) * h > 64:
+        raise ValueError(f"ffn_block: at most 6 residual copies, got {h}")
+    if collapse_pre is not None and collapse_pre.shape != x.shape[:-1]:
+        raise ValueError(f"ffn_block: collapse_pre must be {list(x.shape[:-1])}, got "
+                         f"{list(collapse_pre.shape)}")
+    x = x.contiguous()
+    n = x.numel() // (h * dim)
+    fn, scale, base = (t.contiguous() for t in hc)
+    pre_in = None if collapse_pre is None else collapse_pre.contiguous()
+    norm = norm.contiguous()
+    out, pre = torch.empty_like(x), x.new_empty(*lead, h)
+    args, _held = _ffn_args(n, dim, router, shared, limit)  # alive past the call
+    _load().kv_ffn_block(_ptr(x), n, h, dim, _ptr(fn), _ptr(scale), _ptr(base), norm_eps,
+                         hc_eps, iters, 0 if pre_in is None else _ptr(pre_in), _ptr(norm),
+                         *args, _ptr(pre), _ptr(out), _threads())
+    return out, pre
+
+
+def _ffn_args(n: int, dim: int, router: Router | None,
+              shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+              limit: float) -> tuple[list, list[torch.Tensor]]:
+    """kv_moe's arguments after x, n and dim, up to its output (router None: a dense FFN,
+    kv_ffn_block's), and the tensors they point into, to be held until the call returns."""
+    s1, s2, s3 = (None, None, None) if shared is None else (w.contiguous() for w in shared)
+    shared_inter = 0 if s1 is None else s1.shape[0]
+    if router is None:
+        if s1 is None:
+            raise ValueError("ffn_block: a dense FFN needs its weights (shared)")
+        w1 = w2 = w3 = gate = bias = None
+        n_experts = k = inter = 0
+        scratch = torch.empty(n * shared_inter)
+        ints = torch.empty(n, dtype=torch.int64)
+    else:
+        if router.k < 1:
+            raise ValueError("moe: a token routes to at least one expert")
+        w1, w2, w3 = (w.contiguous() for w in router.experts)
+        gate, bias = router.gate.contiguous(), router.bias.contiguous()
+        n_experts, k, inter = gate.shape[0], router.k, w1.shape[1]
+        pairs = n * k
+        scratch = torch.empty(2 * n_experts + 2 * pairs
+                              + pairs * (max(inter, shared_inter) + 2 * dim))
+        ints = torch.empty(3 * pairs, dtype=torch.int64)
+    keep = [t for t in (gate, bias, w1, w2, w3, s1, s2, s3, scratch, ints) if t is not None]
+
+    def ptr(t: torch.Tensor | None) -> int:
+        return 0 if t is None else _ptr(t)
+
+    args = [ptr(gate), ptr(bias), n_experts,
+            SCORE_FUNCS.index(router.score_func) if router else 0,
+            router.gate_temp if router else 1.0, k, int(router.renormalise) if router else 0,
+            router.route_scale if router else 1.0, ptr(w1), ptr(w2), ptr(w3), inter, ptr(s1),
+            ptr(s2), ptr(s3), shared_inter, limit, _ptr(scratch), _ptr(ints)]
+    return args, keep

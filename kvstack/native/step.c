@@ -525,3 +525,40 @@ void kv_ring_write(const float *x, int64_t b, int64_t d, int element, int scale_
         ring_pos[row] = positions[s];
     }
 }
+
+/* A layer's feed-forward half with its hyper-connection, for n tokens of h residual
+ * copies x [n, h, dim] (kvstack.model.model.Layer.forward after the attention half):
+ * the mixes (kv_hc_mixes), whose pre goes to pre [n, h]; the copies collapsed with
+ * collapse_pre [n, h] (single-pass V4.1: the attention half's pre) or, NULL, with the
+ * mixes' own pre; RMSNorm (norm_w, norm_eps); the float feed-forward (kv_moe: router,
+ * routed and shared experts; n_experts = 0 and k = 0, a dense FFN of the shared weights
+ * alone); spread back over the copies (kv_hc_post): out [n, h, dim]. The same calls in
+ * the same order as the separate ones the model otherwise makes, so the same floats.
+ * scratch and ints: kv_moe's, or, dense, n * shared_inter floats and n int64. */
+void kv_ffn_block(const float *x, int64_t n, int64_t h, int64_t dim, const float *fn,
+                  const float *scale, const float *base, float norm_eps, float hc_eps,
+                  int64_t iters, const float *collapse_pre, const float *norm_w,
+                  const float *gate_w, const float *bias, int64_t n_experts, int score_func,
+                  float temp, int64_t k, int renormalise, float route_scale, const float *w1,
+                  const float *w2, const float *w3, int64_t inter, const float *s1,
+                  const float *s2, const float *s3, int64_t shared_inter, float limit,
+                  float *scratch, int64_t *ints, float *pre, float *out, int threads) {
+    float *post = malloc((size_t)(n * h + n * h * h + 3 * n * dim) * sizeof(float));
+    if (!post) abort();
+    float *comb = post + n * h, *y = comb + n * h * h, *normed = y + n * dim;
+    float *ffn = normed + n * dim;
+    kv_hc_mixes(x, n, h, dim, fn, scale, base, norm_eps, hc_eps, iters, pre, post, comb,
+                threads);
+    kv_hc_collapse(x, collapse_pre ? collapse_pre : pre, n, h, dim, y);
+    kv_rmsnorm(y, n, dim, norm_w, norm_eps, normed);
+    if (n_experts > 0) {
+        kv_moe(normed, n, dim, gate_w, bias, n_experts, score_func, temp, k, renormalise,
+               route_scale, w1, w2, w3, inter, s1, s2, s3, shared_inter, limit, scratch, ints,
+               ffn);
+    } else {  /* dense: scratch holds the hidden rows [n, shared_inter] */
+        for (int64_t t = 0; t < n; t++) ints[t] = t;
+        expert_rows(normed, dim, ints, NULL, n, s1, s2, s3, shared_inter, limit, scratch, ffn);
+    }
+    kv_hc_post(ffn, x, post, comb, n, h, dim, out);
+    free(post);
+}
