@@ -23,6 +23,7 @@ from kvstack.model.model import (
     Layer,
     MoE,
     RMSNorm,
+    StepContext,
     grouped_mm_by_group,
     rotate,
     select_topk,
@@ -381,6 +382,45 @@ def test_a_layers_feed_forward_half_in_one_call_equals_torchs(routed, residual):
                 got, got_pre = layer._ffn_in_c(x, given)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
             assert torch.allclose(got_pre, pre, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("residual", ["single_pass", "per_site"])
+def test_a_layers_attention_half_ends_in_one_call_each_equal_torchs(residual):
+    """Before the attention: the hyper-connection's mixes, the collapse (the previous
+    sublayer's pre or the mixes' own), the norm and the projections in, as one call; after
+    it: the projections out and the spread over the copies, as one call. What the separate
+    torch ops compute, for one token and several at their own positions."""
+    config = preset("tiny-v41").replace(hc_residual=residual)
+    torch.manual_seed(0)
+    layer = Layer(config, config.layers[2])
+    attn, hc = layer.attn, layer.hc_attn
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+        for b, n in ((1, 1), (3, 2)):
+            x = torch.randn(b, n, config.hc_mult, config.dim)
+            start = torch.tensor([5, 40, 77][:b])
+            positions = start[:, None] + torch.arange(n)
+            mix = torch.rand(b, n, config.hc_mult)
+            given = mix if config.single_pass_hc else None
+            assert layer._attention_in_c(x, given, start, StepContext()) is None  # torch
+            pre, post, comb = hc.mixes(x)
+            y = layer.attn_norm(hc.collapse(x, pre if given is None else given))
+            qr = attn.q_norm(attn.wq_a(y))
+            q = rotate(attn.wq_b(qr).unflatten(-1, (config.n_heads, config.head_dim)),
+                       positions, attn.freqs)
+            window = attn._window_entries(y, positions)
+            heads = torch.randn(b, n, config.n_heads, config.head_dim)
+            want_out = hc.post(attn.project_out(heads, positions), x, post, comb)
+            with native.active(True):
+                got = layer._attention_in_c(x, given, start, StepContext())
+                got_out = native.attention_out(heads, positions, attn.freqs, attn.wo_a.weight,
+                                               attn.local_groups, attn.wo_b.weight,
+                                               (x, post, comb))
+            for g, w in zip((*got[:4], *got[4]), (pre, post, comb, y, qr, q, window),
+                            strict=True):
+                assert torch.allclose(g, w, rtol=1e-5, atol=1e-5)
+            assert torch.allclose(got_out, want_out, rtol=1e-5, atol=1e-5)
 
 
 def test_select_topk_chooses_torchs_entries():

@@ -819,13 +819,21 @@ class Attention(nn.Module):
             if part is not None:
                 part.freqs = self.freqs
 
-    def forward(self, x: torch.Tensor, start: int, store: KVStore,
-                ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, store: KVStore, ctx: StepContext,
+                projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                spread: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """Attention over x [B, n, dim] at start: [B, n, dim]. `projected`: the (qr, q,
+        window) the C projections in already made of x (`native.attention_block_in`).
+        `spread`: the residual copies, post and comb of the layer's hyper-connection, to
+        spread the output over (`HyperConnection.post`) before returning [B, n, h, dim]."""
         c, spec = self.config, self.spec
         n = x.shape[1]
         positions = token_positions(start, n, x.device)  # [1 or B, n]
         in_c = self._projects_in_c(x, ctx)  # in and out alike: the same tokens
-        if in_c:
+        if in_c and projected is not None:
+            qr, q, window = projected
+        elif in_c:
             qr, q, window = native.attention_in(
                 x, positions, self.wq_a.weight, self.q_norm.weight, self.wq_b.weight,
                 self.wkv.weight, self.kv_norm.weight, c.norm_eps, self.freqs,
@@ -904,11 +912,16 @@ class Attention(nn.Module):
             self._collect_rows(x, qr, q, positions, store, ctx, n_entries)
         self._publish(ctx, topks, pools, scores)
         out = torch.cat(outs, dim=1)
+        if in_c and spread is not None and self.shard is None:  # projected and spread at once
+            return native.attention_out(out, positions, self.freqs, self.wo_a.weight,
+                                        self.local_groups, self.wo_b.weight, spread)
         if in_c:
-            return all_reduce(native.attention_out(out, positions, self.freqs,
-                                                   self.wo_a.weight, self.local_groups,
-                                                   self.wo_b.weight), self.shard)
-        return self.project_out(out, positions)
+            y = all_reduce(native.attention_out(out, positions, self.freqs, self.wo_a.weight,
+                                                self.local_groups, self.wo_b.weight),
+                           self.shard)
+        else:
+            y = self.project_out(out, positions)
+        return y if spread is None else HyperConnection.post(y, *spread)
 
     def write_window(self, x: torch.Tensor, start: int, store: KVStore) -> None:
         """The window entries of attention inputs x [B, n, dim] at start.. and the
@@ -1194,10 +1207,20 @@ class Layer(nn.Module):
         if self.hc_attn is None:
             x = x + self.attn(self.attn_norm(x), start, store, ctx)
             return TokenStates(x + self.ffn(self.ffn_norm(x)), None, s.engram_rows)
-        attn_pre, post, comb = self.hc_attn.mixes(x)
-        y = self.hc_attn.collapse(x, s.mix if self.single_pass else attn_pre)
-        x = self.hc_attn.post(self.attn(self.attn_norm(y), start, store, ctx), x, post, comb)
-        collapse_pre = attn_pre if self.single_pass else None  # None: the mixes' own
+        collapse_pre = s.mix if self.single_pass else None  # None: the mixes' own pre
+        fused = self._attention_in_c(x, collapse_pre, start, ctx)
+        if fused is not None:
+            attn_pre, post, comb, y, projected = fused
+        else:
+            attn_pre, post, comb = self.hc_attn.mixes(x)
+            y = self.attn_norm(self.hc_attn.collapse(
+                x, attn_pre if collapse_pre is None else collapse_pre))
+            projected = None
+        if isinstance(self.attn, Attention):
+            x = self.attn(y, start, store, ctx, projected, spread=(x, post, comb))
+        else:
+            x = self.hc_attn.post(self.attn(y, start, store, ctx), x, post, comb)
+        collapse_pre = attn_pre if self.single_pass else None
         fused = self._ffn_in_c(x, collapse_pre)
         if fused is not None:
             x, ffn_pre = fused
@@ -1206,6 +1229,25 @@ class Layer(nn.Module):
             y = self.hc_ffn.collapse(x, ffn_pre if collapse_pre is None else collapse_pre)
             x = self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb)
         return TokenStates(x, ffn_pre if self.single_pass else None, s.engram_rows)
+
+    def _attention_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None,
+                        start: int | torch.Tensor, ctx: StepContext
+                        ) -> tuple[torch.Tensor, ...] | None:
+        """The attention half up to the attention, hyper-connection and norm included, as
+        one C call (`native.attention_block_in`) where the attention's own projections run
+        in C: (pre, post, comb, the attention input, (qr, q, window)); else None."""
+        attn, hc = self.attn, self.hc_attn
+        if (not isinstance(attn, Attention) or not attn._projects_in_c(x, ctx)
+                or not native.fuses(x, hc.fn, hc.scale, hc.base, self.attn_norm.weight)):
+            return None
+        c = hc.config
+        positions = token_positions(start, x.shape[1], x.device)
+        pre, post, comb, y, *projected = native.attention_block_in(
+            x, (hc.fn, hc.scale, hc.base), c.hc_eps, c.hc_sinkhorn_iters, collapse_pre,
+            self.attn_norm.weight, positions, attn.wq_a.weight, attn.q_norm.weight,
+            attn.wq_b.weight, attn.wkv.weight, attn.kv_norm.weight, c.norm_eps, attn.freqs,
+            attn.n_local_heads)
+        return pre, post, comb, y, tuple(projected)
 
     def _ffn_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -101,6 +101,11 @@ _SIGNATURES = {
     "kv_moe": [_P, _I, _I, _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P, _P],
     "kv_quantize": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P],
+    "kv_attention_block_in": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I,
+                              _P, _P, _P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _P,
+                              _P, _P, _P, _P, _P, ctypes.c_int],
+    "kv_attention_out_spread": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P, _P,
+                                _I, _P, _P, _P, ctypes.c_int],
     "kv_ffn_block": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P,
                      _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                      ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P,
@@ -681,11 +686,57 @@ def attention_in(x: torch.Tensor, positions: torch.Tensor, wq_a: torch.Tensor,
     return qr, q, window
 
 
+def attention_block_in(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                       hc_eps: float, iters: int, collapse_pre: torch.Tensor | None,
+                       norm: torch.Tensor, positions: torch.Tensor, wq_a: torch.Tensor,
+                       q_norm: torch.Tensor, wq_b: torch.Tensor, wkv: torch.Tensor,
+                       kv_norm: torch.Tensor, eps: float, freqs: torch.Tensor,
+                       heads: int) -> tuple[torch.Tensor, ...]:
+    """A layer's attention half up to its attention for x [B, n, h, dim] (h residual
+    copies) in one call: the hyper-connection's mixes (hc: fn, scale, base), the copies
+    collapsed with collapse_pre [B, n, h] or the mixes' own pre (None), RMSNorm (norm),
+    then `attention_in` on the result: (pre, post [B, n, h], comb [B, n, h, h], the
+    attention input y [B, n, dim], qr, q, window), within float rounding of the separate
+    calls'."""
+    b, n, h, dim = x.shape
+    rank, d, half = wq_a.shape[0], wkv.shape[0], freqs.shape[0]
+    if ((2 + h) * h > 64 or wq_a.shape[1] != dim or wq_b.shape != (heads * d, rank)
+            or wkv.shape[1] != dim or half > 512 or 2 * half > d):
+        raise ValueError(f"attention_block_in: weights {list(wq_a.shape)}, "
+                         f"{list(wq_b.shape)}, {list(wkv.shape)}, {2 * half} rotated dims "
+                         f"and {h} residual copies do not fit x {list(x.shape)} and {heads} "
+                         "heads")
+    if collapse_pre is not None and collapse_pre.shape != x.shape[:-1]:
+        raise ValueError(f"attention_block_in: collapse_pre must be {list(x.shape[:-1])}, "
+                         f"got {list(collapse_pre.shape)}")
+    x = x.contiguous()
+    fn, scale, base = (t.contiguous() for t in hc)
+    pre_in = None if collapse_pre is None else collapse_pre.contiguous()
+    positions = _as(positions.expand(b, n), torch.int64)
+    pre, post, comb = x.new_empty(b, n, h), x.new_empty(b, n, h), x.new_empty(b, n, h, h)
+    y, qr = x.new_empty(b, n, dim), x.new_empty(b, n, rank)
+    q, window = x.new_empty(b, n, heads, d), x.new_empty(b, n, d)
+    norm, wq_a, q_norm, wq_b, wkv, kv_norm = (
+        _as(t, torch.float32) for t in (norm, wq_a, q_norm, wq_b, wkv, kv_norm))
+    freqs = _as(freqs, torch.float64)
+    _load().kv_attention_block_in(
+        _ptr(x), b * n, h, dim, _ptr(fn), _ptr(scale), _ptr(base), eps, hc_eps, iters,
+        0 if pre_in is None else _ptr(pre_in), _ptr(norm), _ptr(wq_a), _ptr(q_norm), rank,
+        _ptr(wq_b), heads, d, _ptr(wkv), _ptr(kv_norm), _ptr(positions), _ptr(freqs), half,
+        _ptr(pre), _ptr(post), _ptr(comb), _ptr(y), _ptr(qr), _ptr(q), _ptr(window),
+        _threads())
+    return pre, post, comb, y, qr, q, window
+
+
 def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
-                  wo_a: torch.Tensor, groups: int, wo_b: torch.Tensor) -> torch.Tensor:
+                  wo_a: torch.Tensor, groups: int, wo_b: torch.Tensor,
+                  spread: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
     """`Attention.project_out` of the heads' outputs out [B, n, H, D] at positions [B or
     1, n] with float weights (wo_a [groups * rank, H / groups * D], wo_b [dim, groups *
-    rank]): [B, n, dim], within float rounding of torch's."""
+    rank]): [B, n, dim], within float rounding of torch's. With `spread` (the residual
+    copies x [B, n, h, dim], post [B, n, h], comb [B, n, h, h]), that output spread over
+    the copies as `hc_post` does, in the same call: [B, n, h, dim]."""
     b, n, h, d = out.shape
     half = freqs.shape[0]
     rank = wo_a.shape[0] // groups
@@ -699,10 +750,24 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
     low, y = out.new_empty(b * n, groups * rank), out.new_empty(b, n, wo_b.shape[0])
     freqs, wo_a, wo_b = (_as(freqs, torch.float64), _as(wo_a, torch.float32),
                          _as(wo_b, torch.float32))
-    _load().kv_attention_out(_ptr(rotated), b * n, h, d, _ptr(positions), _ptr(freqs), half,
-                             _ptr(wo_a), groups, rank, _ptr(wo_b), wo_b.shape[0], _ptr(low),
-                             _ptr(y), _threads())
-    return y
+    if spread is None:
+        _load().kv_attention_out(_ptr(rotated), b * n, h, d, _ptr(positions), _ptr(freqs),
+                                 half, _ptr(wo_a), groups, rank, _ptr(wo_b), wo_b.shape[0],
+                                 _ptr(low), _ptr(y), _threads())
+        return y
+    copies, post, comb = (t.contiguous() for t in spread)
+    copies_n = copies.shape[-2]
+    if (copies.shape != (b, n, copies_n, wo_b.shape[0]) or post.shape != copies.shape[:-1]
+            or comb.shape != (*copies.shape[:-1], copies_n)):
+        raise ValueError(f"attention_out: spread over copies {list(copies.shape)} needs "
+                         f"[{b}, {n}, h, {wo_b.shape[0]}] with post [..., h] and comb "
+                         f"[..., h, h]")
+    spread_out = torch.empty_like(copies)
+    _load().kv_attention_out_spread(
+        _ptr(rotated), b * n, h, d, _ptr(positions), _ptr(freqs), half, _ptr(wo_a), groups,
+        rank, _ptr(wo_b), wo_b.shape[0], _ptr(low), _ptr(y), _ptr(copies), copies_n,
+        _ptr(post), _ptr(comb), _ptr(spread_out), _threads())
+    return spread_out
 
 
 def quantize(x: torch.Tensor, fmt: str, rows: bool = True, values: bool = True,

@@ -562,3 +562,38 @@ void kv_ffn_block(const float *x, int64_t n, int64_t h, int64_t dim, const float
     kv_hc_post(ffn, x, post, comb, n, h, dim, out);
     free(post);
 }
+
+/* A layer's attention half up to its attention, with its hyper-connection, for n tokens
+ * of h residual copies x [n, h, dim]: the mixes (pre, post, comb: kv_hc_mixes), the copies
+ * collapsed with collapse_pre (single-pass V4.1: the previous sublayer's pre) or, NULL,
+ * the mixes' own pre, RMSNorm (norm_w) into y [n, dim], then kv_attention_in on y (qr, q,
+ * window). The calls the model otherwise makes one by one, in the same order. */
+void kv_attention_block_in(const float *x, int64_t n, int64_t h, int64_t dim,
+                           const float *fn, const float *scale, const float *base,
+                           float norm_eps, float hc_eps, int64_t iters,
+                           const float *collapse_pre, const float *norm_w, const float *wq_a,
+                           const float *q_norm, int64_t rank, const float *wq_b,
+                           int64_t heads, int64_t d, const float *wkv, const float *kv_norm,
+                           const int64_t *positions, const double *freqs, int64_t half,
+                           float *pre, float *post, float *comb, float *y, float *qr,
+                           float *q, float *window, int threads) {
+    kv_hc_mixes(x, n, h, dim, fn, scale, base, norm_eps, hc_eps, iters, pre, post, comb,
+                threads);
+    kv_hc_collapse(x, collapse_pre ? collapse_pre : pre, n, h, dim, y);
+    kv_rmsnorm(y, n, dim, norm_w, norm_eps, y);
+    kv_attention_in(y, n, dim, wq_a, q_norm, rank, wq_b, heads, d, wkv, kv_norm, norm_eps,
+                    positions, freqs, half, qr, q, window, threads);
+}
+
+/* kv_attention_out, then its output spread over the h residual copies x [t, h, dim]
+ * (kv_hc_post with post [t, h], comb [t, h, h]) into out [t, h, dim]; y [t, dim] holds
+ * the projection between. */
+void kv_attention_out_spread(float *o, int64_t t, int64_t heads, int64_t d,
+                             const int64_t *positions, const double *freqs, int64_t half,
+                             const float *wo_a, int64_t g, int64_t rank, const float *wo_b,
+                             int64_t dim, float *low, float *y, const float *x, int64_t h,
+                             const float *post, const float *comb, float *out, int threads) {
+    kv_attention_out(o, t, heads, d, positions, freqs, half, wo_a, g, rank, wo_b, dim, low, y,
+                     threads);
+    kv_hc_post(y, x, post, comb, t, h, dim, out);
+}
