@@ -423,6 +423,52 @@ def test_a_layers_attention_half_ends_in_one_call_each_equal_torchs(residual):
             assert torch.allclose(got_out, want_out, rtol=1e-5, atol=1e-5)
 
 
+def test_a_decode_steps_compressor_in_one_call_equals_torchs():
+    """Ratio 1 and 2 sources, one sequence whose token ends its group and one whose does
+    not: the entries and index keys appended and the partial groups left as torch's."""
+    from kvstack.cache.batch import DecodeBatch
+
+    config = preset("tiny")
+    llm = LLM(config, random_init=True, kv_budget="8MiB", max_num_seqs=2, cpu_kernels="c")
+    g = torch.Generator().manual_seed(0)
+    stores = []
+    for n in (41, 34):  # the next tokens at 41 (a group's first) and 34 (its last)
+        store = llm.cache.open_sequence()
+        assert store.reserve(n + 1)
+        with torch.no_grad():
+            llm.runner.prefill_store(store, torch.randint(0, 256, (n,), generator=g).tolist())
+        stores.append(store)
+    batch = DecodeBatch(stores)
+    partials = llm.cache.partials
+    compressors = {layer.attn.compressor.ratio: layer.attn.compressor
+                   for layer in llm.model.layers if layer.attn.compressor is not None}
+    assert set(compressors) == {1, 2}
+    for ratio, compressor in compressors.items():
+        x = torch.randn(2, 1, config.dim, generator=g)
+        before = {k: (v.clone(), partials.gates[k].clone()) for k, v in partials.values.items()}
+        result = {}
+        for on in (False, True):
+            for k, (values, gates) in before.items():
+                partials.values[k].copy_(values)
+                partials.gates[k].copy_(gates)
+            appended = {}
+            batch.append_stream = lambda layer, entries, out=appended: out.update(entries)
+            with torch.no_grad(), native.active(on):
+                assert compressor._steps_in_c(x, batch) is on
+                compressor._compress_step(x, batch.positions, batch)
+            result[on] = (appended, {k: (v.clone(), partials.gates[k].clone())
+                                     for k, v in partials.values.items()})
+        for kind in ("kv", "index"):
+            assert torch.allclose(result[True][0][kind], result[False][0][kind], rtol=1e-5,
+                                  atol=1e-5), (ratio, kind)
+        for k, (values, gates) in result[False][1].items():
+            assert torch.allclose(result[True][1][k][0], values, rtol=1e-6, atol=1e-6)
+            assert torch.allclose(result[True][1][k][1], gates, rtol=1e-6, atol=1e-6)
+        if ratio > 1:
+            layer = compressor.layer
+            assert not torch.equal(result[True][1][layer][0], before[layer][0])  # written
+
+
 def test_select_topk_chooses_torchs_entries():
     """Ties (to the earlier entry), both zeros, -inf entries dropped (fewer visible than
     k), NaN, k equal to the width: the same indices, ascending, -1 after them."""

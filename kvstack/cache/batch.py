@@ -198,6 +198,11 @@ class DecodeBatch(KVStore):
         self.partials.values[source][self.slots, fill] = values[:, 0].detach().float()
         self.partials.gates[source][self.slots, fill] = gate_logits[:, 0].detach().float()
 
+    def partial_groups(self, source: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a C compressor step updates in place: source's partial values and gate
+        logits of every slot [n_slots, ratio - 1, D], and this batch's slots [B]."""
+        return self.partials.values[source], self.partials.gates[source], self.slots
+
     def drop_window_state(self) -> None:
         raise ValueError("a decode batch does not replay: rebuild each store first")
 

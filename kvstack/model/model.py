@@ -487,6 +487,16 @@ class Compressor(nn.Module):
     def _compress_step(self, x: torch.Tensor, positions: torch.Tensor, store: KVStore) -> None:
         """One token per sequence, x [B, 1, dim] at positions [B]."""
         r = self.ratio
+        if self._steps_in_c(x, store):
+            values, gates, slots = store.partial_groups(self.layer) if r > 1 else \
+                (None, None, positions)
+            kv, keys = native.compress_step(
+                x[:, 0], positions, slots, r, self.wkv.weight,
+                None if self.wgate is None else self.wgate.weight,
+                None if values is None else (values, gates), self.norm.weight, self.norm.eps,
+                self.wk_index.weight, self.index_norm.weight, self.index_norm.eps, self.freqs)
+            store.append_stream(self.layer, {"kv": kv[:, None], "index": keys[:, None]})
+            return
         values = self.wkv(x)  # [B, 1, D]
         if r == 1:
             pooled = values
@@ -505,6 +515,15 @@ class Compressor(nn.Module):
                       self.freqs)
         store.append_stream(self.layer, {"kv": rotate(entries, entry_positions, self.freqs),
                                          "index": keys})
+
+    def _steps_in_c(self, x: torch.Tensor, store: KVStore) -> bool:
+        """Whether a decode step's compression runs as one C call: a decode batch over
+        the engine's pools, float32 weights, inside a step that chose the C kernels."""
+        parts = [self.wkv, self.wk_index] + ([self.wgate] if self.wgate is not None else [])
+        return (isinstance(store, DecodeBatch) and self.freqs.dtype is torch.float64
+                and all(type(p) is nn.Linear for p in parts)
+                and native.fuses(x, *(p.weight for p in parts), self.norm.weight,
+                                 self.index_norm.weight))
 
     def _compress(self, x: torch.Tensor, start: int, store: KVStore) -> None:
         r = self.ratio

@@ -106,6 +106,8 @@ _SIGNATURES = {
                               _P, _P, _P, _P, _P, ctypes.c_int],
     "kv_attention_out_spread": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P, _P,
                                 _I, _P, _P, _P, ctypes.c_int],
+    "kv_compress_step": [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, ctypes.c_float, _P,
+                         _I, _P, ctypes.c_float, _P, _I, _P, _P, ctypes.c_int],
     "kv_ffn_block": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P,
                      _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                      ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P,
@@ -768,6 +770,45 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
         rank, _ptr(wo_b), wo_b.shape[0], _ptr(low), _ptr(y), _ptr(copies), copies_n,
         _ptr(post), _ptr(comb), _ptr(spread_out), _threads())
     return spread_out
+
+
+def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ratio: int,
+                  wkv: torch.Tensor, wgate: torch.Tensor | None,
+                  partial: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
+                  norm_eps: float, wk_index: torch.Tensor, index_norm: torch.Tensor,
+                  index_eps: float, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Compressor._compress_step` for one token of each of B sequences, x [B, dim] at
+    positions [B] with float weights (wkv, wgate [D, dim], wk_index [Di, D], the norms'
+    weights, float64 RoPE freqs [R/2]): the rotated entries [B, D] and index keys [B, Di]
+    of the groups the tokens end, within float rounding of torch's. With ratio > 1,
+    partial is the partial groups' values and gate logits [slots, ratio - 1, D]
+    (contiguous float32, updated in place at each sequence's slot)."""
+    b, dim = x.shape
+    d, di, half = wkv.shape[0], wk_index.shape[0], freqs.shape[0]
+    if ratio > 1 and (wgate is None or partial is None or partial[0].shape[1:] != (ratio - 1, d)
+                      or not all(t.is_contiguous() and t.dtype is torch.float32
+                                 for t in partial)):
+        raise ValueError(f"compress_step: ratio {ratio} needs wgate and contiguous float32 "
+                         f"partial groups [slots, {ratio - 1}, {d}]")
+    if wkv.shape[1] != dim or wk_index.shape[1] != d or ratio > 64 or half > 512 \
+            or 2 * half > min(d, di):
+        raise ValueError(f"compress_step: weights {list(wkv.shape)} and "
+                         f"{list(wk_index.shape)}, ratio {ratio} and {2 * half} rotated dims "
+                         f"do not fit x {list(x.shape)}")
+    x = _as(x, torch.float32)
+    positions, slots = _as(positions, torch.int64), _as(slots, torch.int64)
+    wkv, norm, wk_index, index_norm = (_as(t, torch.float32)
+                                       for t in (wkv, norm, wk_index, index_norm))
+    wgate = None if wgate is None else _as(wgate, torch.float32)
+    freqs = _as(freqs, torch.float64)
+    kv, keys = x.new_empty(b, d), x.new_empty(b, di)
+    values, gates = partial if ratio > 1 else (None, None)
+    _load().kv_compress_step(
+        _ptr(x), b, dim, _ptr(positions), _ptr(slots), ratio, _ptr(wkv),
+        0 if wgate is None else _ptr(wgate), d, 0 if values is None else _ptr(values),
+        0 if gates is None else _ptr(gates), _ptr(norm), norm_eps, _ptr(wk_index), di,
+        _ptr(index_norm), index_eps, _ptr(freqs), half, _ptr(kv), _ptr(keys), _threads())
+    return kv, keys
 
 
 def quantize(x: torch.Tensor, fmt: str, rows: bool = True, values: bool = True,

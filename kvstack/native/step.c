@@ -597,3 +597,56 @@ void kv_attention_out_spread(float *o, int64_t t, int64_t heads, int64_t d,
                      threads);
     kv_hc_post(y, x, post, comb, t, h, dim, out);
 }
+
+/* A decode step's compressor (kvstack.model.model.Compressor._compress_step) for b
+ * sequences x [b, dim] at positions [b], ratio r: values = x wkv^T [b, d]; for r > 1
+ * also gates = x wgate^T, and the entry is the per-channel softmax of the gates over the
+ * slot's partial group (partial_values / partial_gates [n_slots, r - 1, d], the rows of
+ * slots[s]) and the new token, weighting their values, after which the new values and
+ * gates go to row min(position % r, r - 2) of the slot's group (a sequence whose token
+ * completes its group starts empty: where they land does not matter). The entry
+ * RMS-normalised (norm_w, norm_eps) is kv [b, d]; its index key index_norm(entry
+ * wk_index^T) (index_norm_w, index_eps) is keys [b, di]; both rotated at the group's first
+ * position ((position + 1) / r - 1) * r. */
+void kv_compress_step(const float *x, int64_t b, int64_t dim, const int64_t *positions,
+                      const int64_t *slots, int64_t r, const float *wkv, const float *wgate,
+                      int64_t d, float *partial_values, float *partial_gates,
+                      const float *norm_w, float norm_eps, const float *wk_index, int64_t di,
+                      const float *index_norm_w, float index_eps, const double *freqs,
+                      int64_t half, float *kv, float *keys, int threads) {
+    float cs[512], sn[512];  /* half <= 512 */
+    float *values = malloc((size_t)(2 * d) * sizeof(float));
+    if (!values) abort();
+    float *gates = values + d;
+    for (int64_t s = 0; s < b; s++) {
+        const float *xs = x + s * dim;
+        float *entry = kv + s * d, *key = keys + s * di;
+        small_linear(xs, 1, dim, wkv, d, r > 1 ? values : entry, threads);
+        if (r > 1) {
+            float *pv = partial_values + slots[s] * (r - 1) * d;
+            float *pg = partial_gates + slots[s] * (r - 1) * d;
+            small_linear(xs, 1, dim, wgate, d, gates, threads);
+            for (int64_t c = 0; c < d; c++) {
+                float top = gates[c], e[64], total = 0.0f;  /* r <= 64 */
+                for (int64_t j = 0; j < r - 1; j++) top = fmaxf(top, pg[j * d + c]);
+                for (int64_t j = 0; j < r - 1; j++) total += (e[j] = expf(pg[j * d + c] - top));
+                total += (e[r - 1] = expf(gates[c] - top));
+                float pooled = pv[c] * (e[0] / total);
+                for (int64_t j = 1; j < r - 1; j++) pooled += pv[j * d + c] * (e[j] / total);
+                entry[c] = pooled + values[c] * (e[r - 1] / total);
+            }
+            int64_t fill = positions[s] % r;
+            if (fill > r - 2) fill = r - 2;
+            memcpy(pv + fill * d, values, (size_t)d * sizeof(float));
+            memcpy(pg + fill * d, gates, (size_t)d * sizeof(float));
+        }
+        kv_rmsnorm(entry, 1, d, norm_w, norm_eps, entry);
+        small_linear(entry, 1, d, wk_index, di, key, threads);
+        kv_rmsnorm(key, 1, di, index_norm_w, index_eps, key);
+        const int64_t first = ((positions[s] + 1) / r - 1) * r;
+        rope_angles(first, freqs, half, 0, cs, sn);
+        rope_rows(entry, 1, d, cs, sn, half, entry);
+        rope_rows(key, 1, di, cs, sn, half, key);
+    }
+    free(values);
+}
