@@ -165,10 +165,11 @@ class DenseFFN(nn.Module):
     def float_weights(self) -> Weights3 | None:
         """(w1, w2, w3) as the C calls take them: plain float layers, whole on this rank;
         else None."""
-        parts = (self.w1, self.w2, self.w3)
+        mods = self._modules  # read from the dict: see MoE.fused_parts
+        parts = (mods["w1"], mods["w2"], mods["w3"])
         if self.shard is not None or not all(type(p) is nn.Linear for p in parts):
             return None
-        return tuple(p.weight for p in parts)
+        return tuple(p._parameters["weight"] for p in parts)
 
     def fused_parts(self, x: torch.Tensor) -> tuple[None, Weights3] | None:
         """As `MoE.fused_parts`: no router, the dense weights in the shared place."""
@@ -282,21 +283,28 @@ class MoE(nn.Module):
         """What the C calls take of this sublayer for tokens x [..., dim] (the router and
         the shared expert's weights), where they run it: a few tokens, float weights, every
         expert on this rank; else None."""
-        if x.numel() // x.shape[-1] > FUSED_MOE_TOKENS or not isinstance(self.experts, Experts) \
-                or self.shard is not None or \
-                self.first_expert or self.experts.w1.shape[0] < self.gate.weight.shape[0]:
+        # Submodules and parameters are read from the module dicts: nn.Module's attribute
+        # lookup costs about 2 us a name on a small CPU, and a decode step asks this of
+        # every layer.
+        mods = self._modules
+        ex, gate = mods["experts"], mods["gate"]
+        if x.numel() // x.shape[-1] > FUSED_MOE_TOKENS or not isinstance(ex, Experts) \
+                or self.shard is not None or self.first_expert:
             return None
-        ex, shared = self.experts, None
-        if self.shared is not None:
-            shared = self.shared.float_weights()
+        w, g = ex._parameters, gate._parameters
+        if w["w1"].shape[0] < g["weight"].shape[0]:
+            return None
+        shared = None
+        if mods.get("shared") is not None:
+            shared = mods["shared"].float_weights()
             if shared is None:
                 return None
-        if not native.fuses(x, ex.w1, self.gate.weight, *(shared or ())):
+        if not native.fuses(x, w["w1"], g["weight"], *(shared or ())):
             return None
-        c = self.gate.config
-        return native.Router(self.gate.weight, self.gate.bias, c.score_func, c.gate_temp,
+        c = gate.config
+        return native.Router(g["weight"], g["bias"], c.score_func, c.gate_temp,
                              c.n_activated_experts, c.norm_topk_prob, c.route_scale,
-                             (ex.w1, ex.w2, ex.w3)), shared
+                             (w["w1"], w["w2"], w["w3"])), shared
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor,
                   chosen: torch.Tensor) -> torch.Tensor:
@@ -1255,31 +1263,41 @@ class Layer(nn.Module):
         """The attention half up to the attention, hyper-connection and norm included, as
         one C call (`native.attention_block_in`) where the attention's own projections run
         in C: (pre, post, comb, the attention input, (qr, q, window)); else None."""
-        attn, hc = self.attn, self.hc_attn
-        if (not isinstance(attn, Attention) or not attn._projects_in_c(x, ctx)
-                or not native.fuses(x, hc.fn, hc.scale, hc.base, self.attn_norm.weight)):
+        mods = self._modules  # read from the dicts: see MoE.fused_parts
+        attn, hc = mods["attn"], mods["hc_attn"]
+        if not isinstance(attn, Attention) or not attn._projects_in_c(x, ctx):
+            return None
+        h, norm = hc._parameters, mods["attn_norm"]._parameters["weight"]
+        mixing = (h["fn"], h["scale"], h["base"])
+        if not native.fuses(x, *mixing, norm):
             return None
         c = hc.config
+        a = attn._modules
+        weight = {name: a[name]._parameters["weight"]
+                  for name in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm")}
         positions = token_positions(start, x.shape[1], x.device)
         pre, post, comb, y, *projected = native.attention_block_in(
-            x, (hc.fn, hc.scale, hc.base), c.hc_eps, c.hc_sinkhorn_iters, collapse_pre,
-            self.attn_norm.weight, positions, attn.wq_a.weight, attn.q_norm.weight,
-            attn.wq_b.weight, attn.wkv.weight, attn.kv_norm.weight, c.norm_eps, attn.freqs,
-            attn.n_local_heads)
+            x, mixing, c.hc_eps, c.hc_sinkhorn_iters, collapse_pre, norm, positions,
+            weight["wq_a"], weight["q_norm"], weight["wq_b"], weight["wkv"],
+            weight["kv_norm"], c.norm_eps, attn.freqs, attn.n_local_heads)
         return pre, post, comb, y, tuple(projected)
 
     def _ffn_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The feed-forward half, hyper-connection and norm included, as one C call
         (`native.ffn_block`) where the sublayer's own C call would run; else None."""
-        hc = self.hc_ffn
-        parts = self.ffn.fused_parts(x) if isinstance(self.ffn, MoE | DenseFFN) else None
-        if parts is None or not native.fuses(x, hc.fn, hc.scale, hc.base, self.ffn_norm.weight):
+        mods = self._modules  # read from the dicts: see MoE.fused_parts
+        hc, ffn = mods["hc_ffn"], mods["ffn"]
+        parts = ffn.fused_parts(x) if isinstance(ffn, MoE | DenseFFN) else None
+        if parts is None:
+            return None
+        h, norm = hc._parameters, mods["ffn_norm"]._parameters["weight"]
+        mixing = (h["fn"], h["scale"], h["base"])
+        if not native.fuses(x, *mixing, norm):
             return None
         c = hc.config
-        return native.ffn_block(x, (hc.fn, hc.scale, hc.base), c.norm_eps, c.hc_eps,
-                                c.hc_sinkhorn_iters, collapse_pre, self.ffn_norm.weight,
-                                *parts, self.ffn.limit)
+        return native.ffn_block(x, mixing, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+                                collapse_pre, norm, *parts, ffn.limit)
 
     def write_window(self, s: TokenStates, start: int, store: KVStore) -> None:
         """Only what later tokens read of this layer at the tokens of s: their window
