@@ -423,6 +423,12 @@ class HyperConnection(nn.Module):
             comb = comb / (comb.sum(-2, keepdim=True) + c.hc_eps)
         return pre, post, comb
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fn, scale, base) for a C call, read from the module's dict (MoE.fused_parts
+        says why)."""
+        p = self._parameters
+        return p["fn"], p["scale"], p["base"]
+
     @staticmethod
     def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """sum_i pre_i * copy i: [B, n, h, dim] -> [B, n, dim]."""
@@ -1267,12 +1273,10 @@ class Layer(nn.Module):
         attn, hc = mods["attn"], mods["hc_attn"]
         if not isinstance(attn, Attention) or not attn._projects_in_c(x, ctx):
             return None
-        h, norm = hc._parameters, mods["attn_norm"]._parameters["weight"]
-        mixing = (h["fn"], h["scale"], h["base"])
+        mixing, norm = hc.weights(), mods["attn_norm"]._parameters["weight"]
         if not native.fuses(x, *mixing, norm):
             return None
-        c = hc.config
-        a = attn._modules
+        c, a = hc.config, attn._modules
         weight = {name: a[name]._parameters["weight"]
                   for name in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm")}
         positions = token_positions(start, x.shape[1], x.device)
@@ -1291,8 +1295,7 @@ class Layer(nn.Module):
         parts = ffn.fused_parts(x) if isinstance(ffn, MoE | DenseFFN) else None
         if parts is None:
             return None
-        h, norm = hc._parameters, mods["ffn_norm"]._parameters["weight"]
-        mixing = (h["fn"], h["scale"], h["base"])
+        mixing, norm = hc.weights(), mods["ffn_norm"]._parameters["weight"]
         if not native.fuses(x, *mixing, norm):
             return None
         c = hc.config
