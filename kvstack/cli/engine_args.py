@@ -31,6 +31,11 @@ ENGINE_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                     "disk (--cache-dir), where a later run finds them")),
     ("--replay", "replay",
      dict(choices=("bounded", "exact"), help="decoder replay span of CED prefill")),
+    ("--window-checkpoints", "window_checkpoints",
+     dict(type=int, metavar="N",
+          help="window states of prefix-cache hits kept so that the next hit on the same "
+               "blocks copies one instead of replaying, each a window-ring slot's bytes of "
+               "--kv-budget; 0: every hit replays (default: %(default)s)")),
     ("--device", "device", dict(help="cpu or cuda (default: cuda when available)")),
     ("--threads", "threads",
      dict(type=positive_int, help="torch threads (default: half the cores, at most 8: all "
