@@ -582,7 +582,8 @@ def test_metrics_follow_prometheus_conventions(server):
     assert not any(s.name.endswith("_created") for s in samples)
     assert all(s.labels.get("model_name") == MODEL for s in samples)
     for total in ("kvstack:prefix_cache_hit_tokens", "kvstack:prefix_cache_queried_tokens",
-                  "kvstack:tokens_replayed", "kvstack:prompt_tokens", "kvstack:request_success"):
+                  "kvstack:tokens_replayed", "kvstack:window_checkpoint_restores",
+                  "kvstack:prompt_tokens", "kvstack:request_success"):
         assert families[total].type == "counter", total
     for level in ("kvstack:num_requests_running", "kvstack:device_blocks_used"):
         assert families[level].type == "gauge", level
