@@ -469,6 +469,25 @@ def test_a_decode_steps_compressor_in_one_call_equals_torchs():
             assert not torch.equal(result[True][1][layer][0], before[layer][0])  # written
 
 
+@pytest.mark.parametrize("query_format", ["fp4_ue8m0_32", "none"])
+def test_an_indexers_queries_in_one_call_equal_torchs(query_format):
+    """The query projection, RoPE, the rounding through the query format (or none) and the
+    head weights with their scale, for one token and several at their own positions."""
+    config = preset("tiny-v41").replace(index_query_format=query_format)
+    torch.manual_seed(0)
+    layer = next(layer for layer in Model(config).layers if layer.attn.indexer is not None)
+    indexer = layer.attn.indexer
+    with torch.no_grad():
+        for b, n in ((1, 1), (3, 2)):
+            x, qr = torch.randn(b, n, config.dim), torch.randn(b, n, config.q_lora_rank)
+            positions = torch.tensor([7, 300, 41][:b])[:, None] + torch.arange(n)
+            want_q, want_w = indexer._queries(x, qr, positions)
+            with native.active(True):
+                q, w = indexer._queries(x, qr, positions)
+            assert torch.allclose(q, want_q, rtol=1e-5, atol=1e-5)
+            assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6)
+
+
 def test_select_topk_chooses_torchs_entries():
     """Ties (to the earlier entry), both zeros, -inf entries dropped (fewer visible than
     k), NaN, k equal to the width: the same indices, ascending, -1 after them."""

@@ -590,6 +590,18 @@ class Indexer(nn.Module):
         """Index queries q [B, n, Hi, Di] and head weights w [B, n, Hi]."""
         c = self.config
         hi, di = c.index_n_heads, c.index_head_dim
+        scale = di**-0.5 * hi**-0.5
+        mods = self._modules  # read from the dict: see MoE.fused_parts
+        wq, wweights = mods["wq"], mods["wweights"]
+        if (type(wq) is nn.Linear and type(wweights) is nn.Linear
+                and self.freqs.dtype is torch.float64
+                and qr.shape[0] * qr.shape[1] <= FUSED_PROJECTION_TOKENS
+                and (c.index_query_format == "none" or native.decodes(c.index_query_format))
+                and native.fuses(qr, x, wq._parameters["weight"],
+                                 wweights._parameters["weight"])):
+            return native.index_queries(qr, x, positions, wq._parameters["weight"],
+                                        wweights._parameters["weight"], self.n_local_heads,
+                                        self.freqs, c.index_query_format, scale)
         q = rotate(self.wq(qr).unflatten(-1, (self.n_local_heads, di)), positions,
                    self.freqs).float()
         if c.index_query_format != "none":  # V4.1 scores FP4 queries against FP4 keys
@@ -600,7 +612,7 @@ class Indexer(nn.Module):
                 q = q + (rounded - q)  # straight_through's forward, rounding included
             else:
                 q = straight_through(q, c.index_query_format, check=False)
-        return q, self.wweights(x).float() * (di**-0.5 * hi**-0.5)
+        return q, self.wweights(x).float() * scale
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
                store: KVStore, n_entries: int) -> torch.Tensor:

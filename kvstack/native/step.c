@@ -650,3 +650,32 @@ void kv_compress_step(const float *x, int64_t b, int64_t dim, const int64_t *pos
     }
     free(values);
 }
+
+/* An indexer's queries and head weights for t tokens (kvstack.model.model.Indexer._queries):
+ * q [t, heads, di] = rope(qr [t, rank] wq^T) at positions [t], then, where a query format
+ * is given (element >= 0), q + (rounded - q) with rounded its values in that format
+ * (kv_quantize's, per head row: the straight-through forward); w [t, heads] = (x [t, dim]
+ * wweights^T) * scale. */
+void kv_index_queries(const float *qr, const float *x, int64_t t, int64_t rank, int64_t dim,
+                      const float *wq, const float *wweights, int64_t heads, int64_t di,
+                      const int64_t *positions, const double *freqs, int64_t half,
+                      int element, int scale_kind, int64_t block, const float *elem,
+                      const float *scale_table, float scale, float *q, float *w,
+                      int threads) {
+    float cs[512], sn[512];  /* half <= 512 */
+    small_linear(qr, t, rank, wq, heads * di, q, threads);
+    for (int64_t i = 0; i < t; i++) {
+        rope_angles(positions[i], freqs, half, 0, cs, sn);
+        rope_rows(q + i * heads * di, heads, di, cs, sn, half, q + i * heads * di);
+    }
+    if (element >= 0) {
+        float *rounded = malloc((size_t)(t * heads * di) * sizeof(float));
+        if (!rounded) abort();
+        kv_quantize(q, t * heads, di, element, scale_kind, block, elem, scale_table, NULL,
+                    rounded);
+        for (int64_t i = 0; i < t * heads * di; i++) q[i] = q[i] + (rounded[i] - q[i]);
+        free(rounded);
+    }
+    small_linear(x, t, dim, wweights, heads, w, threads);
+    for (int64_t i = 0; i < t * heads; i++) w[i] = w[i] * scale;
+}
