@@ -865,25 +865,27 @@ class Attention(nn.Module):
                 part.freqs = self.freqs
 
     def forward(self, x: torch.Tensor, start: int, store: KVStore, ctx: StepContext,
-                projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                projected: tuple[torch.Tensor, ...] | None = None,
                 spread: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:
-        """Attention over x [B, n, dim] at start: [B, n, dim]. `projected`: the (qr, q,
-        window) the C projections in already made of x (`native.attention_block_in`).
+        """Attention over x [B, n, dim] at start: [B, n, dim]. `projected`: the
+        (positions, qr, q, window) the C projections in already made of x
+        (`native.attention_block_in`).
         `spread`: the residual copies, post and comb of the layer's hyper-connection, to
         spread the output over (`HyperConnection.post`) before returning [B, n, h, dim]."""
         c, spec = self.config, self.spec
         n = x.shape[1]
-        positions = token_positions(start, n, x.device)  # [1 or B, n]
         in_c = self._projects_in_c(x, ctx)  # in and out alike: the same tokens
         if in_c and projected is not None:
-            qr, q, window = projected
+            positions, qr, q, window = projected  # positions [1 or B, n]
         elif in_c:
+            positions = token_positions(start, n, x.device)
             qr, q, window = native.attention_in(
                 x, positions, self.wq_a.weight, self.q_norm.weight, self.wq_b.weight,
                 self.wkv.weight, self.kv_norm.weight, c.norm_eps, self.freqs,
                 self.n_local_heads)
         else:
+            positions = token_positions(start, n, x.device)
             qr = self.q_norm(self.wq_a(x))
             q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
                        positions, self.freqs)
@@ -1280,7 +1282,8 @@ class Layer(nn.Module):
                         ) -> tuple[torch.Tensor, ...] | None:
         """The attention half up to the attention, hyper-connection and norm included, as
         one C call (`native.attention_block_in`) where the attention's own projections run
-        in C: (pre, post, comb, the attention input, (qr, q, window)); else None."""
+        in C: (pre, post, comb, the attention input, (positions, qr, q, window)); else
+        None."""
         mods = self._modules  # read from the dicts: see MoE.fused_parts
         attn, hc = mods["attn"], mods["hc_attn"]
         if not isinstance(attn, Attention) or not attn._projects_in_c(x, ctx):
@@ -1296,7 +1299,7 @@ class Layer(nn.Module):
             x, mixing, c.hc_eps, c.hc_sinkhorn_iters, collapse_pre, norm, positions,
             weight["wq_a"], weight["q_norm"], weight["wq_b"], weight["wkv"],
             weight["kv_norm"], c.norm_eps, attn.freqs, attn.n_local_heads)
-        return pre, post, comb, y, tuple(projected)
+        return pre, post, comb, y, (positions, *projected)
 
     def _ffn_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
