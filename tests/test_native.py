@@ -384,6 +384,108 @@ def test_a_layers_feed_forward_half_in_one_call_equals_torchs(routed, residual):
             assert torch.allclose(got_pre, pre, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("routed", [8, 0])
+def test_a_feed_forward_half_without_hyper_connections_in_one_call_equals_torchs(routed):
+    """A layer of one residual (the dense control's): the norm, the MoE or a dense FFN
+    and the residual added, as one C call."""
+    config = dense_control(preset("tiny")).replace(
+        n_routed_experts=routed, n_activated_experts=min(2, routed), inter_dim=48)
+    torch.manual_seed(0)
+    layer = Layer(config, config.layers[1])
+    assert layer.hc_ffn is None
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+        for b, n in ((1, 1), (3, 2)):
+            x = torch.randn(b, n, config.dim)
+            assert layer._ffn_in_c(x, None) is None  # outside an engine step: torch
+            want = x + layer.ffn(layer.ffn_norm(x))
+            with native.active(True):
+                got, pre = layer._ffn_in_c(x, None)
+            assert pre is None
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _dense_block_inputs(fmt: str, g: torch.Generator, dim: int = 48, h: int = 4,
+                       kv_heads: int = 2, d: int = 32) -> dict:
+    """Pools of random rows, three sequences at their own positions through a block table,
+    and where each one's new row goes."""
+    b, per, n_blocks = 3, 4, 9
+    pools = {kind: PackedRows(fmt, kv_heads * d, (n_blocks, per), torch.device("cpu"))
+             for kind in ("k", "v")}
+    for rows in pools.values():
+        rows.data[:], _ = rows.pack(torch.randn(n_blocks, per, kv_heads * d, generator=g))
+    positions = torch.tensor([8, 0, 13])
+    block_table = torch.stack([torch.randperm(n_blocks, generator=g)[:4] for _ in range(b)])
+    new_rows = (block_table.gather(1, (positions // per)[:, None])[:, 0], positions % per)
+    return dict(pools=pools, positions=positions, block_table=block_table, new_rows=new_rows,
+                lengths=positions + 1, h=h, kv_heads=kv_heads, d=d, dim=dim,
+                freqs=1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+
+
+def _dense_block(x, norm, eps, wq, wk, wv, wo, fmt, i) -> torch.Tensor:
+    return native.dense_attention_block(
+        x, norm, eps, wq, wk, wv, wo, i["h"], i["positions"], i["freqs"],
+        i["pools"]["k"].data, i["pools"]["v"].data, fmt, i["block_table"], i["new_rows"],
+        i["lengths"])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ue8m0_32"])
+def test_a_dense_decode_steps_attention_half_in_one_call_equals_torchs(fmt):
+    """Norm, projections, RoPE, the new key and value rows packed into the pools, GQA over
+    each sequence's rows and the output projection with the residual, for three sequences
+    at their own positions through a block table: the bytes `PackedRows.pack` writes, and
+    the output of the separate ops within float rounding."""
+    g = torch.Generator().manual_seed(5)
+    i = _dense_block_inputs(fmt, g)
+    dim, h, kv, d, pools = i["dim"], i["h"], i["kv_heads"] * i["d"], i["d"], i["pools"]
+    norm = RMSNorm(dim, 1e-6)
+    norm.weight.data = torch.rand(dim, generator=g) + 0.5
+    wq, wo = torch.randn(h * d, dim, generator=g) * 0.2, torch.randn(dim, h * d, generator=g) * 0.2
+    wk, wv = torch.randn(kv, dim, generator=g) * 0.2, torch.randn(kv, dim, generator=g) * 0.2
+    x = torch.randn(3, dim, generator=g)
+    y, at = norm(x)[:, None], i["positions"][:, None]
+    q = rotate((y @ wq.T).unflatten(-1, (h, d)), at, i["freqs"])
+    new = {"k": rotate((y @ wk.T).unflatten(-1, (kv // d, d)), at, i["freqs"]).flatten(2),
+           "v": y @ wv.T}
+    want_pools = {kind: rows.data.clone() for kind, rows in pools.items()}
+    for kind, values in new.items():
+        want_pools[kind][i["new_rows"]] = pools[kind].pack(values[:, 0])[0]
+    attended = native.dense_attention(q[:, 0], want_pools["k"], want_pools["v"], fmt, kv,
+                                      i["block_table"], i["lengths"])
+    want = x + attended.flatten(1) @ wo.T
+    got = _dense_block(x, norm.weight, 1e-6, wq, wk, wv, wo, fmt, i)
+    for kind in ("k", "v"):
+        assert torch.equal(pools[kind].data, want_pools[kind]), kind
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dense_decode_step_rounds_its_bf16_rows_as_torch_does():
+    """Values on bf16 ties (to even, both ways, either sign) and NaN: the bytes torch's
+    conversion gives. The inputs make the projections exact (a residual of ones and no eps:
+    the norm is its weight; one-hot weights: each value is one of them)."""
+    g = torch.Generator().manual_seed(6)
+    i = _dense_block_inputs("bf16", g, dim=64, h=2, kv_heads=1, d=64)
+    i["positions"][:] = 0  # no rotation: cos 0 = 1, sin 0 = 0
+    i["lengths"] = i["positions"] + 1
+    i["new_rows"] = (i["block_table"][:, 0], torch.zeros(3, dtype=torch.long))
+    ties = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), -(2 + 3 * 2.0**-7)])
+    weight = torch.cat([ties, torch.randn(60, generator=g)])
+    eye = torch.eye(64)
+    for nan in (False, True):
+        w = weight.clone()
+        if nan:
+            w[10] = float("nan")
+        rows = i["pools"]["v"]
+        _dense_block(torch.ones(3, 64), w, 0.0, torch.randn(128, 64, generator=g), eye, eye,
+                     torch.randn(64, 128, generator=g), "bf16", i)
+        written = rows.data[i["new_rows"]]
+        want = pack_rows(quantize(w.expand(3, 64) if not nan else
+                                  torch.full((3, 64), float("nan")), "bf16", check=False))
+        assert torch.equal(written, want)
+        assert torch.equal(i["pools"]["k"].data[i["new_rows"]], want)
+
+
 @pytest.mark.parametrize("residual", ["single_pass", "per_site"])
 def test_a_layers_attention_half_ends_in_one_call_each_equal_torchs(residual):
     """Before the attention: the hyper-connection's mixes, the collapse (the previous

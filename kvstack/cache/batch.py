@@ -16,6 +16,7 @@ import torch
 
 from kvstack import native
 from kvstack.cache.paged import PagedSequenceStore
+from kvstack.cache.rows import PackedRows
 from kvstack.cache.store import KVStore
 from kvstack.formats import dequantize, unpack_rows
 
@@ -72,7 +73,8 @@ class DecodeBatch(KVStore):
                                   device=dev)  # [B]
         self.block_table = torch.tensor(  # [B, max_blocks]
             [t + [null] * (width - len(t)) for t in tables], device=dev)
-        self.stream_lens = {layer: (self.positions + 1) // r  # [B], this step's entry included
+        lens = {r: (self.positions + 1) // r for r in set(pools.ratios.values())}
+        self.stream_lens = {layer: lens[r]  # [B], this step's entry included
                             for layer, r in pools.ratios.items()}
         # The ids before each new token that Engram hashes (host copies, so the step
         # itself builds nothing from host lists).
@@ -82,15 +84,18 @@ class DecodeBatch(KVStore):
             [[0] * max(0, count - len(ids)) + ids[max(0, len(ids) - count):] if count else []
              for ids in held], dtype=torch.long, device=dev)  # [B, count]
         # Where each stream layer's new entry goes: its row for the sequences whose token
-        # completes a group, row 0 of the null block for the rest.
-        self._new_rows = {}
+        # completes a group, row 0 of the null block for the rest. Layers of one ratio
+        # share it (and their entry counts), so each is made once per ratio.
+        self._new_rows, by_ratio = {}, {}
         for layer, r in pools.ratios.items():
-            per = pools.block_tokens // r
-            entry = self.stream_lens[layer] - 1
-            block = self.block_table.gather(1, (entry.clamp(min=0) // per)[:, None])[:, 0]
-            complete = (self.positions + 1) % r == 0
-            self._new_rows[layer] = (torch.where(complete, block, null),
-                                     torch.where(complete, entry % per, 0))
+            if r not in by_ratio:
+                per = pools.block_tokens // r
+                entry = self.stream_lens[layer] - 1
+                block = self.block_table.gather(1, (entry.clamp(min=0) // per)[:, None])[:, 0]
+                complete = (self.positions + 1) % r == 0
+                by_ratio[r] = (torch.where(complete, block, null),
+                               torch.where(complete, entry % per, 0))
+            self._new_rows[layer] = by_ratio[r]
 
     def mark_dynamic(self) -> None:
         """For a traced step (Model.compile_decode): the table's width is symbolic, so
@@ -249,6 +254,16 @@ class DecodeBatch(KVStore):
     def attends_dense(self) -> bool:
         """Whether `attend_dense` runs a dense layer's attention: the C kernel."""
         return self.c_attention and not torch.compiler.is_compiling()
+
+    def dense_stream(self, layer: int) -> tuple[PackedRows, PackedRows,
+                                                tuple[torch.Tensor, torch.Tensor],
+                                                torch.Tensor]:
+        """Where `attends_dense()`, what a C step that writes this step's rows of a dense
+        layer and attends over them in one call takes beside `block_table`: the "k" and
+        "v" pools, where the new rows go (block [B], offset [B]) and each sequence's
+        entries with them [B]."""
+        return (self.pools.rows[layer, "k"], self.pools.rows[layer, "v"],
+                self._new_rows[layer], self.stream_lens[layer])
 
     def attend_dense(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Where `attends_dense()`: q [B, 1, H, D] over every entry of the dense layer's

@@ -1158,6 +1158,29 @@ class DenseAttention(nn.Module):
         self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
+    def decode_block(self, x: torch.Tensor, norm: RMSNorm, start: int | torch.Tensor,
+                     store: KVStore) -> torch.Tensor | None:
+        """x + this attention of norm(x) for a decode step's x [B, 1, dim] as one C call
+        (`native.dense_attention_block`: norm, projections, RoPE, the new rows packed
+        into the store's pools, attention over them, output projection, residual) where
+        the store reads its rows in C and the weights are float; else None."""
+        mods = self._modules  # read from the dicts: see MoE.fused_parts
+        layers = (mods["wq"], mods["wk"], mods["wv"], mods["wo"])
+        if x.shape[1] != 1 or not isinstance(start, torch.Tensor) \
+                or not all(type(m) is nn.Linear for m in layers) \
+                or self.freqs.dtype is not torch.float64 or not store.attends_dense():
+            return None
+        weights = [m._parameters["weight"] for m in layers]
+        norm_weight = norm._parameters["weight"]
+        if not native.fuses(x, norm_weight, *weights):
+            return None
+        k_rows, v_rows, new_rows, lengths = store.dense_stream(self.layer)
+        out = native.dense_attention_block(
+            x[:, 0], norm_weight, norm.eps, *weights, self.config.n_heads, start,
+            self.freqs, k_rows.data, v_rows.data, k_rows.fmt, store.block_table, new_rows,
+            lengths)
+        return out[:, None]
+
     def forward(self, x: torch.Tensor, start: int, store: KVStore,
                 ctx: StepContext) -> torch.Tensor:
         c = self.config
@@ -1252,8 +1275,14 @@ class Layer(nn.Module):
         if self.spec.index in ctx.draft_targets:
             ctx.draft_inputs[self.spec.index] = x.mean(2)
         if self.hc_attn is None:
-            x = x + self.attn(self.attn_norm(x), start, store, ctx)
-            return TokenStates(x + self.ffn(self.ffn_norm(x)), None, s.engram_rows)
+            mods = self._modules  # read from the dicts: see MoE.fused_parts
+            attn, norm = mods["attn"], mods["attn_norm"]
+            fused = (attn.decode_block(x, norm, start, store)
+                     if isinstance(attn, DenseAttention) else None)
+            x = fused if fused is not None else x + attn(norm(x), start, store, ctx)
+            fused = self._ffn_in_c(x, None)
+            x = fused[0] if fused is not None else x + self.ffn(self.ffn_norm(x))
+            return TokenStates(x, None, s.engram_rows)
         collapse_pre = s.mix if self.single_pass else None  # None: the mixes' own pre
         fused = self._attention_in_c(x, collapse_pre, start, ctx)
         if fused is not None:
@@ -1303,19 +1332,23 @@ class Layer(nn.Module):
 
     def _ffn_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The feed-forward half, hyper-connection and norm included, as one C call
-        (`native.ffn_block`) where the sublayer's own C call would run; else None."""
+        """The feed-forward half, hyper-connection (if any) and norm included, as one C
+        call (`native.ffn_block`) where the sublayer's own C call would run: (the new
+        residual, the mixes' pre or None without a hyper-connection); else None."""
         mods = self._modules  # read from the dicts: see MoE.fused_parts
-        hc, ffn = mods["hc_ffn"], mods["ffn"]
+        hc, ffn, norm = mods.get("hc_ffn"), mods["ffn"], mods["ffn_norm"]
         parts = ffn.fused_parts(x) if isinstance(ffn, MoE | DenseFFN) else None
         if parts is None:
             return None
-        mixing, norm = hc.weights(), mods["ffn_norm"]._parameters["weight"]
-        if not native.fuses(x, *mixing, norm):
+        mixing, weight = (None if hc is None else hc.weights()), norm._parameters["weight"]
+        if not native.fuses(x, *(mixing or ()), weight):
             return None
+        if hc is None:
+            return native.ffn_block(x, None, norm.eps, 0.0, 0, None, weight, *parts,
+                                    ffn.limit)
         c = hc.config
         return native.ffn_block(x, mixing, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                                collapse_pre, norm, *parts, ffn.limit)
+                                collapse_pre, weight, *parts, ffn.limit)
 
     def write_window(self, s: TokenStates, start: int, store: KVStore) -> None:
         """Only what later tokens read of this layer at the tokens of s: their window

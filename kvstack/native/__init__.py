@@ -114,6 +114,10 @@ _SIGNATURES = {
                      _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                      ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P,
                      _P, _P, ctypes.c_int],
+    "kv_dense_attention_block": [_P, _I, _I, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I, _I,
+                                 _P, _P, _I, _P, _P, _I, _I, _I, _P, _I, _P, _P, _P,
+                                 ctypes.c_int, ctypes.c_int, _I, ctypes.c_int, _P, _P,
+                                 ctypes.c_float, _P, ctypes.c_int],
 }
 _RESTYPES = {"kv_weights_isa": ctypes.c_int, "kv_fp8_has_nan": ctypes.c_int,
              "kv_quantize": ctypes.c_float}
@@ -466,6 +470,54 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         k_pool.shape[2], v_pool.shape[2], _ptr(table), table.shape[1], _ptr(lengths), block,
         packed, _ptr(elem), _ptr(scale), b, h, kv_heads, d, d**-0.5, _ptr(keys), _ptr(values),
         _ptr(logits), _ptr(out))
+    return out
+
+
+def dense_attention_block(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor,
+                          wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor, heads: int,
+                          positions: torch.Tensor, freqs: torch.Tensor, k_pool: torch.Tensor,
+                          v_pool: torch.Tensor, fmt: str, block_table: torch.Tensor,
+                          new_rows: tuple[torch.Tensor, torch.Tensor],
+                          lengths: torch.Tensor) -> torch.Tensor:
+    """A decode step of a dense layer's attention half for x [B, dim] (one new token of
+    each sequence, at positions [B]) with float weights (wq [heads * D, dim], wk and wv
+    [kv heads * D, dim], wo [dim, heads * D], the norm's weight, float64 RoPE freqs
+    [R/2]): RMSNorm, the projections, RoPE on q and k, k and v packed in format fmt into
+    the pools [blocks, per, bytes] at new_rows (block [B], offset [B]), causal GQA over each
+    sequence's entries 0 .. lengths[b] - 1 through block_table [B, max_blocks] (this
+    step's included), the output projection, the residual added: [B, dim]. What
+    `dense_attention` and the separate ops make, within float rounding; the rows written
+    are the bytes `PackedRows.pack` writes."""
+    b, dim = x.shape
+    kv_width, d, half = wk.shape[0], wq.shape[0] // heads, freqs.shape[0]
+    if (wq.shape != (heads * d, dim) or wv.shape != wk.shape or wk.shape[1] != dim
+            or kv_width % d or heads % (kv_width // d) or wo.shape != (dim, heads * d)
+            or half > 512 or 2 * half > d):
+        raise ValueError(f"dense_attention_block: weights {list(wq.shape)}, "
+                         f"{list(wk.shape)}, {list(wv.shape)}, {list(wo.shape)} with {heads} "
+                         f"heads and {2 * half} rotated dims do not fit x {list(x.shape)}")
+    f = get_format(fmt)
+    if f.element != "bf16":
+        check_width(f, kv_width)
+    # kv_quantize's element numbering; -1: bf16 bytes. (The block is the decoder's.)
+    element = -1 if f.element == "bf16" else int(f.element != "e2m1")
+    block, packed, elem, scale = _any_decoding(fmt)
+    for pool in (k_pool, v_pool):
+        if not pool.is_contiguous() or pool.shape[-1] != bytes_per_entry(fmt, kv_width):
+            raise ValueError(f"dense_attention_block: pools must be contiguous rows of "
+                             f"{bytes_per_entry(fmt, kv_width)} bytes")
+    x, norm = _as(x, torch.float32), _as(norm, torch.float32)
+    wq, wk, wv, wo = (_as(t, torch.float32) for t in (wq, wk, wv, wo))
+    positions, freqs = _as(positions.reshape(b), torch.int64), _as(freqs, torch.float64)
+    table, lengths = _as(block_table, torch.int64), _as(lengths, torch.int64)
+    new_block, new_offset = (_as(t, torch.int64) for t in new_rows)
+    out = torch.empty_like(x)
+    _load().kv_dense_attention_block(
+        _ptr(x), b, dim, _ptr(norm), eps, _ptr(wq), _ptr(wk), _ptr(wv), _ptr(wo), heads,
+        kv_width // d, d, _ptr(positions), _ptr(freqs), half, _ptr(k_pool), _ptr(v_pool),
+        k_pool.shape[1], k_pool.shape[2], v_pool.shape[2], _ptr(table), table.shape[1],
+        _ptr(new_block), _ptr(new_offset), _ptr(lengths), element, int(f.scale == "e4m3"),
+        block, packed, _ptr(elem), _ptr(scale), d**-0.5, _ptr(out), _threads())
     return out
 
 
@@ -945,17 +997,26 @@ def moe(x: torch.Tensor, router: Router,
     return out
 
 
-def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
               norm_eps: float, hc_eps: float, iters: int, collapse_pre: torch.Tensor | None,
               norm: torch.Tensor, router: Router | None,
               shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-              limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+              limit: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A layer's feed-forward half with its hyper-connection for x [..., h, dim] (h
     residual copies): its mixes (hc: fn, scale, base), the copies collapsed with
     collapse_pre [..., h] or the mixes' own pre (None), RMSNorm (norm), the float MoE
     (router, shared) or, without a router, the dense FFN `shared`, spread back: ([..., h,
     dim], the mixes' pre [..., h]), what `Layer.forward` computes there within float
-    rounding."""
+    rounding. hc None: a layer without hyper-connections, x [..., dim] the residual,
+    (x + the feed-forward of RMSNorm(x), None)."""
+    if hc is None:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        n, dim = x.numel() // x.shape[-1], x.shape[-1]
+        args, _held = _ffn_args(n, dim, router, shared, limit)  # alive past the call
+        _load().kv_ffn_block(_ptr(x), n, 1, dim, 0, 0, 0, norm_eps, hc_eps, iters, 0,
+                             _ptr(norm.contiguous()), *args, 0, _ptr(out), _threads())
+        return out, None
     *lead, h, dim = x.shape
     if (2 + h) * h > 64:
         raise ValueError(f"ffn_block: at most 6 residual copies, got {h}")

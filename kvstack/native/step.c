@@ -532,7 +532,9 @@ void kv_ring_write(const float *x, int64_t b, int64_t d, int element, int scale_
  * collapse_pre [n, h] (single-pass V4.1: the attention half's pre) or, NULL, with the
  * mixes' own pre; RMSNorm (norm_w, norm_eps); the float feed-forward (kv_moe: router,
  * routed and shared experts; n_experts = 0 and k = 0, a dense FFN of the shared weights
- * alone); spread back over the copies (kv_hc_post): out [n, h, dim]. The same calls in
+ * alone); spread back over the copies (kv_hc_post): out [n, h, dim]. Without a
+ * hyper-connection (fn NULL, h = 1, pre untouched) the residual x [n, dim] goes into the
+ * norm itself and out = x + the feed-forward's output. The same calls in
  * the same order as the separate ones the model otherwise makes, so the same floats.
  * scratch and ints: kv_moe's, or, dense, n * shared_inter floats and n int64. */
 void kv_ffn_block(const float *x, int64_t n, int64_t h, int64_t dim, const float *fn,
@@ -547,9 +549,13 @@ void kv_ffn_block(const float *x, int64_t n, int64_t h, int64_t dim, const float
     if (!post) abort();
     float *comb = post + n * h, *y = comb + n * h * h, *normed = y + n * dim;
     float *ffn = normed + n * dim;
-    kv_hc_mixes(x, n, h, dim, fn, scale, base, norm_eps, hc_eps, iters, pre, post, comb,
-                threads);
-    kv_hc_collapse(x, collapse_pre ? collapse_pre : pre, n, h, dim, y);
+    if (fn) {
+        kv_hc_mixes(x, n, h, dim, fn, scale, base, norm_eps, hc_eps, iters, pre, post, comb,
+                    threads);
+        kv_hc_collapse(x, collapse_pre ? collapse_pre : pre, n, h, dim, y);
+    } else {
+        memcpy(y, x, (size_t)(n * dim) * sizeof(float));
+    }
     kv_rmsnorm(y, n, dim, norm_w, norm_eps, normed);
     if (n_experts > 0) {
         kv_moe(normed, n, dim, gate_w, bias, n_experts, score_func, temp, k, renormalise,
@@ -559,7 +565,10 @@ void kv_ffn_block(const float *x, int64_t n, int64_t h, int64_t dim, const float
         for (int64_t t = 0; t < n; t++) ints[t] = t;
         expert_rows(normed, dim, ints, NULL, n, s1, s2, s3, shared_inter, limit, scratch, ffn);
     }
-    kv_hc_post(ffn, x, post, comb, n, h, dim, out);
+    if (fn)
+        kv_hc_post(ffn, x, post, comb, n, h, dim, out);
+    else
+        for (int64_t i = 0; i < n * dim; i++) out[i] = x[i] + ffn[i];
     free(post);
 }
 
@@ -596,6 +605,92 @@ void kv_attention_out_spread(float *o, int64_t t, int64_t heads, int64_t d,
     kv_attention_out(o, t, heads, d, positions, freqs, half, wo_a, g, rank, wo_b, dim, low, y,
                      threads);
     kv_hc_post(y, x, post, comb, t, h, dim, out);
+}
+
+/* kernels.c's dense attention, read here after the new rows are written. */
+void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_pool,
+                        int64_t per, int64_t k_bytes, int64_t v_bytes,
+                        const int64_t *block_table, int64_t max_blocks, const int64_t *lengths,
+                        int64_t block, int packed, const float *elem, const float *scale_table,
+                        int64_t b, int64_t h, int64_t kv_heads, int64_t d, float scale,
+                        float *keys, float *values, float *logits, float *out);
+
+/* A float's bf16 bits as torch's conversion of a float32 tensor makes them: to nearest,
+ * ties to even; any NaN to 0xffff (its vectorised conversion's, at every length). */
+static inline uint16_t bf16_bits(float f) {
+    const uint32_t u = bits_of(f);
+    if (f != f) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n rows of `width` values into packed rows of the cache's format: bf16 (element < 0)
+ * or a block-scaled one (kv_quantize's element, scale_kind, block and tables). */
+static void pack_rows(const float *x, int64_t width, int element, int scale_kind,
+                      int64_t block, const float *elem, const float *scale_table,
+                      uint8_t *row) {
+    if (element >= 0) {
+        kv_quantize(x, 1, width, element, scale_kind, block, elem, scale_table, row, NULL);
+        return;
+    }
+    for (int64_t i = 0; i < width; i++) {
+        const uint16_t bits = bf16_bits(x[i]);
+        row[2 * i] = (uint8_t)(bits & 0xff);
+        row[2 * i + 1] = (uint8_t)(bits >> 8);
+    }
+}
+
+/* One decode step of a dense layer's attention half (kvstack.model.model.DenseAttention,
+ * the dense control's) for b sequences, one residual each, x [b, dim] at positions [b]:
+ *   y = RMSNorm(x) (norm_w, eps)
+ *   q [b, heads, d] = rope(y wq^T), k [b, kv_heads * d] = rope(y wk^T), v = y wv^T
+ *   k and v packed (pack_rows) into row new_offset[s] of block new_block[s] of k_pool and
+ *   v_pool [blocks, per, bytes]; causal GQA of q over each sequence's entries 0 ..
+ *   lengths[s] - 1 through block_table [b, max_blocks] (kv_dense_attention: logits times
+ *   `scale`, rows decoded with `block`, `packed` and the tables as kernels.c reads them)
+ *   out [b, dim] = x + attention wo^T.
+ * The RoPE turns each head's last 2 * half values. The steps torch takes one by one, in
+ * the same order. */
+void kv_dense_attention_block(const float *x, int64_t b, int64_t dim, const float *norm_w,
+                              float eps, const float *wq, const float *wk, const float *wv,
+                              const float *wo, int64_t heads, int64_t kv_heads, int64_t d,
+                              const int64_t *positions, const double *freqs, int64_t half,
+                              uint8_t *k_pool, uint8_t *v_pool, int64_t per, int64_t k_bytes,
+                              int64_t v_bytes, const int64_t *block_table, int64_t max_blocks,
+                              const int64_t *new_block, const int64_t *new_offset,
+                              const int64_t *lengths, int element, int scale_kind,
+                              int64_t block, int packed, const float *elem,
+                              const float *scale_table, float scale, float *out,
+                              int threads) {
+    const int64_t width = kv_heads * d;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < b; s++) longest = lengths[s] > longest ? lengths[s] : longest;
+    float *y = malloc((size_t)(b * dim + 2 * b * heads * d + 2 * b * width
+                               + 2 * longest * width + longest) * sizeof(float));
+    if (!y) abort();
+    float *q = y + b * dim, *k = q + b * heads * d, *v = k + b * width;
+    float *attended = v + b * width, *keys = attended + b * heads * d;
+    float *values = keys + longest * width, *logits = values + longest * width;
+    float cs[512], sn[512];  /* half <= 512 */
+    kv_rmsnorm(x, b, dim, norm_w, eps, y);
+    small_linear(y, b, dim, wq, heads * d, q, threads);
+    small_linear(y, b, dim, wk, width, k, threads);
+    small_linear(y, b, dim, wv, width, v, threads);
+    for (int64_t s = 0; s < b; s++) {
+        rope_angles(positions[s], freqs, half, 0, cs, sn);
+        rope_rows(q + s * heads * d, heads, d, cs, sn, half, q + s * heads * d);
+        rope_rows(k + s * width, kv_heads, d, cs, sn, half, k + s * width);
+        const int64_t row = new_block[s] * per + new_offset[s];
+        pack_rows(k + s * width, width, element, scale_kind, block, elem, scale_table,
+                  k_pool + row * k_bytes);
+        pack_rows(v + s * width, width, element, scale_kind, block, elem, scale_table,
+                  v_pool + row * v_bytes);
+    }
+    kv_dense_attention(q, k_pool, v_pool, per, k_bytes, v_bytes, block_table, max_blocks,
+                       lengths, block, packed, elem, scale_table, b, heads, kv_heads, d,
+                       scale, keys, values, logits, attended);
+    small_linear(attended, b, heads * d, wo, dim, out, threads);
+    for (int64_t i = 0; i < b * dim; i++) out[i] = x[i] + out[i];
+    free(y);
 }
 
 /* A decode step's compressor (kvstack.model.model.Compressor._compress_step) for b
