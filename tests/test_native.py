@@ -247,6 +247,36 @@ def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt):
         assert torch.allclose(out[i], want, atol=1e-5, rtol=1e-5), i
 
 
+def test_an_attention_call_that_writes_the_window_first_equals_the_two_calls():
+    """This step's window entries handed to the attention's call: the ring's bytes and
+    positions and the output of `ring_write` then `sparse_attention`, bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    b, h, d, window, per, n_blocks = 3, 2, 64, 8, 4, 5
+    cpu = torch.device("cpu")
+    rings = PackedRows("fp8_ue8m0_32", d, (4, window), cpu)
+    rings.data[:], _ = rings.pack(torch.randn(4, window, d, generator=g))
+    pool = PackedRows("fp4_e4m3_16", d, (n_blocks, per), cpu)
+    pool.data[:], _ = pool.pack(torch.randn(n_blocks, per, d, generator=g))
+    ring_pos = torch.randint(0, 20, (4, window), generator=g)
+    slots, positions = torch.tensor([2, 0, 3]), torch.tensor([17, 3, 20])
+    block_table = torch.stack([torch.randperm(n_blocks, generator=g) for _ in range(b)])
+    selected = torch.tensor([[0, 5, -1], [-1, -1, -1], [3, 1, 2]])
+    q, sink = torch.randn(b, h, d, generator=g), torch.tensor([0.5, -1.0])
+    entries = torch.randn(b, d, generator=g) * 3
+    want_rings, want_pos = rings.data.clone(), ring_pos.clone()
+    native.ring_write(entries, rings.fmt, want_rings, want_pos, slots, positions)
+    args = (pool.data, pool.fmt, block_table, selected, window)
+    want = native.sparse_attention(q, sink, want_rings, rings.fmt, want_pos, slots, positions,
+                                   *args)
+    got = native.sparse_attention(q, sink, rings.data, rings.fmt, ring_pos, slots, positions,
+                                  *args, new_entries=entries)
+    assert torch.equal(rings.data, want_rings) and torch.equal(ring_pos, want_pos)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="in place"):
+        native.sparse_attention(q, sink, rings.data, rings.fmt, ring_pos.int(), slots,
+                                positions, *args, new_entries=entries)
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_the_attention_projections_in_and_out_equal_torchs(tokens):
     """One token and a few, sequences at their own positions and one shared start, YaRN's

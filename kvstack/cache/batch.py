@@ -275,11 +275,18 @@ class DecodeBatch(KVStore):
         return out[:, None].type_as(q)
 
     def attend(self, layer: int, source: int | None, q: torch.Tensor,
-               selected: torch.Tensor | None, sink: torch.Tensor) -> torch.Tensor:
+               selected: torch.Tensor | None, sink: torch.Tensor,
+               window: torch.Tensor | None = None) -> torch.Tensor:
         """Where `attends()`: q [B, 1, H, D] over the layer's window ring (the new entry
         written) and the selected entries of source's stream ([B, 1, k], -1 for none;
-        None for none at all), with the sink: [B, 1, H, D]."""
+        None for none at all), with the sink: [B, 1, H, D]. window: this step's window
+        entries [B, 1, D], written first as `write_window` writes them (on a CPU, in the
+        attention's own C call), where the caller has not written them."""
         ring = self.rings.rows[layer]
+        in_call = (window is not None and not self.triton and native.fuses(window)
+                   and native.decodes(ring.fmt))
+        if window is not None and not in_call:
+            self.write_window(layer, window, self.positions)
         if selected is None or source is None:
             pool = ring
             chosen = torch.full((self.batch_size, 0), -1, dtype=torch.long, device=self.device)
@@ -294,8 +301,8 @@ class DecodeBatch(KVStore):
         else:
             out = native.sparse_attention(
                 q[:, 0], sink, ring.data, ring.fmt, self.rings.pos[layer], self.slots,
-                self.positions, pool.data, pool.fmt,
-                self.block_table, chosen, self.config.window_size)
+                self.positions, pool.data, pool.fmt, self.block_table, chosen,
+                self.config.window_size, window[:, 0] if in_call else None)
         return out[:, None].type_as(q)
 
 

@@ -890,11 +890,10 @@ class Attention(nn.Module):
             q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
                        positions, self.freqs)
             window = self._window_entries(x, positions)
-        # A kernel backend reads the ring itself, once the new entry is in it.
+        # A kernel backend reads the ring itself, once the new entry is in it: `attend`
+        # writes it (nothing reads the ring before).
         kernel = store.attends() and ctx.instruments is None and not (ctx.collect or ctx.dense)
-        if kernel:
-            store.write_window(spec.index, window, start)
-        else:
+        if not kernel:
             window, window_positions = store.attend_window(spec.index, window, start)
 
         if self.compressor is not None:
@@ -950,7 +949,7 @@ class Attention(nn.Module):
                 selected = topks[-1] if topks else ctx.topk[spec.index_source][:, tile]
             if kernel:
                 outs.append(store.attend(spec.index, spec.kv_source, q[:, tile], selected,
-                                         self.sink))
+                                         self.sink, window if i == 0 else None))
             else:
                 outs.append(self._attend(q[:, tile], positions[:, tile], window,
                                          window_positions, store, all_kv, selected, ctx,

@@ -74,6 +74,10 @@ _SIGNATURES = {
     "kv_sparse_attention": [_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int, _P, _P, _P,
                             _I, _I, _P, _I, _P, _I, _I, ctypes.c_int, _P, _P, _I, _I, _I,
                             ctypes.c_float, _P, _P, _P, ctypes.c_int],
+    "kv_ring_write_attend": [_P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _I, _P, _P, _P, _I,
+                             _I, _I, ctypes.c_int, _P, _P, _P, _I, _I, _P, _I, _P, _I, _I,
+                             ctypes.c_int, _P, _P, _I, _I, _I, ctypes.c_float, _P, _P, _P,
+                             ctypes.c_int],
     "kv_prefill_attention": [_P, _P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I,
                              ctypes.c_float, _P, ctypes.c_int],
     "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
@@ -391,18 +395,21 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
                      ring_positions: torch.Tensor, slots: torch.Tensor,
                      positions: torch.Tensor, pool: torch.Tensor, kv_fmt: str,
                      block_table: torch.Tensor, selected: torch.Tensor,
-                     window_size: int) -> torch.Tensor:
+                     window_size: int, new_entries: torch.Tensor | None = None) -> torch.Tensor:
     """`kvstack.cache.kernels.sparse_attention` from the packed rows on a CPU, for any
     ring and stream formats: q [B, H, D] over each sequence's window ring
     rows (ring [slots, W, bytes], ring_positions [slots, W]) at its slot and the entries
     it selected (selected [B, k], -1 for none, from pool [blocks, per, bytes] through
     block_table), the sink [H] in the denominator: [B, H, D] float32, within float
-    rounding of the model's softmax over the values the store hands back."""
+    rounding of the model's softmax over the values the store hands back. new_entries:
+    this step's window entries [B, D] float32, written first as `ring_write` writes them
+    (a block-scaled ring, contiguous, written in place), in the same call."""
     b, h, d = q.shape
     w, k = ring.shape[1], selected.shape[1]
     ring_block, ring_packed, ring_elem, ring_scale = _any_decoding(ring_fmt)
     kv_block, kv_packed, kv_elem, kv_scale = _any_decoding(kv_fmt)
     q = _as(q, torch.float32)
+    ring_before = ring.data_ptr()
     ring, pool = ring.contiguous(), pool.contiguous()
     ints = [_as(t, torch.int64) for t in (ring_positions, slots, positions, block_table,
                                            selected)]
@@ -410,8 +417,19 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
     logits = torch.empty(h, w + k, dtype=torch.float32)  # then each head's probabilities
     out = torch.empty(b, h, d, dtype=torch.float32)
     sink = _as(sink, torch.float32)
-    _load().kv_sparse_attention(
-        _ptr(q), _ptr(sink), _ptr(ring), ring.shape[2], _ptr(ints[0]),
+    lib, lead = _load(), []
+    call = lib.kv_sparse_attention
+    if new_entries is not None:
+        f = get_format(ring_fmt)
+        if not (ring.data_ptr() == ring_before and ints[0].data_ptr() == ring_positions.data_ptr()
+                and decodes(ring_fmt)):
+            raise ValueError("sparse_attention: new entries go into a contiguous "
+                             "block-scaled ring with int64 positions, in place")
+        new_entries = _as(new_entries, torch.float32)
+        lead = [_ptr(new_entries), int(f.element != "e2m1"), int(f.scale == "e4m3")]
+        call = lib.kv_ring_write_attend
+    call(
+        *lead, _ptr(q), _ptr(sink), _ptr(ring), ring.shape[2], _ptr(ints[0]),
         _ptr(ints[1]), _ptr(ints[2]), w, window_size, ring_block, ring_packed,
         _ptr(ring_elem), _ptr(ring_scale), _ptr(pool), pool.shape[1], pool.shape[2],
         _ptr(ints[3]), ints[3].shape[1], _ptr(ints[4]), k, kv_block, kv_packed, _ptr(kv_elem),

@@ -526,6 +526,42 @@ void kv_ring_write(const float *x, int64_t b, int64_t d, int element, int scale_
     }
 }
 
+void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
+                         int64_t ring_bytes, const int64_t *ring_pos, const int64_t *slots,
+                         const int64_t *positions, int64_t w, int64_t window_size,
+                         int64_t ring_block, int ring_packed, const float *ring_elem,
+                         const float *ring_scale, const uint8_t *pool, int64_t per,
+                         int64_t kv_bytes, const int64_t *block_table, int64_t max_blocks,
+                         const int64_t *selected, int64_t k, int64_t kv_block, int kv_packed,
+                         const float *kv_elem, const float *kv_scale, int64_t b, int64_t h,
+                         int64_t d, float scale, float *rows, float *logits, float *out,
+                         int threads);
+
+/* A decode step's window entries x [b, d] written into their rings (kv_ring_write, with
+ * kv_quantize's element and scale_kind of the ring's block-scaled format), then
+ * kernels.c's kv_sparse_attention over the rings with them: the two calls in one. */
+void kv_ring_write_attend(const float *x, int element, int scale_kind, const float *q,
+                          const float *sink, uint8_t *ring, int64_t ring_bytes,
+                          int64_t *ring_pos, const int64_t *slots, const int64_t *positions,
+                          int64_t w, int64_t window_size, int64_t ring_block, int ring_packed,
+                          const float *ring_elem, const float *ring_scale,
+                          const uint8_t *pool, int64_t per, int64_t kv_bytes,
+                          const int64_t *block_table, int64_t max_blocks,
+                          const int64_t *selected, int64_t k, int64_t kv_block, int kv_packed,
+                          const float *kv_elem, const float *kv_scale, int64_t b, int64_t h,
+                          int64_t d, float scale, float *rows, float *logits, float *out,
+                          int threads) {
+    float *values = malloc((size_t)(b * d) * sizeof(float));
+    if (!values) abort();
+    kv_ring_write(x, b, d, element, scale_kind, ring_block, ring_elem, ring_scale, ring,
+                  ring_pos, w, slots, positions, values);
+    free(values);
+    kv_sparse_attention(q, sink, ring, ring_bytes, ring_pos, slots, positions, w, window_size,
+                        ring_block, ring_packed, ring_elem, ring_scale, pool, per, kv_bytes,
+                        block_table, max_blocks, selected, k, kv_block, kv_packed, kv_elem,
+                        kv_scale, b, h, d, scale, rows, logits, out, threads);
+}
+
 /* A layer's feed-forward half with its hyper-connection, for n tokens of h residual
  * copies x [n, h, dim] (kvstack.model.model.Layer.forward after the attention half):
  * the mixes (kv_hc_mixes), whose pre goes to pre [n, h]; the copies collapsed with
