@@ -158,6 +158,24 @@ def test_a_ring_write_leaves_the_bytes_and_positions_a_pack_and_scatter_leaves(f
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("fmt", ["fp8_ue8m0_32", "fp4_e4m3_16"])
+def test_a_stream_write_leaves_the_bytes_a_pack_and_scatter_leaves(fmt):
+    """Three sequences' new entries into their rows of a pool (two into one block): the
+    same pool bytes and returned values as torch's pack and scatter."""
+    g = torch.Generator().manual_seed(8)
+    d = 64
+    pool = PackedRows(fmt, d, (5, 4), torch.device("cpu"))
+    pool.data[:], _ = pool.pack(torch.randn(5, 4, d, generator=g))
+    blocks, offsets = torch.tensor([3, 0, 3]), torch.tensor([1, 2, 3])
+    entries = torch.randn(3, d, generator=g) * 5
+    want_data = pool.data.clone()
+    rows, want = pool.pack(entries, check=False)
+    want_data[blocks, offsets] = rows
+    got = native.stream_write(entries, fmt, pool.data, blocks, offsets)
+    assert torch.equal(pool.data, want_data)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("h", [2, 4])
 def test_hyper_connection_ops_equal_torchs(h):
     """Mixes (Sinkhorn included), collapse and spread for a batch of tokens."""
@@ -586,7 +604,7 @@ def test_a_decode_steps_compressor_in_one_call_equals_torchs():
             appended = {}
             batch.append_stream = lambda layer, entries, out=appended: out.update(entries)
             with torch.no_grad(), native.active(on):
-                assert compressor._steps_in_c(x, batch) is on
+                assert (compressor._weights_in_c(x, batch) is not None) is on
                 compressor._compress_step(x, batch.positions, batch)
             result[on] = (appended, {k: (v.clone(), partials.gates[k].clone())
                                      for k, v in partials.values.items()})

@@ -501,14 +501,15 @@ class Compressor(nn.Module):
     def _compress_step(self, x: torch.Tensor, positions: torch.Tensor, store: KVStore) -> None:
         """One token per sequence, x [B, 1, dim] at positions [B]."""
         r = self.ratio
-        if self._steps_in_c(x, store):
+        weights = self._weights_in_c(x, store)
+        if weights is not None:
             values, gates, slots = store.partial_groups(self.layer) if r > 1 else \
                 (None, None, positions)
+            wkv, wgate, norm, wk_index, index_norm = weights
             kv, keys = native.compress_step(
-                x[:, 0], positions, slots, r, self.wkv.weight,
-                None if self.wgate is None else self.wgate.weight,
-                None if values is None else (values, gates), self.norm.weight, self.norm.eps,
-                self.wk_index.weight, self.index_norm.weight, self.index_norm.eps, self.freqs)
+                x[:, 0], positions, slots, r, wkv, wgate,
+                None if values is None else (values, gates), norm, self.norm.eps,
+                wk_index, index_norm, self.index_norm.eps, self.freqs)
             store.append_stream(self.layer, {"kv": kv[:, None], "index": keys[:, None]})
             return
         values = self.wkv(x)  # [B, 1, D]
@@ -530,14 +531,25 @@ class Compressor(nn.Module):
         store.append_stream(self.layer, {"kv": rotate(entries, entry_positions, self.freqs),
                                          "index": keys})
 
-    def _steps_in_c(self, x: torch.Tensor, store: KVStore) -> bool:
-        """Whether a decode step's compression runs as one C call: a decode batch over
-        the engine's pools, float32 weights, inside a step that chose the C kernels."""
-        parts = [self.wkv, self.wk_index] + ([self.wgate] if self.wgate is not None else [])
-        return (isinstance(store, DecodeBatch) and self.freqs.dtype is torch.float64
-                and all(type(p) is nn.Linear for p in parts)
-                and native.fuses(x, *(p.weight for p in parts), self.norm.weight,
-                                 self.index_norm.weight))
+    def _weights_in_c(self, x: torch.Tensor, store: KVStore
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor,
+                                 torch.Tensor] | None:
+        """(wkv, wgate or None, norm, wk_index, index_norm), the weights a decode step's
+        compression takes as one C call, where it runs so: a decode batch over the
+        engine's pools, float32 weights, inside a step that chose the C kernels; else
+        None."""
+        if not isinstance(store, DecodeBatch) or self.freqs.dtype is not torch.float64:
+            return None
+        mods = self._modules  # read from the dicts: see MoE.fused_parts
+        parts = [mods["wkv"], mods["wk_index"]] + ([mods["wgate"]] if self.ratio > 1 else [])
+        if not all(type(p) is nn.Linear for p in parts):
+            return None
+        wkv, wk_index, *wgate = (p._parameters["weight"] for p in parts)
+        norm = mods["norm"]._parameters["weight"]
+        index_norm = mods["index_norm"]._parameters["weight"]
+        if not native.fuses(x, wkv, wk_index, *wgate, norm, index_norm):
+            return None
+        return wkv, (wgate[0] if wgate else None), norm, wk_index, index_norm
 
     def _compress(self, x: torch.Tensor, start: int, store: KVStore) -> None:
         r = self.ratio

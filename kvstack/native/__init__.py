@@ -78,6 +78,8 @@ _SIGNATURES = {
                              _I, _I, ctypes.c_int, _P, _P, _P, _I, _I, _P, _I, _P, _I, _I,
                              ctypes.c_int, _P, _P, _I, _I, _I, ctypes.c_float, _P, _P, _P,
                              ctypes.c_int],
+    "kv_stream_write": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _I, _P, _P,
+                        _P],
     "kv_prefill_attention": [_P, _P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I,
                              ctypes.c_float, _P, ctypes.c_int],
     "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
@@ -967,6 +969,27 @@ def ring_write(entries: torch.Tensor, fmt: str, rings: torch.Tensor, ring_pos: t
                           int(f.element != "e2m1"), int(f.scale == "e4m3"), block, _ptr(elem),
                           _ptr(scale), _ptr(rings), _ptr(ring_pos), rings.shape[1],
                           _ptr(slots), _ptr(positions), _ptr(values))
+    return values
+
+
+def stream_write(entries: torch.Tensor, fmt: str, pool: torch.Tensor, blocks: torch.Tensor,
+                 offsets: torch.Tensor) -> torch.Tensor:
+    """Each sequence's new entry (entries [B, D] float32) quantised to a block-scaled fmt
+    straight into row offsets[b] of block blocks[b] of pool [blocks, per, bytes]
+    (contiguous, written in place): the values a read gives back, [B, D], bit for bit
+    `quantize`'s."""
+    f = get_format(fmt)
+    block, _, elem, scale = _decoding(fmt)
+    if not pool.is_contiguous() or pool.shape[-1] != bytes_per_entry(fmt, entries.shape[1]):
+        raise ValueError(f"stream_write: the pool must be contiguous rows of "
+                         f"{bytes_per_entry(fmt, entries.shape[1])} bytes")
+    entries = _as(entries, torch.float32)
+    values = torch.empty_like(entries)
+    blocks, offsets = _as(blocks, torch.int64), _as(offsets, torch.int64)
+    _load().kv_stream_write(_ptr(entries), entries.shape[0], entries.shape[1],
+                            int(f.element != "e2m1"), int(f.scale == "e4m3"), block,
+                            _ptr(elem), _ptr(scale), _ptr(pool), pool.shape[1], _ptr(blocks),
+                            _ptr(offsets), _ptr(values))
     return values
 
 

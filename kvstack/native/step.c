@@ -562,6 +562,20 @@ void kv_ring_write_attend(const float *x, int element, int scale_kind, const flo
                         kv_scale, b, h, d, scale, rows, logits, out, threads);
 }
 
+/* One new entry per sequence into a stream's pool (kvstack.cache.batch.DecodeBatch's
+ * append_stream): entry s of x [b, d] quantised (kv_quantize) straight into row
+ * offsets[s] of block blocks[s] of pool [blocks, per, row bytes], and the values a read
+ * gives back into values [b, d]. */
+void kv_stream_write(const float *x, int64_t b, int64_t d, int element, int scale_kind,
+                     int64_t block, const float *elem, const float *scale_table, uint8_t *pool,
+                     int64_t per, const int64_t *blocks, const int64_t *offsets,
+                     float *values) {
+    const int64_t row_bytes = (element == 0 ? d / 2 : d) + d / block;
+    for (int64_t s = 0; s < b; s++)
+        kv_quantize(x + s * d, 1, d, element, scale_kind, block, elem, scale_table,
+                    pool + (blocks[s] * per + offsets[s]) * row_bytes, values + s * d);
+}
+
 /* A layer's feed-forward half with its hyper-connection, for n tokens of h residual
  * copies x [n, h, dim] (kvstack.model.model.Layer.forward after the attention half):
  * the mixes (kv_hc_mixes), whose pre goes to pre [n, h]; the copies collapsed with
