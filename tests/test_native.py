@@ -24,6 +24,7 @@ from kvstack.model.model import (
     MoE,
     RMSNorm,
     StepContext,
+    candidate_pool,
     grouped_mm_by_group,
     rotate,
     select_topk,
@@ -101,6 +102,50 @@ def test_index_scores_at_chosen_entries_equal_gather_dequantise_then_score(heads
     assert torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
     outside = native.index_scores_at(q, w, pool, table, held, entries + 128, fmt)
     assert torch.isinf(outside).all()  # past the table: -inf, and nothing read
+
+
+def test_a_decode_steps_choice_in_its_candidate_pool_equals_scoring_and_masking():
+    """Unsorted spans, a span past a sequence's entries and one past the table, k above
+    and below the pool's size: the entries `index_scores_at` then `select_topk` choose
+    (ties to the earlier entry, ascending, -1 where fewer are visible)."""
+    g = torch.Generator().manual_seed(9)
+    fmt, b, width, per, blocks, heads, span = "fp4_ue8m0_32", 3, 64, 16, 24, 2, 8
+    pool = pack_rows(quantize(torch.randn(blocks * per, width, generator=g), fmt))
+    pool = pool.view(blocks, per, -1).clone()
+    table = torch.randint(1, blocks, (b, 8), generator=g)
+    held = torch.tensor([40, 128, 3])
+    spans = torch.tensor([[4, 0, 2, 16], [15, 3, 9, 1], [0, 7, 2, 5]])  # 16: past the table
+    q, w = torch.randn(b, heads, width, generator=g), torch.randn(b, heads, generator=g)
+    for k in (5, 40):
+        got = native.select_in_pool(q, w, pool, fmt, table, held, spans, span, k)
+        entries = (spans.sort(dim=-1).values[..., None] * span + torch.arange(span)).flatten(1)
+        scores = native.index_scores_at(q, w, pool, table, held, entries, fmt)
+        chosen = select_topk(scores, k)
+        want = torch.where(chosen >= 0, entries.gather(1, chosen.clamp(min=0)), -1)
+        assert torch.equal(got, want), k
+    assert (got[2, 3:] == -1).all() and (got[2, :3] >= 0).all()  # 3 entries held
+
+
+def test_candidate_pools_equal_torchs():
+    """Ties (to the earlier span), -0.0 against 0.0, spans of -inf, a NaN, a last span cut
+    short, the newest visible span kept first, a query with no visible entry, positions
+    shared by the batch and per sequence."""
+    config = preset("tiny-v41")
+    spec = next(s for s in config.layers if s.is_candidate_source)
+    bs = config.candidate_block_size
+    g = torch.Generator().manual_seed(10)
+    n = 13 * bs + 3
+    scores = torch.randint(-2, 3, (2, 3, n), generator=g).float()
+    scores[0, 0, :bs] = -0.0
+    scores[0, 1, 5 * bs :] = float("-inf")
+    scores[1, 2, 2 * bs + 1] = float("nan")
+    last = n * spec.ratio - 1  # the newest visible entry is the last scored
+    for positions in (torch.tensor([[0, last // 2, last]]),
+                      torch.tensor([[5, 9, last], [0, 1, 2]])):
+        want = candidate_pool(scores, positions, spec, config)
+        with torch.no_grad(), native.active(True):
+            got = candidate_pool(scores, positions, spec, config)
+        assert torch.equal(got, want), positions
 
 
 def test_grouped_mm_equals_a_matmul_per_group():

@@ -250,6 +250,16 @@ class DecodeBatch(KVStore):
                                       self.stream_lens[source], entries[:, 0],
                                       rows.fmt)[:, None]
 
+    def select_in_pool(self, source: int, q: torch.Tensor, w: torch.Tensor,
+                       spans: torch.Tensor, span: int, k: int) -> torch.Tensor:
+        """Where `scores_entries(source)`: the best k entries of each sequence's candidate
+        pool (spans [B, 1, kb] of `span` entries) by the indexer's scores of queries q [B,
+        1, Hi, Di] with head weights w [B, 1, Hi] over source's index keys, in one C call
+        (`native.select_in_pool`): [B, 1, min(k, kb * span)], -1 for none."""
+        rows = self.pools.rows[source, "index"]
+        return native.select_in_pool(q[:, 0], w[:, 0], rows.data, rows.fmt, self.block_table,
+                                     self.stream_lens[source], spans[:, 0], span, k)[:, None]
+
     def attends(self) -> bool:
         """Whether `attend` runs this step's attention: the Triton kernel, or the C one;
         never inside a traced step, whose graph holds the model's own math."""

@@ -30,7 +30,8 @@ class KVStore(ABC):
 
     def scores_entries(self, source: int) -> bool:
         """Whether the indexer's scores at chosen entries of source's stream are
-        `index_scores_at` (a kernel reading the packed keys) rather than a gather."""
+        `index_scores_at` (a kernel reading the packed keys) rather than a gather, and a
+        decode step's choice inside its candidate pool `select_in_pool`."""
         return False
 
     def attends(self) -> bool:

@@ -471,6 +471,21 @@ class StepContext:
     # draft reads, and what they recorded: layer -> [B, n, dim]. Empty unless asked for.
     draft_targets: frozenset[int] = frozenset()
     draft_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (start, n, positions [1 or B, n]): the call's token positions, made by the first
+    # layer that asks (`call_positions`), so later layers make none.
+    positions: tuple[int | torch.Tensor, int, torch.Tensor] | None = None
+
+
+def call_positions(ctx: StepContext, start: int | torch.Tensor, n: int,
+                   device: torch.device) -> torch.Tensor:
+    """`token_positions(start, n)`, made once for the layers of one call."""
+    held = ctx.positions
+    if held is not None and held[1] == n and (
+            held[0] is start or (type(start) is int and held[0] == start)):
+        return held[2]
+    positions = token_positions(start, n, device)
+    ctx.positions = (start, n, positions)
+    return positions
 
 
 class Compressor(nn.Module):
@@ -656,6 +671,11 @@ class Indexer(nn.Module):
         masking to the pool selects: the pool is scored in entry order, so ties still go
         to the earlier entry."""
         bs = self.config.candidate_block_size
+        if (x.shape[1] == 1 and self.shard is None
+                and store.scores_entries(self.spec.kv_source)):  # a decode step, one C call
+            q, w = self._queries(x, qr, positions)
+            return store.select_in_pool(self.spec.kv_source, q, w, spans, bs,
+                                        self.config.index_topk)
         spans = spans.sort(dim=-1).values
         entries = (spans[..., None] * bs + torch.arange(bs, device=x.device)).flatten(-2)
         visible = entries < _visible(positions, self.spec)  # [B, n, K]
@@ -716,6 +736,9 @@ def candidate_pool(scores: torch.Tensor, positions: torch.Tensor, spec: LayerSpe
     bs = config.candidate_block_size
     total = scores.shape[-1]
     n_spans = -(-total // bs)
+    if n_spans and native.fuses(scores):
+        return native.candidate_pool(scores, positions, spec.ratio, bs,
+                                     min(config.candidate_topk_blocks, n_spans))
     # Detached: the pool is indices, so no gradient flows through it. With a graph, the
     # in-place scatter_ below would make span_scores hold a graph that saved span_scores
     # (the gather), a cycle that backward never reaches to free: a leak every step.
@@ -833,6 +856,7 @@ class SelectedEntries:
 
 
 _PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")  # Attention's, in C for a few tokens
+_FLOAT_WEIGHTS = (*_PROJECTIONS, "q_norm", "kv_norm")  # what the C projections read as float32
 
 
 class Attention(nn.Module):
@@ -865,9 +889,13 @@ class Attention(nn.Module):
         checkpoint's packed weight, which its own kernels multiply). Read from the module
         dicts directly: asked twice a layer in every step."""
         modules = self._modules
-        return all(type(modules[name]) is nn.Linear for name in _PROJECTIONS) and all(
-            modules[name]._parameters["weight"].dtype is torch.float32
-            for name in (*_PROJECTIONS, "q_norm", "kv_norm"))
+        for name in _PROJECTIONS:  # loops, not all(): this runs once a layer every step
+            if type(modules[name]) is not nn.Linear:
+                return False
+        for name in _FLOAT_WEIGHTS:
+            if modules[name]._parameters["weight"].dtype is not torch.float32:
+                return False
+        return True
 
     def set_rope_precision(self, dtype: torch.dtype) -> None:
         """Form this layer's RoPE angles (its compressor's and indexer's too) in dtype."""
@@ -887,17 +915,18 @@ class Attention(nn.Module):
         spread the output over (`HyperConnection.post`) before returning [B, n, h, dim]."""
         c, spec = self.config, self.spec
         n = x.shape[1]
-        in_c = self._projects_in_c(x, ctx)  # in and out alike: the same tokens
-        if in_c and projected is not None:
+        # In and out alike: the same tokens (`projected` comes from the C projections).
+        in_c = projected is not None or self._projects_in_c(x, ctx)
+        if projected is not None:
             positions, qr, q, window = projected  # positions [1 or B, n]
         elif in_c:
-            positions = token_positions(start, n, x.device)
+            positions = call_positions(ctx, start, n, x.device)
             qr, q, window = native.attention_in(
                 x, positions, self.wq_a.weight, self.q_norm.weight, self.wq_b.weight,
                 self.wkv.weight, self.kv_norm.weight, c.norm_eps, self.freqs,
                 self.n_local_heads)
         else:
-            positions = token_positions(start, n, x.device)
+            positions = call_positions(ctx, start, n, x.device)
             qr = self.q_norm(self.wq_a(x))
             q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
                        positions, self.freqs)
@@ -1334,7 +1363,7 @@ class Layer(nn.Module):
         c, a = hc.config, attn._modules
         weight = {name: a[name]._parameters["weight"]
                   for name in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm")}
-        positions = token_positions(start, x.shape[1], x.device)
+        positions = call_positions(ctx, start, x.shape[1], x.device)
         pre, post, comb, y, *projected = native.attention_block_in(
             x, mixing, c.hc_eps, c.hc_sinkhorn_iters, collapse_pre, norm, positions,
             weight["wq_a"], weight["q_norm"], weight["wq_b"], weight["wkv"],

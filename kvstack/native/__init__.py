@@ -80,6 +80,9 @@ _SIGNATURES = {
                              ctypes.c_int],
     "kv_stream_write": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _I, _P, _P,
                         _P],
+    "kv_candidate_pool": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P],
+    "kv_select_in_pool": [_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
+                          ctypes.c_int, _P, _P, _I, _P],
     "kv_prefill_attention": [_P, _P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I,
                              ctypes.c_float, _P, ctypes.c_int],
     "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
@@ -1002,6 +1005,46 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     heap = torch.empty(k, dtype=torch.int64)
     _load().kv_select_topk(_ptr(scores), scores.numel() // n if n else 0, n, k, _ptr(heap),
                            _ptr(out))
+    return out
+
+
+def candidate_pool(scores: torch.Tensor, positions: torch.Tensor, ratio: int, span: int,
+                   k: int) -> torch.Tensor:
+    """`kvstack.model.model.candidate_pool` of float32 scores [B, q, N] for queries at
+    positions [1 or B, q] of a ratio-`ratio` layer, spans of `span` entries, k <= their
+    count: the same spans in the same order, [B, q, k] int64."""
+    b, q, n = scores.shape
+    n_spans = -(-n // span)
+    if not 0 < k <= n_spans or positions.shape[-1] != q or positions.shape[0] not in (1, b):
+        raise ValueError(f"candidate_pool: {k} of {n_spans} spans for scores "
+                         f"{list(scores.shape)} at positions {list(positions.shape)}")
+    scores, positions = _as(scores, torch.float32), _as(positions, torch.int64)
+    out = torch.empty(b, q, k, dtype=torch.int64)
+    spans, heap = torch.empty(n_spans), torch.empty(k, dtype=torch.int64)
+    _load().kv_candidate_pool(_ptr(scores), b, q, n, _ptr(positions), positions.shape[0],
+                              ratio, span, k, _ptr(spans), _ptr(heap), _ptr(out))
+    return out
+
+
+def select_in_pool(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, fmt: str,
+                   block_table: torch.Tensor, held: torch.Tensor, spans: torch.Tensor,
+                   span: int, k: int) -> torch.Tensor:
+    """`kvstack.model.model.Indexer.select_in_pool` for a decode step from its queries
+    q [B, Hi, Di] and head weights w [B, Hi]: each sequence's candidate pool (spans [B, kb]
+    of `span` entries each) scored where its index keys lie (pool [blocks, per, bytes] of
+    format fmt through block_table; entries at or past held [B] -inf), its best min(k,
+    kb * span) entries in ascending order, -1 for none: [B, min(k, kb * span)] int64."""
+    b, hi, di = q.shape
+    kb = spans.shape[1]
+    k = min(k, kb * span)
+    block, packed, elem, scale = _decoding(fmt)
+    q, w = _as(q, torch.float32), _as(w, torch.float32)
+    table, held, spans = (_as(t, torch.int64) for t in (block_table, held, spans))
+    pool = pool.contiguous()
+    out = torch.empty(b, k, dtype=torch.int64)
+    _load().kv_select_in_pool(_ptr(q), _ptr(w), _ptr(pool), pool.shape[1], pool.shape[2],
+                              _ptr(table), table.shape[1], _ptr(held), _ptr(spans), kb, span,
+                              b, hi, di, block, packed, _ptr(elem), _ptr(scale), k, _ptr(out))
     return out
 
 

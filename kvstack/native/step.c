@@ -397,6 +397,97 @@ void kv_select_topk(const float *scores, int64_t rows, int64_t n, int64_t k, int
     }
 }
 
+/* The order key of a score in a stable descending sort over n entries (entry i): the
+ * float's bits made monotone in its high half, the reversed index in its low half, so
+ * keys are unique and ties go to the earlier entry (-0.0 made +0.0 first). */
+static inline int64_t order_key(float score, int64_t i, int64_t n) {
+    const int32_t bits = (int32_t)bits_of(score + 0.0f);
+    const int64_t ordered = bits >= 0 ? (int64_t)bits : (int64_t)(bits ^ 0x7FFFFFFF);
+    return (int64_t)(((uint64_t)ordered << 32) | (uint64_t)(n - 1 - i));
+}
+
+static int descending(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x < y) - (x > y);
+}
+
+/* Each query's candidate pool (kvstack.model.model.candidate_pool) from its scores
+ * [rows, n] (rows = b * q queries, query t of sequence s at positions[(pb == 1 ? 0 : s)
+ * * q + t]): spans of bs entries scored by their largest (NaN where any is NaN), the span
+ * holding the newest visible entry ((position + 1) / ratio - 1, where there is one)
+ * scored +inf, then the kb best spans in a stable descending order: out [rows, kb].
+ * spans: n_spans floats of scratch; heap: kb int64. */
+void kv_candidate_pool(const float *scores, int64_t b, int64_t q, int64_t n,
+                       const int64_t *positions, int64_t pb, int64_t ratio, int64_t bs,
+                       int64_t kb, float *spans, int64_t *heap, int64_t *out) {
+    const int64_t n_spans = (n + bs - 1) / bs;
+    for (int64_t r = 0; r < b * q; r++) {
+        const float *sr = scores + r * n;
+        for (int64_t j = 0; j < n_spans; j++) {
+            float top = -INFINITY;
+            const int64_t end = (j + 1) * bs < n ? (j + 1) * bs : n;
+            for (int64_t i = j * bs; i < end; i++) {
+                if (sr[i] != sr[i]) { top = sr[i]; break; }
+                if (sr[i] > top) top = sr[i];
+            }
+            spans[j] = top;
+        }
+        const int64_t newest = (positions[(pb == 1 ? 0 : r / q) * q + r % q] + 1) / ratio - 1;
+        if (newest >= 0 && newest / bs < n_spans) spans[newest / bs] = INFINITY;
+        int64_t size = 0;
+        for (int64_t j = 0; j < n_spans; j++) {
+            const int64_t key = order_key(spans[j], j, n_spans);
+            if (size < kb) {
+                heap[size++] = key;
+                if (size == kb)
+                    for (int64_t i = kb / 2 - 1; i >= 0; i--) sift_down(heap, kb, i);
+            } else if (key > heap[0]) {
+                heap[0] = key;
+                sift_down(heap, kb, 0);
+            }
+        }
+        qsort(heap, (size_t)size, sizeof(int64_t), descending);
+        for (int64_t j = 0; j < size; j++) out[r * kb + j] = n_spans - 1 - (heap[j] & 0xFFFFFFFF);
+    }
+}
+
+/* kernels.c's index scoring at chosen entries. */
+void kv_index_scores_at(const float *q, const float *w, const uint8_t *pool, int64_t per,
+                        int64_t row_bytes, const int64_t *table, int64_t max_blocks,
+                        const int64_t *held, const int64_t *entries, int64_t K, int64_t B,
+                        int64_t H, int64_t D, int64_t block, int packed, const float *elem,
+                        const float *scale, float *out, int threads);
+
+/* A decode step's top-k inside each sequence's candidate pool
+ * (kvstack.model.model.Indexer.select_in_pool): its kb spans [b, kb] in ascending order,
+ * their kb * bs entries scored by kv_index_scores_at (query q [b, h, d], head weights w
+ * [b, h]; entries at or past held[s] -inf), the best k (kv_select_topk: ties to the
+ * earlier entry, ascending, -1 for none) as entries: out [b, k]. */
+void kv_select_in_pool(const float *q, const float *w, const uint8_t *pool, int64_t per,
+                       int64_t row_bytes, const int64_t *table, int64_t max_blocks,
+                       const int64_t *held, const int64_t *spans, int64_t kb, int64_t bs,
+                       int64_t b, int64_t h, int64_t d, int64_t block, int packed,
+                       const float *elem, const float *scale, int64_t k, int64_t *out) {
+    const int64_t n = kb * bs;
+    int64_t *entries = malloc((size_t)(2 * n + k + kb) * sizeof(int64_t));
+    float *scores = malloc((size_t)n * sizeof(float));
+    if (!entries || !scores) abort();
+    int64_t *heap = entries + n, *chosen = heap + n, *sorted = chosen + k;
+    for (int64_t s = 0; s < b; s++) {
+        memcpy(sorted, spans + s * kb, (size_t)kb * sizeof(int64_t));
+        qsort(sorted, (size_t)kb, sizeof(int64_t), ascending);
+        for (int64_t j = 0; j < kb; j++)
+            for (int64_t i = 0; i < bs; i++) entries[j * bs + i] = sorted[j] * bs + i;
+        kv_index_scores_at(q + s * h * d, w + s * h, pool, per, row_bytes,
+                           table + s * max_blocks, max_blocks, held + s, entries, n, 1, h, d,
+                           block, packed, elem, scale, scores, 1);
+        kv_select_topk(scores, 1, n, k, heap, chosen);
+        for (int64_t j = 0; j < k; j++) out[s * k + j] = chosen[j] >= 0 ? entries[chosen[j]] : -1;
+    }
+    free(entries);
+    free(scores);
+}
+
 /* ---- a MoE sublayer whole (kvstack.model.model.MoE with float weights) -----------------
  * The router (logits / temp, scored by softmax (0), sigmoid (1) or sqrt(softplus) (2),
  * the top k of score + bias in descending order, ties to the lower expert, weights the
