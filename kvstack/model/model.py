@@ -704,6 +704,16 @@ class Indexer(nn.Module):
         return all_reduce(s, self.shard)
 
 
+def _tile(t: torch.Tensor, tile: slice, n: int) -> torch.Tensor:
+    """A query tile of t [B, n, ...]; all of it, with no op, where one tile covers n."""
+    return t if n <= QUERY_TILE else t[:, tile]
+
+
+def _joined(tiles: list[torch.Tensor]) -> torch.Tensor:
+    """Query tiles' results [B, q, ...] along the queries; one tile as it is."""
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+
+
 def _selected_rows(store: KVStore, source: int, chosen: torch.Tensor,
                    width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The distinct entries chosen [B, q, k] (-1 for none) select from a stream, read
@@ -955,50 +965,52 @@ class Attention(nn.Module):
         outs, topks, pools, scores = [], [], [], []
         for i in range(0, n, QUERY_TILE):
             tile = slice(i, i + QUERY_TILE)
+            # One tile (a decode step, a short chunk) takes the tensors whole: no slice ops.
+            pos_t = positions if n <= QUERY_TILE else positions[:, tile]
+            q_t = q if n <= QUERY_TILE else q[:, tile]
             selected = None  # [B, q, k] entry indices, -1 for none; None = all visible
             if self.indexer is not None:
                 # Detached as in DeepSeek-V3.2: the KL loss trains the indexer alone (it
                 # reached the trunk through qr and x otherwise, a third of the
                 # cross-entropy's gradient on some compressors), and the cross-entropy
                 # never reaches the indexer (its scores only pick entries).
-                xi, qri = x[:, tile].detach(), qr[:, tile].detach()
-                pool = ctx.pool[spec.kv_source][:, tile] if spec.uses_candidates else None
+                xi, qri = ((x, qr) if n <= QUERY_TILE and not torch.is_grad_enabled()
+                           else (x[:, tile].detach(), qr[:, tile].detach()))
+                pool = (_tile(ctx.pool[spec.kv_source], tile, n) if spec.uses_candidates
+                        else None)
                 if score_pools:
-                    topks.append(self.indexer.select_in_pool(xi, qri, positions[:, tile],
-                                                             store, pool, n_entries))
+                    topks.append(self.indexer.select_in_pool(xi, qri, pos_t, store, pool,
+                                                             n_entries))
                 else:
                     # Sparse attention trains the indexer on the entries it selected
                     # alone (scored again below, with a gradient), so the scores of the
                     # whole stream need none: a [tile, N] graph kept for every tile
                     # made a 16K-token training row outgrow 24 GB.
                     with torch.set_grad_enabled(torch.is_grad_enabled() and ctx.dense):
-                        s = (self._trunk_picks(q[:, tile], positions[:, tile], store,
-                                               n_entries) if trunk_picks else
-                             self.indexer.scores(xi, qri, positions[:, tile], store,
-                                                 n_entries))
+                        s = (self._trunk_picks(q_t, pos_t, store, n_entries) if trunk_picks
+                             else self.indexer.scores(xi, qri, pos_t, store, n_entries))
                     if ctx.collect and ctx.dense:  # every visible entry is attended
                         scores.append(s)
                     if spec.is_candidate_source:
-                        pools.append(candidate_pool(s, positions[:, tile], spec, c))
+                        pools.append(candidate_pool(s, pos_t, spec, c))
                     elif pool is not None:
                         s = s.masked_fill(~pool_mask(pool, n_entries, c), float("-inf"))
                     topks.append(select_topk(s, c.index_topk))
                     if ctx.collect and not ctx.dense:
-                        scores.append(self.indexer.scores_at(xi, qri, positions[:, tile],
-                                                             store, topks[-1]))
+                        scores.append(self.indexer.scores_at(xi, qri, pos_t, store,
+                                                             topks[-1]))
             if spec.ratio and not ctx.dense:
-                selected = topks[-1] if topks else ctx.topk[spec.index_source][:, tile]
+                selected = topks[-1] if topks else _tile(ctx.topk[spec.index_source], tile, n)
             if kernel:
-                outs.append(store.attend(spec.index, spec.kv_source, q[:, tile], selected,
+                outs.append(store.attend(spec.index, spec.kv_source, q_t, selected,
                                          self.sink, window if i == 0 else None))
             else:
-                outs.append(self._attend(q[:, tile], positions[:, tile], window,
-                                         window_positions, store, all_kv, selected, ctx,
-                                         n_entries))
+                outs.append(self._attend(q_t, pos_t, window, window_positions, store,
+                                         all_kv, selected, ctx, n_entries))
         if ctx.target_rows is not None and self.indexer is not None and n_entries:
             self._collect_rows(x, qr, q, positions, store, ctx, n_entries)
         self._publish(ctx, topks, pools, scores)
-        out = torch.cat(outs, dim=1)
+        out = _joined(outs)
         if in_c and spread is not None and self.shard is None:  # projected and spread at once
             return native.attention_out(out, positions, self.freqs, self.wo_a.weight,
                                         self.local_groups, self.wo_b.weight, spread)
@@ -1054,13 +1066,13 @@ class Attention(nn.Module):
         layers, and, with collect, the indexer's scores to the output."""
         spec = self.spec
         if topks:
-            ctx.topk[spec.index] = torch.cat(topks, dim=1)
+            ctx.topk[spec.index] = _joined(topks)
             if ctx.collect:
-                ctx.index_scores[spec.index] = torch.cat(scores, dim=1)
+                ctx.index_scores[spec.index] = _joined(scores)
                 if not ctx.dense:
                     ctx.index_entries[spec.index] = ctx.topk[spec.index]
         if pools:
-            ctx.pool[spec.kv_source] = torch.cat(pools, dim=1)
+            ctx.pool[spec.kv_source] = _joined(pools)
 
     def _attend(self, q: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
                 window_positions: torch.Tensor, store: KVStore, all_kv: torch.Tensor | None,
