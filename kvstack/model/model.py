@@ -892,6 +892,9 @@ class Attention(nn.Module):
         self.compressor = Compressor(c, spec, self.freqs) if full else None
         own_index = spec.mode in (Mode.FULL, Mode.REINDEX)
         self.indexer = Indexer(c, spec, self.freqs) if own_index else None
+        # The C output projection's kept weights' addresses and buffers (native's `keep`:
+        # its output is spent in this layer before the next call).
+        self.c_calls: dict = {}
 
     @property
     def _float_projections(self) -> bool:
@@ -1012,8 +1015,11 @@ class Attention(nn.Module):
         self._publish(ctx, topks, pools, scores)
         out = _joined(outs)
         if in_c and spread is not None and self.shard is None:  # projected and spread at once
-            return native.attention_out(out, positions, self.freqs, self.wo_a.weight,
-                                        self.local_groups, self.wo_b.weight, spread)
+            mods = self._modules  # read from the dicts: see MoE.fused_parts
+            return native.attention_out(out, positions, self.freqs,
+                                        mods["wo_a"]._parameters["weight"], self.local_groups,
+                                        mods["wo_b"]._parameters["weight"], spread,
+                                        self.c_calls)
         if in_c:
             y = all_reduce(native.attention_out(out, positions, self.freqs, self.wo_a.weight,
                                                 self.local_groups, self.wo_b.weight),
@@ -1305,6 +1311,9 @@ class Layer(nn.Module):
         self.engram_index = (config.engram_layer_ids.index(spec.index)
                              if spec.index in config.engram_layer_ids else None)
         self.engram = None
+        # The C attention half's kept weights' addresses and buffers (native's `keep`: its
+        # outputs are spent in this layer before the next call).
+        self.c_calls: dict = {}
         if self.engram_index is not None:
             self.engram = Engram(config.dim, config.hc_mult,
                                  config.engram_num_embeddings[self.engram_index],
@@ -1379,7 +1388,7 @@ class Layer(nn.Module):
         pre, post, comb, y, *projected = native.attention_block_in(
             x, mixing, c.hc_eps, c.hc_sinkhorn_iters, collapse_pre, norm, positions,
             weight["wq_a"], weight["q_norm"], weight["wq_b"], weight["wkv"],
-            weight["kv_norm"], c.norm_eps, attn.freqs, attn.n_local_heads)
+            weight["kv_norm"], c.norm_eps, attn.freqs, attn.n_local_heads, self.c_calls)
         return pre, post, comb, y, (positions, *projected)
 
     def _ffn_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None
@@ -1397,10 +1406,10 @@ class Layer(nn.Module):
             return None
         if hc is None:
             return native.ffn_block(x, None, norm.eps, 0.0, 0, None, weight, *parts,
-                                    ffn.limit)
+                                    ffn.limit, self.c_calls)
         c = hc.config
         return native.ffn_block(x, mixing, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                                collapse_pre, weight, *parts, ffn.limit)
+                                collapse_pre, weight, *parts, ffn.limit, self.c_calls)
 
     def write_window(self, s: TokenStates, start: int, store: KVStore) -> None:
         """Only what later tokens read of this layer at the tokens of s: their window

@@ -33,7 +33,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -765,88 +765,132 @@ def attention_in(x: torch.Tensor, positions: torch.Tensor, wq_a: torch.Tensor,
     return qr, q, window
 
 
+def _plan(keep: dict | None, name: str, key: tuple,
+          make: Callable[[], tuple[bool, tuple]]) -> tuple:
+    """What a C call does not change from call to call at one site: `make()` gives
+    (whether it may be kept, the plan), kept in the caller's `keep` under name while key
+    (the shapes, the weights' addresses) stays the same. A plan may be kept only where it
+    holds no converted copy of a weight, which an in-place update of the weight would
+    leave behind."""
+    plan = None if keep is None else keep.get(name)
+    if plan is not None and plan[0] == key:
+        return plan[1]
+    keepable, made = make()
+    if keep is not None and keepable:
+        keep[name] = (key, made)
+    return made
+
+
+def _converted(tensors: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...]
+               ) -> tuple[bool, list[torch.Tensor]]:
+    """The tensors as contiguous tensors of the dtypes, and whether none had to be
+    copied."""
+    out = [_as(t, dtype) for t, dtype in zip(tensors, dtypes, strict=True)]
+    return all(o is t for o, t in zip(out, tensors, strict=True)), out
+
+
 def attention_block_in(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                        hc_eps: float, iters: int, collapse_pre: torch.Tensor | None,
                        norm: torch.Tensor, positions: torch.Tensor, wq_a: torch.Tensor,
                        q_norm: torch.Tensor, wq_b: torch.Tensor, wkv: torch.Tensor,
                        kv_norm: torch.Tensor, eps: float, freqs: torch.Tensor,
-                       heads: int) -> tuple[torch.Tensor, ...]:
+                       heads: int, keep: dict | None = None) -> tuple[torch.Tensor, ...]:
     """A layer's attention half up to its attention for x [B, n, h, dim] (h residual
     copies) in one call: the hyper-connection's mixes (hc: fn, scale, base), the copies
     collapsed with collapse_pre [B, n, h] or the mixes' own pre (None), RMSNorm (norm),
     then `attention_in` on the result: (pre, post [B, n, h], comb [B, n, h, h], the
     attention input y [B, n, dim], qr, q, window), within float rounding of the separate
-    calls'."""
+    calls'. keep: a dict the caller holds for this call site, where the weights'
+    addresses and the outputs' buffers stay between calls of one shape (each call then
+    overwrites the previous call's outputs: for a caller done with them by then)."""
     b, n, h, dim = x.shape
-    rank, d, half = wq_a.shape[0], wkv.shape[0], freqs.shape[0]
-    if ((2 + h) * h > 64 or wq_a.shape[1] != dim or wq_b.shape != (heads * d, rank)
-            or wkv.shape[1] != dim or half > 512 or 2 * half > d):
-        raise ValueError(f"attention_block_in: weights {list(wq_a.shape)}, "
-                         f"{list(wq_b.shape)}, {list(wkv.shape)}, {2 * half} rotated dims "
-                         f"and {h} residual copies do not fit x {list(x.shape)} and {heads} "
-                         "heads")
+    weights = (*hc, norm, wq_a, q_norm, wq_b, wkv, kv_norm, freqs)
+
+    def make() -> tuple[bool, tuple]:
+        rank, d, half = wq_a.shape[0], wkv.shape[0], freqs.shape[0]
+        if ((2 + h) * h > 64 or wq_a.shape[1] != dim or wq_b.shape != (heads * d, rank)
+                or wkv.shape[1] != dim or half > 512 or 2 * half > d):
+            raise ValueError(f"attention_block_in: weights {list(wq_a.shape)}, "
+                             f"{list(wq_b.shape)}, {list(wkv.shape)}, {2 * half} rotated "
+                             f"dims and {h} residual copies do not fit x {list(x.shape)} and "
+                             f"{heads} heads")
+        same, held = _converted(weights, (torch.float32,) * 9 + (torch.float64,))
+        outs = (x.new_empty(b, n, h), x.new_empty(b, n, h), x.new_empty(b, n, h, h),
+                x.new_empty(b, n, dim), x.new_empty(b, n, rank), x.new_empty(b, n, heads, d),
+                x.new_empty(b, n, d))
+        p = [_ptr(t) for t in held]
+        args = (*p[:3], eps, hc_eps, iters), (p[3], p[4], p[5], rank, p[6], heads, d, p[7],
+                                              p[8]), (p[9], half, *map(_ptr, outs))
+        return same, (args, outs, held)
+
+    key = (x.shape, heads, eps, hc_eps, iters, *[t.data_ptr() for t in weights])
+    (head, middle, tail), outs, _held = _plan(keep, "attention_block_in", key, make)
     if collapse_pre is not None and collapse_pre.shape != x.shape[:-1]:
         raise ValueError(f"attention_block_in: collapse_pre must be {list(x.shape[:-1])}, "
                          f"got {list(collapse_pre.shape)}")
     x = x.contiguous()
-    fn, scale, base = (t.contiguous() for t in hc)
     pre_in = None if collapse_pre is None else collapse_pre.contiguous()
-    positions = _as(positions.expand(b, n), torch.int64)
-    pre, post, comb = x.new_empty(b, n, h), x.new_empty(b, n, h), x.new_empty(b, n, h, h)
-    y, qr = x.new_empty(b, n, dim), x.new_empty(b, n, rank)
-    q, window = x.new_empty(b, n, heads, d), x.new_empty(b, n, d)
-    norm, wq_a, q_norm, wq_b, wkv, kv_norm = (
-        _as(t, torch.float32) for t in (norm, wq_a, q_norm, wq_b, wkv, kv_norm))
-    freqs = _as(freqs, torch.float64)
-    _load().kv_attention_block_in(
-        _ptr(x), b * n, h, dim, _ptr(fn), _ptr(scale), _ptr(base), eps, hc_eps, iters,
-        0 if pre_in is None else _ptr(pre_in), _ptr(norm), _ptr(wq_a), _ptr(q_norm), rank,
-        _ptr(wq_b), heads, d, _ptr(wkv), _ptr(kv_norm), _ptr(positions), _ptr(freqs), half,
-        _ptr(pre), _ptr(post), _ptr(comb), _ptr(y), _ptr(qr), _ptr(q), _ptr(window),
-        _threads())
-    return pre, post, comb, y, qr, q, window
+    if positions.shape != (b, n):
+        positions = positions.expand(b, n)
+    positions = _as(positions, torch.int64)
+    _load().kv_attention_block_in(_ptr(x), b * n, h, dim, *head,
+                                  0 if pre_in is None else _ptr(pre_in), *middle,
+                                  _ptr(positions), *tail, _threads())
+    return outs
 
 
 def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
                   wo_a: torch.Tensor, groups: int, wo_b: torch.Tensor,
-                  spread: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                  ) -> torch.Tensor:
+                  spread: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  keep: dict | None = None) -> torch.Tensor:
     """`Attention.project_out` of the heads' outputs out [B, n, H, D] at positions [B or
     1, n] with float weights (wo_a [groups * rank, H / groups * D], wo_b [dim, groups *
     rank]): [B, n, dim], within float rounding of torch's. With `spread` (the residual
     copies x [B, n, h, dim], post [B, n, h], comb [B, n, h, h]), that output spread over
-    the copies as `hc_post` does, in the same call: [B, n, h, dim]."""
+    the copies as `hc_post` does, in the same call: [B, n, h, dim]. keep: as
+    `attention_block_in`'s (the returned tensor is one of the buffers it keeps)."""
     b, n, h, d = out.shape
-    half = freqs.shape[0]
-    rank = wo_a.shape[0] // groups
-    if (h % groups or wo_a.shape != (groups * rank, h // groups * d)
-            or wo_b.shape[1] != groups * rank or half > 512 or 2 * half > d):
-        raise ValueError(f"attention_out: weights {list(wo_a.shape)} and {list(wo_b.shape)} "
-                         f"in {groups} groups and {2 * half} rotated dims do not fit the "
-                         f"heads' outputs {list(out.shape)}")
-    rotated = out.float().clone(memory_format=torch.contiguous_format)  # rotated in place
-    positions = _as(positions.expand(b, n), torch.int64)
-    low, y = out.new_empty(b * n, groups * rank), out.new_empty(b, n, wo_b.shape[0])
-    freqs, wo_a, wo_b = (_as(freqs, torch.float64), _as(wo_a, torch.float32),
-                         _as(wo_b, torch.float32))
+    dim = wo_b.shape[0]
+    copies_n = 0 if spread is None else spread[0].shape[-2]
+
+    def make() -> tuple[bool, tuple]:
+        half, rank = freqs.shape[0], wo_a.shape[0] // groups
+        if (h % groups or wo_a.shape != (groups * rank, h // groups * d)
+                or wo_b.shape[1] != groups * rank or half > 512 or 2 * half > d):
+            raise ValueError(f"attention_out: weights {list(wo_a.shape)} and "
+                             f"{list(wo_b.shape)} in {groups} groups and {2 * half} rotated "
+                             f"dims do not fit the heads' outputs {list(out.shape)}")
+        same, held = _converted((freqs, wo_a, wo_b), (torch.float64, torch.float32,
+                                                      torch.float32))
+        rotated = torch.empty(b, n, h, d)  # the heads' outputs, rotated in place
+        low, y = torch.empty(b * n, groups * rank), torch.empty(b, n, dim)
+        spread_out = torch.empty(b, n, copies_n, dim) if spread is not None else None
+        f, a, o = map(_ptr, held)
+        args = ((f, half, a, groups, rank, o, dim, _ptr(low), _ptr(y)),
+                () if spread_out is None else (_ptr(spread_out),))
+        # low and y are held with the weights: the call writes them.
+        return same, (args, rotated, y if spread_out is None else spread_out,
+                      (*held, low, y))
+
+    key = (out.shape, groups, copies_n, freqs.data_ptr(), wo_a.data_ptr(), wo_b.data_ptr())
+    (middle, tail), rotated, result, _held = _plan(keep, "attention_out", key, make)
+    rotated.copy_(out)
+    if positions.shape != (b, n):
+        positions = positions.expand(b, n)
+    positions = _as(positions, torch.int64)
     if spread is None:
-        _load().kv_attention_out(_ptr(rotated), b * n, h, d, _ptr(positions), _ptr(freqs),
-                                 half, _ptr(wo_a), groups, rank, _ptr(wo_b), wo_b.shape[0],
-                                 _ptr(low), _ptr(y), _threads())
-        return y
+        _load().kv_attention_out(_ptr(rotated), b * n, h, d, _ptr(positions), *middle,
+                                 _threads())
+        return result
     copies, post, comb = (t.contiguous() for t in spread)
-    copies_n = copies.shape[-2]
-    if (copies.shape != (b, n, copies_n, wo_b.shape[0]) or post.shape != copies.shape[:-1]
+    if (copies.shape != (b, n, copies_n, dim) or post.shape != copies.shape[:-1]
             or comb.shape != (*copies.shape[:-1], copies_n)):
         raise ValueError(f"attention_out: spread over copies {list(copies.shape)} needs "
-                         f"[{b}, {n}, h, {wo_b.shape[0]}] with post [..., h] and comb "
-                         f"[..., h, h]")
-    spread_out = torch.empty_like(copies)
-    _load().kv_attention_out_spread(
-        _ptr(rotated), b * n, h, d, _ptr(positions), _ptr(freqs), half, _ptr(wo_a), groups,
-        rank, _ptr(wo_b), wo_b.shape[0], _ptr(low), _ptr(y), _ptr(copies), copies_n,
-        _ptr(post), _ptr(comb), _ptr(spread_out), _threads())
-    return spread_out
+                         f"[{b}, {n}, h, {dim}] with post [..., h] and comb [..., h, h]")
+    _load().kv_attention_out_spread(_ptr(rotated), b * n, h, d, _ptr(positions), *middle,
+                                    _ptr(copies), copies_n, _ptr(post), _ptr(comb), *tail,
+                                    _threads())
+    return result
 
 
 def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ratio: int,
@@ -1085,38 +1129,48 @@ def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tenso
               norm_eps: float, hc_eps: float, iters: int, collapse_pre: torch.Tensor | None,
               norm: torch.Tensor, router: Router | None,
               shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-              limit: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+              limit: float, keep: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A layer's feed-forward half with its hyper-connection for x [..., h, dim] (h
     residual copies): its mixes (hc: fn, scale, base), the copies collapsed with
     collapse_pre [..., h] or the mixes' own pre (None), RMSNorm (norm), the float MoE
     (router, shared) or, without a router, the dense FFN `shared`, spread back: ([..., h,
     dim], the mixes' pre [..., h]), what `Layer.forward` computes there within float
     rounding. hc None: a layer without hyper-connections, x [..., dim] the residual,
-    (x + the feed-forward of RMSNorm(x), None)."""
+    (x + the feed-forward of RMSNorm(x), None). keep: as `attention_block_in`'s, for the
+    weights' addresses and the scratch (both outputs are new tensors)."""
     if hc is None:
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n, dim = x.numel() // x.shape[-1], x.shape[-1]
-        args, _held = _ffn_args(n, dim, router, shared, limit)  # alive past the call
-        _load().kv_ffn_block(_ptr(x), n, 1, dim, 0, 0, 0, norm_eps, hc_eps, iters, 0,
-                             _ptr(norm.contiguous()), *args, 0, _ptr(out), _threads())
-        return out, None
-    *lead, h, dim = x.shape
-    if (2 + h) * h > 64:
-        raise ValueError(f"ffn_block: at most 6 residual copies, got {h}")
+        *lead, dim = x.shape
+        h = 1
+    else:
+        *lead, h, dim = x.shape
+    n = x.numel() // (h * dim)
+    weights = [*(hc or ()), norm, *(() if shared is None else shared)]
+    if router is not None:
+        weights += [router.gate, router.bias, *router.experts]
+
+    def make() -> tuple[bool, tuple]:
+        if (2 + h) * h > 64:
+            raise ValueError(f"ffn_block: at most 6 residual copies, got {h}")
+        args, held = _ffn_args(n, dim, router, shared, limit)
+        same = all(t.is_contiguous() for t in weights)
+        mixing = (0, 0, 0) if hc is None else tuple(_ptr(t.contiguous()) for t in hc)
+        norm_c = norm.contiguous()
+        return same, ((*mixing, norm_eps, hc_eps, iters), (_ptr(norm_c), *args),
+                      (held, norm_c, hc))
+
+    routing = None if router is None else (router.score_func, router.gate_temp, router.k,
+                                           router.renormalise, router.route_scale)
+    key = (x.shape, norm_eps, hc_eps, iters, limit, routing, *[t.data_ptr() for t in weights])
+    head, middle, _held = _plan(keep, "ffn_block", key, make)
     if collapse_pre is not None and collapse_pre.shape != x.shape[:-1]:
         raise ValueError(f"ffn_block: collapse_pre must be {list(x.shape[:-1])}, got "
                          f"{list(collapse_pre.shape)}")
     x = x.contiguous()
-    n = x.numel() // (h * dim)
-    fn, scale, base = (t.contiguous() for t in hc)
     pre_in = None if collapse_pre is None else collapse_pre.contiguous()
-    norm = norm.contiguous()
-    out, pre = torch.empty_like(x), x.new_empty(*lead, h)
-    args, _held = _ffn_args(n, dim, router, shared, limit)  # alive past the call
-    _load().kv_ffn_block(_ptr(x), n, h, dim, _ptr(fn), _ptr(scale), _ptr(base), norm_eps,
-                         hc_eps, iters, 0 if pre_in is None else _ptr(pre_in), _ptr(norm),
-                         *args, _ptr(pre), _ptr(out), _threads())
+    # Both outputs are new tensors: a chunked prefill keeps a chunk's residual and pre.
+    out, pre = torch.empty_like(x), None if hc is None else x.new_empty(*lead, h)
+    _load().kv_ffn_block(_ptr(x), n, h, dim, *head, 0 if pre_in is None else _ptr(pre_in),
+                         *middle, 0 if pre is None else _ptr(pre), _ptr(out), _threads())
     return out, pre
 
 
