@@ -290,33 +290,37 @@ class DecodeBatch(KVStore):
 
     def attend(self, layer: int, source: int | None, q: torch.Tensor,
                selected: torch.Tensor | None, sink: torch.Tensor,
-               window: torch.Tensor | None = None) -> torch.Tensor:
+               window: torch.Tensor | None = None, keep: dict | None = None) -> torch.Tensor:
         """Where `attends()`: q [B, 1, H, D] over the layer's window ring (the new entry
         written) and the selected entries of source's stream ([B, 1, k], -1 for none;
         None for none at all), with the sink: [B, 1, H, D]. window: this step's window
         entries [B, 1, D], written first as `write_window` writes them (on a CPU, in the
-        attention's own C call), where the caller has not written them."""
+        attention's own C call), where the caller has not written them. keep: the
+        caller's kept plans for the C call (`native.sparse_attention`'s)."""
         ring = self.rings.rows[layer]
-        in_call = (window is not None and not self.triton and native.fuses(window)
-                   and native.decodes(ring.fmt))
-        if window is not None and not in_call:
+        if not self.triton:
+            in_call = window is not None and native.fuses(window) and native.decodes(ring.fmt)
+            if window is not None and not in_call:
+                self.write_window(layer, window, self.positions)
+            pool = None if selected is None or source is None else self.pools.rows[source, "kv"]
+            return native.sparse_attention(
+                q, sink, ring.data, ring.fmt, self.rings.pos[layer], self.slots,
+                self.positions, None if pool is None else pool.data,
+                None if pool is None else pool.fmt, self.block_table,
+                None if pool is None else selected, self.config.window_size,
+                window if in_call else None, keep).type_as(q)
+        from kvstack.cache.kernels import sparse_attention
+
+        if window is not None:
             self.write_window(layer, window, self.positions)
         if selected is None or source is None:
             pool = ring
             chosen = torch.full((self.batch_size, 0), -1, dtype=torch.long, device=self.device)
         else:
             pool, chosen = self.pools.rows[source, "kv"], selected[:, 0]
-        if self.triton:
-            from kvstack.cache.kernels import sparse_attention
-
-            out = sparse_attention(q[:, 0], sink, ring.data, self.rings.pos[layer], self.slots,
-                                   self.positions, pool.data, self.block_table, chosen,
-                                   self.config.window_size)
-        else:
-            out = native.sparse_attention(
-                q[:, 0], sink, ring.data, ring.fmt, self.rings.pos[layer], self.slots,
-                self.positions, pool.data, pool.fmt, self.block_table, chosen,
-                self.config.window_size, window[:, 0] if in_call else None)
+        out = sparse_attention(q[:, 0], sink, ring.data, self.rings.pos[layer], self.slots,
+                               self.positions, pool.data, self.block_table, chosen,
+                               self.config.window_size)
         return out[:, None].type_as(q)
 
 

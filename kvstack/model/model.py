@@ -892,8 +892,8 @@ class Attention(nn.Module):
         self.compressor = Compressor(c, spec, self.freqs) if full else None
         own_index = spec.mode in (Mode.FULL, Mode.REINDEX)
         self.indexer = Indexer(c, spec, self.freqs) if own_index else None
-        # The C output projection's kept weights' addresses and buffers (native's `keep`:
-        # its output is spent in this layer before the next call).
+        # The C attention's and output projection's kept addresses and buffers (native's
+        # `keep`: their outputs are spent in this layer before the next call).
         self.c_calls: dict = {}
 
     @property
@@ -1006,7 +1006,8 @@ class Attention(nn.Module):
                 selected = topks[-1] if topks else _tile(ctx.topk[spec.index_source], tile, n)
             if kernel:
                 outs.append(store.attend(spec.index, spec.kv_source, q_t, selected,
-                                         self.sink, window if i == 0 else None))
+                                         self.sink, window if i == 0 else None,
+                                         self.c_calls))
             else:
                 outs.append(self._attend(q_t, pos_t, window, window_positions, store,
                                          all_kv, selected, ctx, n_entries))

@@ -398,47 +398,66 @@ def index_scores_at(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor,
 
 def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ring_fmt: str,
                      ring_positions: torch.Tensor, slots: torch.Tensor,
-                     positions: torch.Tensor, pool: torch.Tensor, kv_fmt: str,
-                     block_table: torch.Tensor, selected: torch.Tensor,
-                     window_size: int, new_entries: torch.Tensor | None = None) -> torch.Tensor:
+                     positions: torch.Tensor, pool: torch.Tensor | None, kv_fmt: str | None,
+                     block_table: torch.Tensor, selected: torch.Tensor | None,
+                     window_size: int, new_entries: torch.Tensor | None = None,
+                     keep: dict | None = None) -> torch.Tensor:
     """`kvstack.cache.kernels.sparse_attention` from the packed rows on a CPU, for any
-    ring and stream formats: q [B, H, D] over each sequence's window ring
-    rows (ring [slots, W, bytes], ring_positions [slots, W]) at its slot and the entries
-    it selected (selected [B, k], -1 for none, from pool [blocks, per, bytes] through
-    block_table), the sink [H] in the denominator: [B, H, D] float32, within float
-    rounding of the model's softmax over the values the store hands back. new_entries:
-    this step's window entries [B, D] float32, written first as `ring_write` writes them
-    (a block-scaled ring, contiguous, written in place), in the same call."""
-    b, h, d = q.shape
-    w, k = ring.shape[1], selected.shape[1]
-    ring_block, ring_packed, ring_elem, ring_scale = _any_decoding(ring_fmt)
-    kv_block, kv_packed, kv_elem, kv_scale = _any_decoding(kv_fmt)
-    q = _as(q, torch.float32)
-    ring_before = ring.data_ptr()
-    ring, pool = ring.contiguous(), pool.contiguous()
-    ints = [_as(t, torch.int64) for t in (ring_positions, slots, positions, block_table,
-                                           selected)]
-    rows = torch.empty(w + k, d, dtype=torch.float32)  # one sequence's decoded rows
-    logits = torch.empty(h, w + k, dtype=torch.float32)  # then each head's probabilities
-    out = torch.empty(b, h, d, dtype=torch.float32)
+    ring and stream formats: q [B, H, D] (or [B, 1, H, D]) over each sequence's window
+    ring rows (ring [slots, W, bytes], ring_positions [slots, W]) at its slot and the
+    entries it selected (selected [B, (1,) k], -1 for none, from pool [blocks, per, bytes]
+    through block_table; None: the window alone), the sink [H] in the denominator:
+    float32 of q's shape, within float rounding of the model's softmax over the values
+    the store hands back. new_entries: this step's window entries [B, (1,) D] float32,
+    written first as `ring_write` writes them (a block-scaled ring, contiguous, written in
+    place), in the same call. keep: as `attention_block_in`'s (the output is a kept
+    buffer)."""
+    b, h, d = q.shape[0], q.shape[-2], q.shape[-1]
+    w, k = ring.shape[1], 0 if selected is None else selected.shape[-1]
     sink = _as(sink, torch.float32)
-    lib, lead = _load(), []
+    ring_ptr = ring.data_ptr()
+
+    def make() -> tuple[bool, tuple]:
+        if not ring.is_contiguous() or (pool is not None and not pool.is_contiguous()):
+            raise ValueError("sparse_attention: the ring and the pool must be contiguous")
+        ring_block, ring_packed, ring_elem, ring_scale = _any_decoding(ring_fmt)
+        decoding = (0, 0, 0, 0) if pool is None else (
+            pool.shape[1], pool.shape[2], *_any_decoding(kv_fmt)[:2])
+        kv_elem, kv_scale = (_weight_tables("fp8") if pool is None
+                             else _any_decoding(kv_fmt)[2:])
+        f = get_format(ring_fmt)
+        writes = (int(f.element != "e2m1"), int(f.scale == "e4m3")) if decodes(ring_fmt) \
+            else None
+        rows = torch.empty(w + k, d)  # one sequence's decoded rows
+        logits = torch.empty(h, w + k)  # then each head's probabilities
+        out = q.new_empty(q.shape, dtype=torch.float32)
+        args = ((ring_ptr, ring.shape[2]), (w, window_size, ring_block, ring_packed,
+                                            _ptr(ring_elem), _ptr(ring_scale),
+                                            0 if pool is None else _ptr(pool),
+                                            *decoding[:2]),
+                (k, *decoding[2:], _ptr(kv_elem), _ptr(kv_scale), b, h, d, d**-0.5,
+                 _ptr(rows), _ptr(logits), _ptr(out)))
+        return True, (args, writes, out, (rows, logits, ring_elem, kv_elem))
+
+    key = (q.shape, k, ring_ptr, ring_fmt, window_size,
+           None if pool is None else (pool.data_ptr(), pool.shape, kv_fmt))
+    (ring_args, middle, tail), writes, out, _held = _plan(keep, "sparse_attention", key,
+                                                            make)
+    q = _as(q, torch.float32)
+    ring_pos, slots, positions, table = (_as(t, torch.int64) for t in (
+        ring_positions, slots, positions, block_table))
+    chosen = 0 if selected is None else _ptr(_as(selected, torch.int64))
+    lib, lead = _load(), ()
     call = lib.kv_sparse_attention
     if new_entries is not None:
-        f = get_format(ring_fmt)
-        if not (ring.data_ptr() == ring_before and ints[0].data_ptr() == ring_positions.data_ptr()
-                and decodes(ring_fmt)):
+        if writes is None or ring_pos.data_ptr() != ring_positions.data_ptr():
             raise ValueError("sparse_attention: new entries go into a contiguous "
                              "block-scaled ring with int64 positions, in place")
         new_entries = _as(new_entries, torch.float32)
-        lead = [_ptr(new_entries), int(f.element != "e2m1"), int(f.scale == "e4m3")]
+        lead = (_ptr(new_entries), *writes)
         call = lib.kv_ring_write_attend
-    call(
-        *lead, _ptr(q), _ptr(sink), _ptr(ring), ring.shape[2], _ptr(ints[0]),
-        _ptr(ints[1]), _ptr(ints[2]), w, window_size, ring_block, ring_packed,
-        _ptr(ring_elem), _ptr(ring_scale), _ptr(pool), pool.shape[1], pool.shape[2],
-        _ptr(ints[3]), ints[3].shape[1], _ptr(ints[4]), k, kv_block, kv_packed, _ptr(kv_elem),
-        _ptr(kv_scale), b, h, d, d**-0.5, _ptr(rows), _ptr(logits), _ptr(out), _threads())
+    call(*lead, _ptr(q), _ptr(sink), *ring_args, _ptr(ring_pos), _ptr(slots),
+         _ptr(positions), *middle, _ptr(table), table.shape[1], chosen, *tail, _threads())
     return out
 
 
