@@ -664,6 +664,45 @@ def test_a_decode_steps_compressor_in_one_call_equals_torchs():
             assert not torch.equal(result[True][1][layer][0], before[layer][0])  # written
 
 
+def test_a_compressor_step_that_writes_its_entries_equals_the_two_calls():
+    """Entries and index keys quantised into their pools by the compressor's own call: the
+    bytes `stream_write` leaves after a call without, and the same partial groups."""
+    g = torch.Generator().manual_seed(11)
+    b, dim, d, di, ratio, slots = 3, 48, 64, 32, 2, 5
+    x = torch.randn(b, dim, generator=g)
+    positions, slot = torch.tensor([7, 2, 10]), torch.tensor([4, 0, 2])
+    wkv, wgate = torch.randn(d, dim, generator=g), torch.randn(d, dim, generator=g)
+    wk_index = torch.randn(di, d, generator=g)
+    norm, index_norm = torch.rand(d, generator=g) + 0.5, torch.rand(di, generator=g) + 0.5
+    freqs = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    partial = (torch.randn(slots, ratio - 1, d, generator=g),
+               torch.randn(slots, ratio - 1, d, generator=g))
+    pools = {"kv": PackedRows("fp4_ue8m0_32", d, (6, 4), torch.device("cpu")),
+             "index": PackedRows("fp8_ue8m0_32", di, (6, 4), torch.device("cpu"))}
+    blocks, offsets = torch.tensor([3, 0, 5]), torch.tensor([1, 0, 3])
+    got = {}
+    for write in (False, True):
+        for rows in pools.values():
+            rows.data.zero_()
+        groups = tuple(t.clone() for t in partial)
+        args = (x, positions, slot, ratio, wkv, wgate, groups, norm, 1e-6, wk_index,
+                index_norm, 1e-6, freqs)
+        if write:
+            kv, keys = native.compress_step(*args, (pools["kv"].data, pools["kv"].fmt,
+                                                    pools["index"].data, pools["index"].fmt,
+                                                    blocks, offsets))
+        else:
+            kv, keys = native.compress_step(*args)
+            for kind, values in (("kv", kv), ("index", keys)):
+                native.stream_write(values, pools[kind].fmt, pools[kind].data, blocks, offsets)
+        got[write] = (kv, keys, groups, {k: r.data.clone() for k, r in pools.items()})
+    assert all(torch.equal(a, b) for a, b in zip(got[True][:2], got[False][:2], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got[True][2], got[False][2], strict=True))
+    for kind in pools:
+        assert torch.equal(got[True][3][kind], got[False][3][kind]), kind
+        assert got[True][3][kind].any()
+
+
 @pytest.mark.parametrize("query_format", ["fp4_ue8m0_32", "none"])
 def test_an_indexers_queries_in_one_call_equal_torchs(query_format):
     """The query projection, RoPE, the rounding through the query format (or none) and the

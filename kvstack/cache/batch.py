@@ -228,6 +228,16 @@ class DecodeBatch(KVStore):
         self.partials.values[source][self.slots, fill] = values[:, 0].detach().float()
         self.partials.gates[source][self.slots, fill] = gate_logits[:, 0].detach().float()
 
+    def stream_writes(self, layer: int) -> tuple[torch.Tensor, str, torch.Tensor, str,
+                                                 torch.Tensor, torch.Tensor] | None:
+        """What a C compressor step takes to write this step's entries of a kv source
+        itself (`native.compress_step`'s `write`: the "kv" and "index" pools and formats,
+        where the new rows go), where the C kernels write both formats; else None."""
+        kv, index = self.pools.rows[layer, "kv"], self.pools.rows[layer, "index"]
+        if not (self.c_attention and native.decodes(kv.fmt) and native.decodes(index.fmt)):
+            return None
+        return (kv.data, kv.fmt, index.data, index.fmt, *self._new_rows[layer])
+
     def partial_groups(self, source: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a C compressor step updates in place: source's partial values and gate
         logits of every slot [n_slots, ratio - 1, D], and this batch's slots [B]."""

@@ -521,11 +521,13 @@ class Compressor(nn.Module):
             values, gates, slots = store.partial_groups(self.layer) if r > 1 else \
                 (None, None, positions)
             wkv, wgate, norm, wk_index, index_norm = weights
+            write = store.stream_writes(self.layer)  # the entries written in the same call
             kv, keys = native.compress_step(
                 x[:, 0], positions, slots, r, wkv, wgate,
                 None if values is None else (values, gates), norm, self.norm.eps,
-                wk_index, index_norm, self.index_norm.eps, self.freqs)
-            store.append_stream(self.layer, {"kv": kv[:, None], "index": keys[:, None]})
+                wk_index, index_norm, self.index_norm.eps, self.freqs, write)
+            if write is None:
+                store.append_stream(self.layer, {"kv": kv[:, None], "index": keys[:, None]})
             return
         values = self.wkv(x)  # [B, 1, D]
         if r == 1:

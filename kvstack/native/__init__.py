@@ -83,6 +83,10 @@ _SIGNATURES = {
     "kv_candidate_pool": [_P, _I, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P],
     "kv_select_in_pool": [_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I,
                           ctypes.c_int, _P, _P, _I, _P],
+    "kv_compress_write": [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, ctypes.c_float, _P,
+                          _I, _P, ctypes.c_float, _P, _I, _P, _P, _P, ctypes.c_int,
+                          ctypes.c_int, _I, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I, _P,
+                          _P, _I, _P, _P, ctypes.c_int],
     "kv_prefill_attention": [_P, _P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I,
                              ctypes.c_float, _P, ctypes.c_int],
     "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
@@ -916,13 +920,19 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   wkv: torch.Tensor, wgate: torch.Tensor | None,
                   partial: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
                   norm_eps: float, wk_index: torch.Tensor, index_norm: torch.Tensor,
-                  index_eps: float, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  index_eps: float, freqs: torch.Tensor,
+                  write: tuple[torch.Tensor, str, torch.Tensor, str, torch.Tensor,
+                               torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Compressor._compress_step` for one token of each of B sequences, x [B, dim] at
     positions [B] with float weights (wkv, wgate [D, dim], wk_index [Di, D], the norms'
     weights, float64 RoPE freqs [R/2]): the rotated entries [B, D] and index keys [B, Di]
     of the groups the tokens end, within float rounding of torch's. With ratio > 1,
     partial is the partial groups' values and gate logits [slots, ratio - 1, D]
-    (contiguous float32, updated in place at each sequence's slot)."""
+    (contiguous float32, updated in place at each sequence's slot). write: (the "kv"
+    pool, its block-scaled format, the "index" pool, its format, blocks [B], offsets
+    [B]): both written in the same call as `stream_write` writes them, into the pools
+    [blocks, per, bytes] (contiguous, in place)."""
     b, dim = x.shape
     d, di, half = wkv.shape[0], wk_index.shape[0], freqs.shape[0]
     if ratio > 1 and (wgate is None or partial is None or partial[0].shape[1:] != (ratio - 1, d)
@@ -943,11 +953,27 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
     freqs = _as(freqs, torch.float64)
     kv, keys = x.new_empty(b, d), x.new_empty(b, di)
     values, gates = partial if ratio > 1 else (None, None)
-    _load().kv_compress_step(
-        _ptr(x), b, dim, _ptr(positions), _ptr(slots), ratio, _ptr(wkv),
-        0 if wgate is None else _ptr(wgate), d, 0 if values is None else _ptr(values),
-        0 if gates is None else _ptr(gates), _ptr(norm), norm_eps, _ptr(wk_index), di,
-        _ptr(index_norm), index_eps, _ptr(freqs), half, _ptr(kv), _ptr(keys), _threads())
+    args = (_ptr(x), b, dim, _ptr(positions), _ptr(slots), ratio, _ptr(wkv),
+            0 if wgate is None else _ptr(wgate), d, 0 if values is None else _ptr(values),
+            0 if gates is None else _ptr(gates), _ptr(norm), norm_eps, _ptr(wk_index), di,
+            _ptr(index_norm), index_eps, _ptr(freqs), half, _ptr(kv), _ptr(keys))
+    if write is None:
+        _load().kv_compress_step(*args, _threads())
+        return kv, keys
+    kv_pool, kv_fmt, index_pool, index_fmt, blocks, offsets = write
+    targets = []
+    for pool, fmt, width in ((kv_pool, kv_fmt, d), (index_pool, index_fmt, di)):
+        if (not decodes(fmt) or not pool.is_contiguous() or pool.shape[1] != kv_pool.shape[1]
+                or pool.shape[-1] != bytes_per_entry(fmt, width)):
+            raise ValueError(f"compress_step: the pools must be contiguous rows of "
+                             f"block-scaled formats, {width} wide, as many a block")
+        f = get_format(fmt)
+        block, _, elem, scale = _decoding(fmt)
+        targets += [_ptr(pool), int(f.element != "e2m1"), int(f.scale == "e4m3"), block,
+                    _ptr(elem), _ptr(scale)]
+    blocks, offsets = _as(blocks, torch.int64), _as(offsets, torch.int64)
+    _load().kv_compress_write(*args, *targets, kv_pool.shape[1], _ptr(blocks), _ptr(offsets),
+                              _threads())
     return kv, keys
 
 

@@ -664,7 +664,8 @@ void kv_stream_write(const float *x, int64_t b, int64_t d, int element, int scal
     const int64_t row_bytes = (element == 0 ? d / 2 : d) + d / block;
     for (int64_t s = 0; s < b; s++)
         kv_quantize(x + s * d, 1, d, element, scale_kind, block, elem, scale_table,
-                    pool + (blocks[s] * per + offsets[s]) * row_bytes, values + s * d);
+                    pool + (blocks[s] * per + offsets[s]) * row_bytes,
+                    values ? values + s * d : NULL);
 }
 
 /* A layer's feed-forward half with its hyper-connection, for n tokens of h residual
@@ -885,6 +886,30 @@ void kv_compress_step(const float *x, int64_t b, int64_t dim, const int64_t *pos
         rope_rows(key, 1, di, cs, sn, half, key);
     }
     free(values);
+}
+
+/* kv_compress_step, then its entries kv [b, d] and index keys [b, di] quantised straight
+ * into their pools (kv_stream_write's, each with its format's element, scale kind, block
+ * and tables; both pools of `per` entries a block) at row offsets[s] of block blocks[s]:
+ * a decode step's compressor and its stream appends in one call. */
+void kv_compress_write(const float *x, int64_t b, int64_t dim, const int64_t *positions,
+                       const int64_t *slots, int64_t r, const float *wkv, const float *wgate,
+                       int64_t d, float *partial_values, float *partial_gates,
+                       const float *norm_w, float norm_eps, const float *wk_index, int64_t di,
+                       const float *index_norm_w, float index_eps, const double *freqs,
+                       int64_t half, float *kv, float *keys, uint8_t *kv_pool, int kv_element,
+                       int kv_scale_kind, int64_t kv_block, const float *kv_elem,
+                       const float *kv_scale, uint8_t *index_pool, int index_element,
+                       int index_scale_kind, int64_t index_block, const float *index_elem,
+                       const float *index_scale, int64_t per, const int64_t *blocks,
+                       const int64_t *offsets, int threads) {
+    kv_compress_step(x, b, dim, positions, slots, r, wkv, wgate, d, partial_values,
+                     partial_gates, norm_w, norm_eps, wk_index, di, index_norm_w, index_eps,
+                     freqs, half, kv, keys, threads);
+    kv_stream_write(kv, b, d, kv_element, kv_scale_kind, kv_block, kv_elem, kv_scale, kv_pool,
+                    per, blocks, offsets, NULL);
+    kv_stream_write(keys, b, di, index_element, index_scale_kind, index_block, index_elem,
+                    index_scale, index_pool, per, blocks, offsets, NULL);
 }
 
 /* An indexer's queries and head weights for t tokens (kvstack.model.model.Indexer._queries):
