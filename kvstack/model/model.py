@@ -613,6 +613,9 @@ class Indexer(nn.Module):
         self.wweights = nn.Linear(config.dim, hi, bias=False)
         self.n_local_heads = hi  # sharded: this rank's heads, whose partial scores add up
         self.shard: Shard | None = None
+        # The C queries' kept addresses and buffers (native's `keep`: each call's queries
+        # are scored before the next call).
+        self.c_calls: dict = {}
 
     def _queries(self, x: torch.Tensor, qr: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -630,7 +633,8 @@ class Indexer(nn.Module):
                                  wweights._parameters["weight"])):
             return native.index_queries(qr, x, positions, wq._parameters["weight"],
                                         wweights._parameters["weight"], self.n_local_heads,
-                                        self.freqs, c.index_query_format, scale)
+                                        self.freqs, c.index_query_format, scale,
+                                        self.c_calls)
         q = rotate(self.wq(qr).unflatten(-1, (self.n_local_heads, di)), positions,
                    self.freqs).float()
         if c.index_query_format != "none":  # V4.1 scores FP4 queries against FP4 keys

@@ -979,41 +979,56 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
 
 def index_queries(qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                   wq: torch.Tensor, wweights: torch.Tensor, heads: int, freqs: torch.Tensor,
-                  query_format: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  query_format: str, scale: float,
+                  keep: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`Indexer._queries` for qr [B, n, rank] and x [B, n, dim] at positions [B or 1, n]
     with float weights (wq [heads * Di, rank], wweights [heads, dim], float64 RoPE freqs
     [R/2]): the queries [B, n, heads, Di], rotated and, unless query_format is "none",
     rounded through it as the straight-through forward does, and the head weights [B, n,
-    heads] times scale, within float rounding of torch's."""
+    heads] times scale, within float rounding of torch's. keep: as
+    `attention_block_in`'s (both outputs are kept buffers)."""
     b, n, rank = qr.shape
-    dim, half = x.shape[-1], freqs.shape[0]
-    di = wq.shape[0] // heads
-    if (wq.shape != (heads * di, rank) or wweights.shape != (heads, dim)
-            or x.shape[:2] != (b, n) or half > 512 or 2 * half > di):
-        raise ValueError(f"index_queries: weights {list(wq.shape)} and {list(wweights.shape)} "
-                         f"with {heads} heads and {2 * half} rotated dims do not fit qr "
-                         f"{list(qr.shape)} and x {list(x.shape)}")
-    if query_format == "none":
-        element, scale_kind, block, tables = -1, 0, 0, _weight_tables("fp8")
-    else:
-        f = get_format(query_format)
-        check_width(f, di)
-        tables = decode_tables(query_format)
-        if tables is None:
-            raise ValueError(f"index_queries: the C kernels round to block-scaled formats "
-                             f"only, got {query_format}")
-        element, scale_kind, block = int(f.element != "e2m1"), int(f.scale == "e4m3"), \
-            f.scale_block
+    dim = x.shape[-1]
+
+    def make() -> tuple[bool, tuple]:
+        half, di = freqs.shape[0], wq.shape[0] // heads
+        if (wq.shape != (heads * di, rank) or wweights.shape != (heads, dim)
+                or x.shape[:2] != (b, n) or half > 512 or 2 * half > di):
+            raise ValueError(f"index_queries: weights {list(wq.shape)} and "
+                             f"{list(wweights.shape)} with {heads} heads and {2 * half} "
+                             f"rotated dims do not fit qr {list(qr.shape)} and x "
+                             f"{list(x.shape)}")
+        if query_format == "none":
+            element, scale_kind, block, tables = -1, 0, 0, _weight_tables("fp8")
+        else:
+            f = get_format(query_format)
+            check_width(f, di)
+            tables = decode_tables(query_format)
+            if tables is None:
+                raise ValueError(f"index_queries: the C kernels round to block-scaled "
+                                 f"formats only, got {query_format}")
+            element, scale_kind, block = (int(f.element != "e2m1"), int(f.scale == "e4m3"),
+                                          f.scale_block)
+        same, held = _converted((wq, wweights, freqs),
+                                (torch.float32, torch.float32, torch.float64))
+        outs = (qr.new_empty(b, n, heads, di, dtype=torch.float32),
+                qr.new_empty(b, n, heads, dtype=torch.float32))
+        wq_p, ww_p, freqs_p = map(_ptr, held)
+        args = ((wq_p, ww_p, heads, di), (freqs_p, half, element, scale_kind, block,
+                                          _ptr(tables[0]), _ptr(tables[1]), scale,
+                                          *map(_ptr, outs)))
+        return same, (args, outs, held)
+
+    key = (qr.shape, dim, heads, query_format, scale, wq.data_ptr(), wweights.data_ptr(),
+           freqs.data_ptr())
+    (middle, tail), outs, _held = _plan(keep, "index_queries", key, make)
     qr, x = _as(qr, torch.float32), _as(x, torch.float32)
-    wq, wweights = _as(wq, torch.float32), _as(wweights, torch.float32)
-    positions, freqs = _as(positions.expand(b, n), torch.int64), _as(freqs, torch.float64)
-    elem, scales = tables
-    q, w = qr.new_empty(b, n, heads, di), qr.new_empty(b, n, heads)
-    _load().kv_index_queries(_ptr(qr), _ptr(x), b * n, rank, dim, _ptr(wq), _ptr(wweights),
-                             heads, di, _ptr(positions), _ptr(freqs), half, element,
-                             scale_kind, block, _ptr(elem), _ptr(scales), scale, _ptr(q),
-                             _ptr(w), _threads())
-    return q, w
+    if positions.shape != (b, n):
+        positions = positions.expand(b, n)
+    positions = _as(positions, torch.int64)
+    _load().kv_index_queries(_ptr(qr), _ptr(x), b * n, rank, dim, *middle, _ptr(positions),
+                             *tail, _threads())
+    return outs
 
 
 def quantize(x: torch.Tensor, fmt: str, rows: bool = True, values: bool = True,
