@@ -98,26 +98,6 @@ class DecodeBatch(KVStore):
         self._history = torch.tensor(
             [[0] * max(0, count - len(ids)) + ids[max(0, len(ids) - count):] if count else []
              for ids in held], dtype=torch.long, device=dev)  # [B, count]
-        padded = [t + [null] * (width - len(t)) for t in tables]
-        self.block_table = torch.tensor(padded, device=dev)  # [B, max_blocks]
-        # Per stream ratio, made on the host (a few ints a sequence, where torch would
-        # dispatch a dozen ops a ratio): each sequence's entries with this step's token
-        # [B], and where the entry its token ends goes: its row for the sequences whose
-        # token completes a group, row 0 of the null block for the rest (block [B],
-        # offset [B]). Layers of one ratio share them.
-        lens, new_rows = {}, {}
-        for r in sorted(set(pools.ratios.values())):
-            per = pools.block_tokens // r
-            counts = [(p + 1) // r for p in lengths]
-            complete = [(p + 1) % r == 0 for p in lengths]
-            blocks = [row[(c - 1) // per] if done else null
-                      for row, c, done in zip(padded, counts, complete, strict=True)]
-            offsets = [(c - 1) % per if done else 0 for c, done in zip(counts, complete,
-                                                                       strict=True)]
-            lens[r], *new_rows[r] = torch.tensor([counts, blocks, offsets], device=dev)
-        self.stream_lens = {layer: lens[r]  # [B], this step's entry included
-                            for layer, r in pools.ratios.items()}
-        self._new_rows = {layer: tuple(new_rows[r]) for layer, r in pools.ratios.items()}
     def mark_dynamic(self) -> None:
         """For a traced step (Model.compile_decode): the table's width is symbolic, so
         that a growing context runs the same graph; the batch size is not (a padded

@@ -369,24 +369,33 @@ static int ascending(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* The order key of a score in a stable descending sort over n entries (entry i): the
+ * float's bits made monotone in its high half, the reversed index in its low half, so
+ * keys are unique and ties go to the earlier entry (-0.0 made +0.0 first). */
+static inline int64_t order_key(float score, int64_t i, int64_t n) {
+    const int32_t bits = (int32_t)bits_of(score + 0.0f);
+    const int64_t ordered = bits >= 0 ? (int64_t)bits : (int64_t)(bits ^ 0x7FFFFFFF);
+    return (int64_t)(((uint64_t)ordered << 32) | (uint64_t)(n - 1 - i));
+}
+
+/* key kept in a min-heap of the best k keys so far (size of them held). */
+static inline void keep_best(int64_t *heap, int64_t *size, int64_t k, int64_t key) {
+    if (*size < k) {  /* fill, then keep the heap's least on top */
+        heap[(*size)++] = key;
+        if (*size == k)
+            for (int64_t j = k / 2 - 1; j >= 0; j--) sift_down(heap, k, j);
+    } else if (key > heap[0]) {
+        heap[0] = key;
+        sift_down(heap, k, 0);
+    }
+}
+
 void kv_select_topk(const float *scores, int64_t rows, int64_t n, int64_t k, int64_t *heap,
                     int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *s = scores + r * n;
         int64_t size = 0;
-        for (int64_t i = 0; i < n; i++) {
-            const int32_t bits = (int32_t)bits_of(s[i] + 0.0f);
-            const int64_t ordered = bits >= 0 ? (int64_t)bits : (int64_t)(bits ^ 0x7FFFFFFF);
-            const int64_t key = (int64_t)(((uint64_t)ordered << 32) | (uint64_t)(n - 1 - i));
-            if (size < k) {  /* fill, then keep the heap's least on top */
-                heap[size++] = key;
-                if (size == k)
-                    for (int64_t j = k / 2 - 1; j >= 0; j--) sift_down(heap, k, j);
-            } else if (key > heap[0]) {
-                heap[0] = key;
-                sift_down(heap, k, 0);
-            }
-        }
+        for (int64_t i = 0; i < n; i++) keep_best(heap, &size, k, order_key(s[i], i, n));
         int64_t *o = out + r * k, kept = 0;
         for (int64_t j = 0; j < size; j++) {
             const int64_t i = n - 1 - (heap[j] & 0xFFFFFFFF);
@@ -395,15 +404,6 @@ void kv_select_topk(const float *scores, int64_t rows, int64_t n, int64_t k, int
         qsort(o, (size_t)kept, sizeof(int64_t), ascending);
         for (int64_t j = kept; j < k; j++) o[j] = -1;
     }
-}
-
-/* The order key of a score in a stable descending sort over n entries (entry i): the
- * float's bits made monotone in its high half, the reversed index in its low half, so
- * keys are unique and ties go to the earlier entry (-0.0 made +0.0 first). */
-static inline int64_t order_key(float score, int64_t i, int64_t n) {
-    const int32_t bits = (int32_t)bits_of(score + 0.0f);
-    const int64_t ordered = bits >= 0 ? (int64_t)bits : (int64_t)(bits ^ 0x7FFFFFFF);
-    return (int64_t)(((uint64_t)ordered << 32) | (uint64_t)(n - 1 - i));
 }
 
 static int descending(const void *a, const void *b) {
@@ -435,17 +435,8 @@ void kv_candidate_pool(const float *scores, int64_t b, int64_t q, int64_t n,
         const int64_t newest = (positions[(pb == 1 ? 0 : r / q) * q + r % q] + 1) / ratio - 1;
         if (newest >= 0 && newest / bs < n_spans) spans[newest / bs] = INFINITY;
         int64_t size = 0;
-        for (int64_t j = 0; j < n_spans; j++) {
-            const int64_t key = order_key(spans[j], j, n_spans);
-            if (size < kb) {
-                heap[size++] = key;
-                if (size == kb)
-                    for (int64_t i = kb / 2 - 1; i >= 0; i--) sift_down(heap, kb, i);
-            } else if (key > heap[0]) {
-                heap[0] = key;
-                sift_down(heap, kb, 0);
-            }
-        }
+        for (int64_t j = 0; j < n_spans; j++)
+            keep_best(heap, &size, kb, order_key(spans[j], j, n_spans));
         qsort(heap, (size_t)size, sizeof(int64_t), descending);
         for (int64_t j = 0; j < size; j++) out[r * kb + j] = n_spans - 1 - (heap[j] & 0xFFFFFFFF);
     }
