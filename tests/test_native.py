@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import stat
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -577,6 +578,34 @@ def test_a_dense_decode_step_rounds_its_bf16_rows_as_torch_does():
                                   torch.full((3, 64), float("nan")), "bf16", check=False))
         assert torch.equal(written, want)
         assert torch.equal(i["pools"]["k"].data[i["new_rows"]], want)
+
+
+def test_a_kept_plan_is_reused_and_a_copied_one_makes_its_own_buffers():
+    """A second call of one shape reuses the kept output buffer; a deep copy of the keep
+    (a deep-copied model's, over the same cache) writes into buffers of its own, leaving
+    the original's output alone, and gives the fresh result."""
+    g = torch.Generator().manual_seed(12)
+    b, h, d, window, per, n_blocks = 2, 2, 64, 8, 4, 5
+    cpu = torch.device("cpu")
+    rings = PackedRows("fp8_ue8m0_32", d, (3, window), cpu)
+    rings.data[:], _ = rings.pack(torch.randn(3, window, d, generator=g))
+    pool = PackedRows("fp4_e4m3_16", d, (n_blocks, per), cpu)
+    pool.data[:], _ = pool.pack(torch.randn(n_blocks, per, d, generator=g))
+    ring_pos = torch.randint(0, 12, (3, window), generator=g)
+    block_table = torch.stack([torch.randperm(n_blocks, generator=g) for _ in range(b)])
+    args = (rings.data, rings.fmt, ring_pos, torch.tensor([2, 0]), torch.tensor([11, 3]),
+            pool.data, pool.fmt, block_table, torch.tensor([[0, 5], [-1, 2]]), window)
+    sink = torch.tensor([0.5, -1.0])
+    q1, q2 = torch.randn(b, h, d, generator=g), torch.randn(b, h, d, generator=g)
+    keep: dict = {}
+    first = native.sparse_attention(q1, sink, *args, keep=keep)
+    again = native.sparse_attention(q2, sink, *args, keep=keep)
+    assert again is first  # the kept buffer, now q2's output
+    held = again.clone()
+    copied = deepcopy(keep)
+    got = native.sparse_attention(q1, sink, *args, keep=copied)
+    assert got is not again and torch.equal(again, held)
+    assert torch.equal(got, native.sparse_attention(q1, sink, *args))
 
 
 @pytest.mark.parametrize("residual", ["single_pass", "per_site"])

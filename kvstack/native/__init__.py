@@ -796,12 +796,26 @@ def _plan(keep: dict | None, name: str, key: tuple,
     holds no converted copy of a weight, which an in-place update of the weight would
     leave behind."""
     plan = None if keep is None else keep.get(name)
-    if plan is not None and plan[0] == key:
+    # A plan's addresses are its own tensors'; a copied or unpickled keep (a deep-copied
+    # model) holds tensors at other addresses, which the sentinel's address tells.
+    if plan is not None and plan[0] == key and plan[2].data_ptr() == plan[3]:
         return plan[1]
     keepable, made = make()
     if keep is not None and keepable:
-        keep[name] = (key, made)
+        sentinel = _first_tensor(made)
+        keep[name] = (key, made, sentinel, sentinel.data_ptr())
     return made
+
+
+def _first_tensor(made: object) -> torch.Tensor | None:
+    """The first tensor in a plan's nested tuples and lists."""
+    if isinstance(made, torch.Tensor):
+        return made
+    for part in made if isinstance(made, tuple | list) else ():
+        found = _first_tensor(part)
+        if found is not None:
+            return found
+    return None
 
 
 def _converted(tensors: tuple[torch.Tensor, ...], dtypes: tuple[torch.dtype, ...]
