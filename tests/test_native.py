@@ -311,19 +311,27 @@ def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt):
         assert torch.allclose(out[i], want, atol=1e-5, rtol=1e-5), i
 
 
+def _ring_and_pool(g: torch.Generator, slots: int, b: int, d: int = 64, window: int = 8,
+                   per: int = 4, n_blocks: int = 5) -> tuple:
+    """FP8 window rings of `slots` slots with random rows and positions, an FP4 pool of
+    random rows, and a block table for b sequences: what a decode attention reads."""
+    cpu = torch.device("cpu")
+    rings = PackedRows("fp8_ue8m0_32", d, (slots, window), cpu)
+    rings.data[:], _ = rings.pack(torch.randn(slots, window, d, generator=g))
+    pool = PackedRows("fp4_e4m3_16", d, (n_blocks, per), cpu)
+    pool.data[:], _ = pool.pack(torch.randn(n_blocks, per, d, generator=g))
+    ring_pos = torch.randint(0, 20, (slots, window), generator=g)
+    block_table = torch.stack([torch.randperm(n_blocks, generator=g) for _ in range(b)])
+    return rings, pool, ring_pos, block_table
+
+
 def test_an_attention_call_that_writes_the_window_first_equals_the_two_calls():
     """This step's window entries handed to the attention's call: the ring's bytes and
     positions and the output of `ring_write` then `sparse_attention`, bit for bit."""
     g = torch.Generator().manual_seed(7)
-    b, h, d, window, per, n_blocks = 3, 2, 64, 8, 4, 5
-    cpu = torch.device("cpu")
-    rings = PackedRows("fp8_ue8m0_32", d, (4, window), cpu)
-    rings.data[:], _ = rings.pack(torch.randn(4, window, d, generator=g))
-    pool = PackedRows("fp4_e4m3_16", d, (n_blocks, per), cpu)
-    pool.data[:], _ = pool.pack(torch.randn(n_blocks, per, d, generator=g))
-    ring_pos = torch.randint(0, 20, (4, window), generator=g)
+    b, h, d, window = 3, 2, 64, 8
+    rings, pool, ring_pos, block_table = _ring_and_pool(g, 4, b)
     slots, positions = torch.tensor([2, 0, 3]), torch.tensor([17, 3, 20])
-    block_table = torch.stack([torch.randperm(n_blocks, generator=g) for _ in range(b)])
     selected = torch.tensor([[0, 5, -1], [-1, -1, -1], [3, 1, 2]])
     q, sink = torch.randn(b, h, d, generator=g), torch.tensor([0.5, -1.0])
     entries = torch.randn(b, d, generator=g) * 3
@@ -585,14 +593,8 @@ def test_a_kept_plan_is_reused_and_a_copied_one_makes_its_own_buffers():
     (a deep-copied model's, over the same cache) writes into buffers of its own, leaving
     the original's output alone, and gives the fresh result."""
     g = torch.Generator().manual_seed(12)
-    b, h, d, window, per, n_blocks = 2, 2, 64, 8, 4, 5
-    cpu = torch.device("cpu")
-    rings = PackedRows("fp8_ue8m0_32", d, (3, window), cpu)
-    rings.data[:], _ = rings.pack(torch.randn(3, window, d, generator=g))
-    pool = PackedRows("fp4_e4m3_16", d, (n_blocks, per), cpu)
-    pool.data[:], _ = pool.pack(torch.randn(n_blocks, per, d, generator=g))
-    ring_pos = torch.randint(0, 12, (3, window), generator=g)
-    block_table = torch.stack([torch.randperm(n_blocks, generator=g) for _ in range(b)])
+    b, h, d, window = 2, 2, 64, 8
+    rings, pool, ring_pos, block_table = _ring_and_pool(g, 3, b)
     args = (rings.data, rings.fmt, ring_pos, torch.tensor([2, 0]), torch.tensor([11, 3]),
             pool.data, pool.fmt, block_table, torch.tensor([[0, 5], [-1, 2]]), window)
     sink = torch.tensor([0.5, -1.0])

@@ -48,7 +48,8 @@ from kvstack.formats.spec import check_width
 log = logging.getLogger("kvstack")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.c", "weights.c", "step.c"))
-HEADERS = (Path(__file__).with_name("vec.h"),)  # in the build's key, not its command
+# In the build's key, not its command.
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec.h", "kernels.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 
 

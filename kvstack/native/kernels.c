@@ -10,6 +10,7 @@
  * 2i in the low nibble, when `packed`; else one byte each), then one scale byte per
  * `block` elements. Built by kvstack/native/__init__.py (cc -O3 -march=native -fopenmp).
  */
+#include "kernels.h"
 #include "vec.h"
 #include <math.h>
 #include <stdint.h>

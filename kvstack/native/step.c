@@ -12,6 +12,7 @@
  * Built with -std=c11, so the compiler contracts no a*b+c into a fused multiply-add:
  * each product and sum is rounded as torch rounds its separate ops.
  */
+#include "kernels.h"
 #include "vec.h"
 #include <math.h>
 #include <stddef.h>
@@ -442,13 +443,6 @@ void kv_candidate_pool(const float *scores, int64_t b, int64_t q, int64_t n,
     }
 }
 
-/* kernels.c's index scoring at chosen entries. */
-void kv_index_scores_at(const float *q, const float *w, const uint8_t *pool, int64_t per,
-                        int64_t row_bytes, const int64_t *table, int64_t max_blocks,
-                        const int64_t *held, const int64_t *entries, int64_t K, int64_t B,
-                        int64_t H, int64_t D, int64_t block, int packed, const float *elem,
-                        const float *scale, float *out, int threads);
-
 /* A decode step's top-k inside each sequence's candidate pool
  * (kvstack.model.model.Indexer.select_in_pool): its kb spans [b, kb] in ascending order,
  * their kb * bs entries scored by kv_index_scores_at (query q [b, h, d], head weights w
@@ -608,17 +602,6 @@ void kv_ring_write(const float *x, int64_t b, int64_t d, int element, int scale_
     }
 }
 
-void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
-                         int64_t ring_bytes, const int64_t *ring_pos, const int64_t *slots,
-                         const int64_t *positions, int64_t w, int64_t window_size,
-                         int64_t ring_block, int ring_packed, const float *ring_elem,
-                         const float *ring_scale, const uint8_t *pool, int64_t per,
-                         int64_t kv_bytes, const int64_t *block_table, int64_t max_blocks,
-                         const int64_t *selected, int64_t k, int64_t kv_block, int kv_packed,
-                         const float *kv_elem, const float *kv_scale, int64_t b, int64_t h,
-                         int64_t d, float scale, float *rows, float *logits, float *out,
-                         int threads);
-
 /* A decode step's window entries x [b, d] written into their rings (kv_ring_write, with
  * kv_quantize's element and scale_kind of the ring's block-scaled format), then
  * kernels.c's kv_sparse_attention over the rings with them: the two calls in one. */
@@ -739,14 +722,6 @@ void kv_attention_out_spread(float *o, int64_t t, int64_t heads, int64_t d,
                      threads);
     kv_hc_post(y, x, post, comb, t, h, dim, out);
 }
-
-/* kernels.c's dense attention, read here after the new rows are written. */
-void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_pool,
-                        int64_t per, int64_t k_bytes, int64_t v_bytes,
-                        const int64_t *block_table, int64_t max_blocks, const int64_t *lengths,
-                        int64_t block, int packed, const float *elem, const float *scale_table,
-                        int64_t b, int64_t h, int64_t kv_heads, int64_t d, float scale,
-                        float *keys, float *values, float *logits, float *out);
 
 /* A float's bf16 bits as torch's conversion of a float32 tensor makes them: to nearest,
  * ties to even; any NaN to 0xffff (its vectorised conversion's, at every length). */
