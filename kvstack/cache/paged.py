@@ -177,6 +177,19 @@ class BlockPools:
 
 
 @dataclass
+class Speculation:
+    """What a store keeps while tokens it was fed may still be taken back (a draft's
+    verify): where they start, and what writing them overwrote or passed by."""
+
+    start: int  # tokens held before them
+    ring_rows: torch.Tensor  # [n]: the ring row each of the n fed tokens writes
+    rings: dict[int, tuple[torch.Tensor, torch.Tensor]]  # those rows before (copy_rows)
+    # source -> (position of the first row, values, gate logits [m, D]): the rows of every
+    # partial group the chunk's compression saw (KVStore.saw_group_rows).
+    group_rows: dict[int, tuple[int, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
 class StoreState:
     """What a `PagedSequenceStore` holds besides the rows, in a form another process can
     take: its block table, token ids (those after the first `first_token` of them, which
@@ -217,6 +230,7 @@ class PagedSequenceStore(KVStore):
         # The cached blocks a prefix hit started it on, which name the window state a
         # replay over them rebuilds (kvstack.cache.checkpoints); None: not a prefix hit.
         self.window_name: WindowName | None = None
+        self.speculation: Speculation | None = None  # set from `speculate` to `settle`
         rings.drop(self._slot)
 
     # ---- blocks ------------------------------------------------------------------------
@@ -369,6 +383,70 @@ class PagedSequenceStore(KVStore):
         self.rings.drop(self._slot)
         self._fill = dict.fromkeys(self._fill, 0)
         self.needs_replay = self.pools.layout.window_bytes_per_sequence > 0
+
+    # ---- speculation: feeding tokens that may be taken back --------------------------
+    def speculate(self, n: int) -> None:
+        """The next n tokens fed (one call: a draft's verify) may be taken back, all but
+        a leading part, by `settle`: keep what they overwrite in the window rings. A
+        caught-up store only, and n at most a ring's length."""
+        if not self.caught_up:
+            raise ValueError("only a caught-up store (streams, partial groups and rings "
+                             "current) can feed tokens it may take back")
+        if not 0 < n <= self.rings.window:
+            raise ValueError(f"a speculative call feeds 1..{self.rings.window} tokens (the "
+                             f"window), got {n}")
+        start = len(self._tokens)
+        rows = (start + torch.arange(n, device=self.device)) % self.rings.window
+        self.speculation = Speculation(start, rows, self.rings.copy_rows(self.slot, rows), {})
+
+    def saw_group_rows(self, source: int, values: torch.Tensor,
+                       gate_logits: torch.Tensor) -> None:
+        if self.speculation is None:
+            return
+        first = self._len[source] * self.pools.ratios[source]
+        values, gate_logits = values[0].detach(), gate_logits[0].detach()
+        seen = self.speculation.group_rows.get(source)
+        if seen is not None:  # a later chunk of the same call: its rows follow
+            cut = first - seen[0]
+            first = seen[0]
+            values = torch.cat((seen[1][:cut], values))
+            gate_logits = torch.cat((seen[2][:cut], gate_logits))
+        self.speculation.group_rows[source] = (first, values, gate_logits)
+
+    def settle(self, n_kept: int) -> None:
+        """Keep the first n_kept of the tokens fed since `speculate` and take back the
+        rest: they leave no byte behind (stream and index-key rows zeroed, ring rows and
+        positions as before, partial groups rebuilt from the kept tokens' rows, the token
+        log cut), as if they had never been fed."""
+        spec, self.speculation = self.speculation, None
+        if spec is None:
+            raise ValueError("settle: no speculative call to settle")
+        fed = len(self._tokens) - spec.start
+        if not 0 <= n_kept <= fed:
+            raise ValueError(f"settle: {fed} tokens were fed, cannot keep {n_kept}")
+        if n_kept == fed:
+            return
+        end = spec.start + n_kept
+        del self._tokens[end:]
+        for layer, length in self._len.items():
+            kept = end // self.pools.ratios[layer]
+            if length > kept:
+                entries = torch.arange(kept, length, device=self.device)
+                for s in self.pools.layout.streams:
+                    if s.layer == layer:
+                        block, offset = self._slots(layer, s.kind, entries)
+                        self.pools.rows[layer, s.kind].data[block, offset] = 0
+            self._len[layer] = kept
+        self.rings.load_rows(self.slot, spec.ring_rows, spec.rings, slice(n_kept, None))
+        for source in self._fill:
+            r = self.pools.ratios[source]
+            fill = end % r
+            if fill:
+                first, values, gates = spec.group_rows[source]
+                rows = slice(end - fill - first, end - first)
+                self.partials.values[source][self.slot, :fill] = values[rows]
+                self.partials.gates[source][self.slot, :fill] = gates[rows]
+            self._fill[source] = fill
 
     # ---- window checkpoints ----------------------------------------------------------
     @property

@@ -159,6 +159,19 @@ class WindowRings:
         self.pos[layer][slots, positions % self.window] = positions
         return stored[:, None]
 
+    def copy_rows(self, slot: int, rows: torch.Tensor
+                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of some rows [n] of one slot's rings: layer -> (bytes, positions)."""
+        return {layer: (ring.data[slot, rows].clone(), self.pos[layer][slot, rows].clone())
+                for layer, ring in self.rows.items()}
+
+    def load_rows(self, slot: int, rows: torch.Tensor,
+                  saved: dict[int, tuple[torch.Tensor, torch.Tensor]], keep: slice) -> None:
+        """Put back the `keep` part of rows that `copy_rows` took."""
+        for layer, (data, pos) in saved.items():
+            self.rows[layer].data[slot, rows[keep]] = data[keep]
+            self.pos[layer][slot, rows[keep]] = pos[keep]
+
     def copy_slot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """A copy of one slot's rings: layer -> (rows [window, bytes], positions [window])."""
         return {layer: (ring.data[slot].clone(), self.pos[layer][slot].clone())

@@ -146,6 +146,14 @@ class KVStore(ABC):
         [B, 1, head_dim] at each sequence's fill)."""
         self._partial[source] = (values, gate_logits)
 
+    def saw_group_rows(self, source: int, values: torch.Tensor,
+                       gate_logits: torch.Tensor) -> None:
+        """A chunk's compression of source: the values and gate logits [B, m, head_dim]
+        of its partial group's tokens and the chunk's, in order. A store that may take
+        tokens back (a draft's verify) keeps them to rebuild its partial group; others
+        ignore them."""
+        return None
+
     @abstractmethod
     def drop_window_state(self) -> None:
         """Forget what is never persisted: every window ring and partial group."""

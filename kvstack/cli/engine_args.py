@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from kvstack.config import ATTENTION_BACKENDS, CPU_KERNELS, NUMERICS
-from kvstack.engine.config import EngineConfig
+from kvstack.engine.config import SPECULATIVE, EngineConfig
 from kvstack.units import format_bytes, positive_int
 
 if TYPE_CHECKING:  # the engine pulls in the model; parsing the command does not need it
@@ -53,6 +53,11 @@ ENGINE_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                     "matmuls and packed-weight matmuls: C kernels built on "
                                     "first use (c: or fail), torch, or auto (C where the "
                                     "system's C compiler builds them)")),
+    ("--speculative", "speculative",
+     dict(choices=SPECULATIVE, help="dspark: greedy requests' next tokens drafted by the "
+                                    "model's DSpark layers and verified in one target call "
+                                    "(lossless); none: one token a step (default: "
+                                    "%(default)s)")),
     ("--max-num-batched-tokens", "max_num_batched_tokens",
      dict(type=positive_int, metavar="N",
           help="tokens one step runs: its decode batch's, its prompt parts' and the replay "

@@ -19,6 +19,7 @@ from kvstack.config import (
 from kvstack.units import parse_bytes
 
 log = logging.getLogger("kvstack")
+SPECULATIVE = ("none", "dspark")
 
 
 def _check_device(device: str) -> None:
@@ -103,6 +104,10 @@ class EngineConfig:
     # (kvstack.native) where the system's C compiler builds them, and says in the log when
     # it cannot; "c" requires them; "torch" never (packed weights dequantised per call).
     cpu_kernels: str = "auto"
+    # SPECULATIVE: "dspark" drafts greedy requests' next tokens with the model's DSpark
+    # layers and verifies them in one target call (lossless: the outputs are the target's);
+    # "none" decodes one token a step.
+    speculative: str = "none"
     # Ranks the model is split over (`kvstack.parallel`: heads, index heads, Engram rows
     # and vocabulary by rank), one process and one device each; with expert_parallel
     # the routed experts go whole by rank, else each expert is split by its inter dim.
@@ -141,6 +146,12 @@ class EngineConfig:
         if self.attention == "triton" and self.compile_decode:
             raise ValueError("attention='triton' and compile_decode are two ways to run a "
                              "decode step: choose one")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got "
+                             f"{self.speculative!r}")
+        if self.speculative != "none" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative='dspark' runs in one process: the draft on a "
+                             "model split over ranks is not built")
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got "
                              f"{self.numerics!r}")

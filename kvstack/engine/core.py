@@ -223,18 +223,23 @@ class EngineCore:
                     f"({self.cache.free_blocks} free blocks)")
             return outputs
         self._idle_steps = 0
-        if plan.decode:
+        drafting = [seq for seq in plan.decode if self.runner.drafts(seq)]
+        decoding = [seq for seq in plan.decode if not self.runner.drafts(seq)]
+        if decoding:
             try:
-                samples = self.runner.decode(plan.decode)
+                samples = self.runner.decode(decoding)
             except EngineError as e:
                 self._stop(e)
             except Exception as e:
-                self._fault(plan.decode, e)
+                self._fault(decoding, e)
             else:
-                for seq, sampled in zip(plan.decode, samples, strict=True):
+                for seq, sampled in zip(decoding, samples, strict=True):
                     seq.suspect, seq.faults = False, 0  # it steps again: start over
                     self._advance(seq, sampled)
-            outputs += self._outputs(plan.decode)
+            outputs += self._outputs(decoding)
+        if drafting:
+            self._speculate(drafting)
+            outputs += self._outputs(drafting)
         for seq, n in sorted(plan.prefill, key=lambda part: part[1]):
             final = n == seq.num_tokens - seq.store.num_tokens
             try:
@@ -302,8 +307,33 @@ class EngineCore:
                 seq.suspect = len(seqs) > 1  # next time it decodes alone
                 self.scheduler.preempt(seq)
 
-    def _advance(self, seq: Sequence, sampled: Sample) -> None:
-        self.cache.register_full_blocks(seq.store)
+    def _speculate(self, seqs: list[Sequence]) -> None:
+        """DSpark's step for seqs: each advances by the outputs its verify kept, up to
+        where it finishes, and its store keeps exactly the tokens that fed those."""
+        try:
+            verified = self.runner.speculate(seqs)
+        except EngineError as e:
+            self._stop(e)
+        except Exception as e:
+            self._fault(seqs, e)
+            return
+        for seq, outcome in zip(seqs, verified, strict=True):
+            seq.suspect, seq.faults = False, 0
+            store, kept = seq.store, 0
+            for sampled in outcome.samples:
+                self._advance(seq, sampled, name_blocks=False)
+                kept += 1
+                if seq.status is Status.FINISHED:
+                    break
+            if seq.store is store:  # still running, or kept for a follow-up turn
+                self.runner.settle(seq, outcome, kept)
+                self.cache.register_full_blocks(store)
+
+    def _advance(self, seq: Sequence, sampled: Sample, name_blocks: bool = True) -> None:
+        """Append a sampled token; name_blocks: first name the store's full blocks in the
+        prefix cache (a speculative step names them once its store is settled)."""
+        if name_blocks:
+            self.cache.register_full_blocks(seq.store)
         token = sampled.token
         seq.output_ids.append(token)
         if sampled.logprobs is not None:

@@ -4,6 +4,7 @@ import importlib.util
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,9 +16,19 @@ from kvstack.engine.config import EngineConfig
 from kvstack.engine.sampling import Sample, sample_batch
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
+from kvstack.model.model import Extension
 from kvstack.model.packed import PackedExperts, PackedLinear
 
 log = logging.getLogger("kvstack")
+
+
+@dataclass
+class Verified:
+    """A DSpark verify's outcome for one sequence."""
+
+    samples: list[Sample]  # the outputs: accepted drafts, then the target's next token
+    target_hidden: torch.Tensor  # [fed, targets * dim]: the target states of what it fed
+
 
 
 class ModelRunner:
@@ -36,6 +47,10 @@ class ModelRunner:
         self.compile_seconds = 0.0  # decode steps that compiled a graph, in all
         self.compiled_graphs = 0  # graphs those steps made
         self.attention = _attention_backend(config.attention, model, self.device)
+        self.speculative = _speculative(config.speculative, model)
+        self.max_model_len = config.model_len(model.config)
+        # DSpark's verifies since start, the drafts they verified and those accepted.
+        self.verifies = self.drafted_tokens = self.accepted_tokens = 0
         self.cpu_kernels = _cpu_kernels(config.cpu_kernels, self.device)
         if compile_decode:
             model.compile_decode()
@@ -56,8 +71,13 @@ class ModelRunner:
     def prefill(self, seq: Sequence) -> Sample:
         """Feed the sequence's tokens its store does not hold yet (the prompt, what it
         generated before a preemption, or a follow-up turn) through CED prefill; the
-        next token."""
-        return sample_batch(self.prefill_logits(seq), [seq])[0]
+        next token. A sequence DSpark drafts for also gets its `draft_context`."""
+        if not self.drafts(seq):
+            return sample_batch(self.prefill_logits(seq), [seq])[0]
+        out = self._extend(seq.store, seq.all_ids[seq.store.num_tokens :], 1,
+                           self.model.config.window_size)
+        seq.draft_context = out.target_hidden[0]
+        return sample_batch(out.logits[:, -1], [seq])[0]
 
     def prefill_logits(self, seq: Sequence) -> torch.Tensor:
         """The prefill's last logits [1, V]."""
@@ -77,19 +97,91 @@ class ModelRunner:
         rebuilds its window rings and partial groups by replay (`bounded` or `exact`), or
         copies those a replay over the same blocks left (a window checkpoint)."""
         with native.active(self.cpu_kernels):
-            if store.needs_replay and not store.restore_window():
-                self.replayed_tokens += self.model.rebuild_spans(store.num_tokens,
-                                                                 self.config.replay)[0]
-                self.model.rebuild_window(store, replay=self.config.replay,
-                                          chunk_size=self.config.chunk_size, logits=False)
-                store.needs_replay = False
-                store.checkpoint_window()
+            self._catch_up(store)
             ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
             if not final:
                 self.model.prefill_part(ids, store, chunk_size=self.config.chunk_size)
                 return None
             return self.model.prefill(ids, store, replay=self.config.replay,
                                       chunk_size=self.config.chunk_size)
+
+    def _catch_up(self, store: PagedSequenceStore) -> None:
+        """Rebuild the window state a store started on cached blocks owes, by replay or
+        from a window checkpoint."""
+        if store.needs_replay and not store.restore_window():
+            self.replayed_tokens += self.model.rebuild_spans(store.num_tokens,
+                                                             self.config.replay)[0]
+            self.model.rebuild_window(store, replay=self.config.replay,
+                                      chunk_size=self.config.chunk_size, logits=False)
+            store.needs_replay = False
+            store.checkpoint_window()
+
+    @torch.no_grad()
+    def _extend(self, store: PagedSequenceStore, fresh: list[int], n_logits: int,
+                target_hidden: int) -> Extension:
+        """`Model.extend` of `fresh` after what the store holds (caught up first)."""
+        with native.active(self.cpu_kernels):
+            self._catch_up(store)
+            ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
+            return self.model.extend(ids, store, self.config.replay, self.config.chunk_size,
+                                     n_logits, target_hidden)
+
+    # ---- DSpark: draft, verify, keep what the target agrees with -----------------------
+    def drafts(self, seq: Sequence) -> bool:
+        """Whether the sequence's next tokens come from DSpark's draft-verify step: the
+        engine runs it, and the request is greedy with nothing that changes its logits
+        (penalties, biases, a grammar, log-probabilities), so that the target's argmax
+        alone decides what it keeps."""
+        p = seq.params
+        return (self.speculative and p.temperature == 0 and not p.penalised
+                and p.logprobs is None and not p.constrained)
+
+    def speculate(self, seqs: list[Sequence]) -> list[Verified]:
+        """One DSpark step of each sequence (it holds its prompt in cache and its
+        `draft_context`): draft a block after its last sampled token, verify the block's
+        worthwhile prefix (`verify_length`) in one target call that feeds the last token
+        and the verified drafts, and choose the outputs: the drafts the target's argmax
+        agrees with, then the target's own next token. The store stays in speculation
+        (`PagedSequenceStore.speculate`): the caller settles it on the outputs it keeps."""
+        return [self._speculate(seq) for seq in seqs]
+
+    @torch.no_grad()
+    def _speculate(self, seq: Sequence) -> Verified:
+        store, model = seq.store, self.model
+        c = model.config
+        start = store.num_tokens  # the last sampled token's position
+        last = seq.output_ids[-1]
+        drafts: list[int] = []
+        context = seq.draft_context
+        if context is not None:
+            with native.active(self.cpu_kernels):
+                block = model.draft(model, context[None],
+                                    torch.tensor([last], device=self.device), start - 1)
+            limit = min(c.dspark_block_size, c.window_size - 1,
+                        seq.params.max_tokens - len(seq.output_ids) - 1,
+                        self.max_model_len - start - 2)
+            n = verify_length(block.confidence[0], limit)
+            if n and not store.reserve(start + n + 1):
+                n = 0
+            drafts = block.tokens[0, 1 : n + 1].tolist()
+        store.speculate(len(drafts) + 1)
+        out = self._extend(store, [last, *drafts], len(drafts) + 1, len(drafts) + 1)
+        samples = sample_batch(out.logits[0], [seq] * (len(drafts) + 1))
+        accepted = next((i for i, (d, s) in enumerate(zip(drafts, samples, strict=False))
+                         if d != s.token), len(drafts))
+        self.drafted_tokens += len(drafts)
+        self.accepted_tokens += accepted
+        self.verifies += 1
+        return Verified(samples[: accepted + 1], out.target_hidden[0])
+
+    def settle(self, seq: Sequence, verified: Verified, kept: int) -> None:
+        """After the caller took `kept` of a verify's outputs: the store keeps the tokens
+        that fed them (the last sampled one and the drafts before the last output) and
+        takes back the rest; the draft reads the kept tokens' target states next."""
+        seq.store.settle(kept)
+        rows = verified.target_hidden[:kept]
+        context = rows if seq.draft_context is None else torch.cat((seq.draft_context, rows))
+        seq.draft_context = context[-self.model.config.window_size :]
 
     def decode(self, seqs: list[Sequence]) -> list[Sample]:
         """Feed each sequence's last sampled token, all in one batch whatever their
@@ -168,6 +260,32 @@ def _attention_backend(choice: str, model: Model, device: torch.device) -> str:
     # one-program-per-head kernel took 5x torch's time; its split-K rewrite has not been
     # timed on a GPU yet, so the default waits for a measurement.
     return "torch" if choice == "auto" else choice
+
+
+def verify_length(confidence: torch.Tensor, limit: int) -> int:
+    """How many of a block's drafts to verify, from the confidence head's logits [K]:
+    the leading drafts whose chance that they and every draft before them survive
+    (the product of their sigmoids) is at least MIN_SURVIVAL, at most `limit`."""
+    survival = torch.sigmoid(confidence.float()).cumprod(0)
+    return max(0, min(limit, int((survival >= MIN_SURVIVAL).sum())))
+
+
+# A draft worth verifying: one more verified token costs a small part of a verify step
+# on a CPU (the step's weights are read once for all its tokens), so a draft is verified
+# while the chance that it is kept is at least a quarter.
+MIN_SURVIVAL = 0.25
+
+
+def _speculative(choice: str, model: Model) -> bool:
+    """Whether DSpark drafts, for an EngineConfig.speculative choice; "dspark" on a model
+    without draft layers is refused."""
+    if choice == "none":
+        return False
+    if not model.config.has_draft or model.draft is None:
+        raise ValueError("speculative='dspark': the model has no DSpark draft layers "
+                         "(mtp.* in the checkpoint; n_mtp_layers and dspark_block_size "
+                         "in its config)")
+    return True
 
 
 def _cpu_kernels(choice: str, device: torch.device) -> bool:

@@ -468,9 +468,10 @@ class StepContext:
     index_entries: dict[int, torch.Tensor] = field(default_factory=dict)  # [B,n,k], sparse
     instruments: Instruments | None = None  # research probes (`kvstack eval`) only
     # Layers whose attention input (the mean of the residual copies, Engram added) the
-    # draft reads, and what they recorded: layer -> [B, n, dim]. Empty unless asked for.
+    # draft reads, and what they recorded: layer -> [B, n, dim] of each call that ran it,
+    # in order (the chunks of a prefill share one list). Empty unless asked for.
     draft_targets: frozenset[int] = frozenset()
-    draft_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    draft_inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     # (start, n, positions [1 or B, n]): the call's token positions, made by the first
     # layer that asks (`call_positions`), so later layers make none.
     positions: tuple[int | torch.Tensor, int, torch.Tensor] | None = None
@@ -585,6 +586,7 @@ class Compressor(nn.Module):
             pooled = values
         else:
             gates = torch.cat((partial_gates.type_as(x), self.wgate(x)), dim=1)
+            store.saw_group_rows(self.layer, values, gates)
             n_full = values.shape[1] // r
             store.set_partial(self.layer, values[:, n_full * r :], gates[:, n_full * r :])
             v = values[:, : n_full * r].unflatten(1, (n_full, r))
@@ -1341,7 +1343,7 @@ class Layer(nn.Module):
                 ctx: StepContext) -> TokenStates:
         x = self._add_engram(s)
         if self.spec.index in ctx.draft_targets:
-            ctx.draft_inputs[self.spec.index] = x.mean(2)
+            ctx.draft_inputs[self.spec.index].append(x.mean(2))
         if self.hc_attn is None:
             mods = self._modules  # read from the dicts: see MoE.fused_parts
             attn, norm = mods["attn"], mods["attn_norm"]
@@ -1459,6 +1461,14 @@ class ModelOutput:
         full = target.new_zeros(*target.shape[:2], n_entries + 1)
         return full.scatter_add_(-1, entries.masked_fill(entries < 0, n_entries),
                                  target)[..., :n_entries]
+
+
+@dataclass
+class Extension:
+    """What `Model.extend` hands back."""
+
+    logits: torch.Tensor  # [B, n_logits, vocab]
+    target_hidden: torch.Tensor | None  # [B, <= target_hidden, len(targets) * dim]
 
 
 class Model(nn.Module):
@@ -1703,16 +1713,24 @@ class Model(nn.Module):
             raise ValueError(f"{ids.shape[1]} tokens exceed max_seq_len "
                              f"{self.config.max_seq_len}")
         store = ReferenceStore(self.config, ids.shape[0], ids.device)
-        if target_hidden and not self.config.has_draft:
-            raise ValueError("target_hidden is what DSpark's draft reads, and this config "
-                             "has no draft (n_mtp_layers, dspark_block_size)")
-        targets = self.config.dspark_target_layer_ids if target_hidden else ()
+        draft = self._draft_inputs(target_hidden)
         ctx = StepContext(dense=dense, collect=collect, target_rows=target_rows,
-                          instruments=instruments, draft_targets=frozenset(targets))
+                          instruments=instruments, draft_targets=frozenset(draft or ()),
+                          draft_inputs=draft or {})
         s = self._run(self._states(ids, 0, store), 0, store, range(self.config.n_layers), ctx)
-        hidden = torch.cat([ctx.draft_inputs[i] for i in targets], -1) if targets else None
+        hidden = _target_hidden(draft, ids.shape[1]) if draft else None
         return ModelOutput(self._logits(s), ctx.index_scores, ctx.attention_targets,
                            ctx.index_entries, hidden)
+
+    def _draft_inputs(self, wanted: bool | int) -> dict[int, list[torch.Tensor]] | None:
+        """What a call that hands DSpark its target states records them in (None: not
+        asked for): one list per target layer."""
+        if not wanted:
+            return None
+        if not self.config.has_draft:
+            raise ValueError("target_hidden is what DSpark's draft reads, and this config "
+                             "has no draft (n_mtp_layers, dspark_block_size)")
+        return {i: [] for i in self.config.dspark_target_layer_ids}
 
     # ---- incremental -------------------------------------------------------------------
     def decoder_span(self, replay: str) -> int:
@@ -1752,13 +1770,29 @@ class Model(nn.Module):
         The encoder runs over every token, the decoder's stream is written for every token,
         and the decoder layers run over the last `decoder_span` tokens only. Without CED
         every layer runs over every token."""
-        span = min(self.decoder_span(replay), input_ids.shape[-1])
-        s = self._encode(input_ids, cache, chunk_size, keep=span)
+        return self.extend(input_ids, cache, replay, chunk_size).logits[:, -1]
+
+    @torch.no_grad()
+    def extend(self, input_ids: torch.Tensor, cache: KVStore, replay: str = "bounded",
+               chunk_size: int = 512, n_logits: int = 1, target_hidden: int = 0) -> Extension:
+        """`prefill` handing back more: the logits of the last `n_logits` tokens (a
+        draft's verify reads one per drafted token), and with `target_hidden`, DSpark's
+        target states (`ModelOutput.target_hidden`) of the last `target_hidden` tokens
+        the target layers ran over (at most the decoder span where they are decoder
+        layers)."""
+        n = input_ids.shape[-1]
+        span = min(self.decoder_span(replay), n)
+        if span and not 0 < n_logits <= span:  # (no tokens at all: _encode says so)
+            raise ValueError(f"n_logits must be 1..{span} (the tokens the decoder runs "
+                             f"over), got {n_logits}")
+        draft = self._draft_inputs(target_hidden)
+        s = self._encode(input_ids, cache, chunk_size, keep=span, draft=draft)
         c = self.config
         if c.n_encoder_layers:
             s = self._run_chunked(s, cache.num_tokens - span, cache,
-                                  range(c.n_encoder_layers, c.n_layers), chunk_size)
-        return self._logits(s[-1:])[:, 0]
+                                  range(c.n_encoder_layers, c.n_layers), chunk_size, draft)
+        hidden = _target_hidden(draft, target_hidden) if draft else None
+        return Extension(self._logits(s[-n_logits:]), hidden)
 
     @torch.no_grad()
     def prefill_part(self, input_ids: torch.Tensor, cache: KVStore,
@@ -1776,7 +1810,8 @@ class Model(nn.Module):
         return self.decoder_span(replay) if self.config.n_encoder_layers else 1
 
     def _encode(self, input_ids: torch.Tensor, cache: KVStore, chunk_size: int,
-                keep: int) -> "TokenStates | None":
+                keep: int, draft: dict[int, list[torch.Tensor]] | None = None
+                ) -> "TokenStates | None":
         """Append input_ids to the cache and run the encoder (every layer without CED) over
         them in chunks, writing the decoder's stream; the token states of the last `keep`
         tokens as the encoder leaves them (without CED: the last chunk's), else None."""
@@ -1792,7 +1827,7 @@ class Model(nn.Module):
         s = None
         for i in range(0, n, chunk_size):
             chunk = self._states(ids[:, i : i + chunk_size], start + i, cache)
-            s = self._run(chunk, start + i, cache, range(enc))
+            s = self._run(chunk, start + i, cache, range(enc), _draft_context(draft))
             if c.n_encoder_layers:
                 self.layers[enc].write_stream(s, start + i, cache)
                 skip = max(0, n - keep - i)
@@ -1861,9 +1896,10 @@ class Model(nn.Module):
         return None
 
     def _run_chunked(self, s: TokenStates, start: int, store: KVStore, layers: range,
-                     chunk_size: int) -> TokenStates:
+                     chunk_size: int, draft: dict[int, list[torch.Tensor]] | None = None
+                     ) -> TokenStates:
         return TokenStates.cat([
-            self._run(s[i : i + chunk_size], start + i, store, layers)
+            self._run(s[i : i + chunk_size], start + i, store, layers, _draft_context(draft))
             for i in range(0, s.x.shape[1], chunk_size)
         ])
 
@@ -1922,6 +1958,22 @@ def _engram_hash(config: ModelConfig, token_map: torch.Tensor | None) -> EngramH
     return EngramHash(c.engram_layer_ids, c.engram_num_embeddings, c.engram_vocab_size,
                       c.engram_max_ngram_size, c.engram_n_heads, c.engram_compressed_vocab_size,
                       c.engram_pad_id, token_map)
+
+
+def _draft_context(draft: dict[int, list[torch.Tensor]] | None) -> StepContext | None:
+    """A chunk's own context, recording DSpark's target states into `draft` (None: a
+    plain one)."""
+    if draft is None:
+        return None
+    return StepContext(draft_targets=frozenset(draft), draft_inputs=draft)
+
+
+def _target_hidden(draft: dict[int, list[torch.Tensor]], last: int) -> torch.Tensor:
+    """The target layers' recorded inputs side by side over the last `last` positions
+    that all of them ran: [B, <= last, len(targets) * dim]."""
+    rows = [torch.cat(chunks, 1) for chunks in draft.values()]
+    last = min([last] + [r.shape[1] for r in rows])
+    return torch.cat([r[:, r.shape[1] - last :] for r in rows], -1)
 
 
 def _check_replay(replay: str) -> None:

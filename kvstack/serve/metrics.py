@@ -1,7 +1,8 @@
 """The server's Prometheus metrics (vLLM's names, with a `kvstack:` prefix).
 
 Every series carries a `model_name` label, as vLLM's do. Cache and queue figures, and the
-engine's own running totals (prefix-cache hits and lookups, replayed tokens), are read
+engine's own running totals (prefix-cache hits and lookups, replayed tokens, DSpark's
+drafts and accepted tokens), are read
 from the engine at scrape time in one report, so they are never stale: levels as gauges,
 totals as counters (`_total`, so `rate()` on them is right). Latencies and token counts
 are recorded as requests finish; aborted and failed requests are counted by their reason.
@@ -34,6 +35,8 @@ class EngineCollector(Collector):
             report = llm.memory_report()
             running, waiting = len(llm.scheduler.running), len(llm.scheduler.waiting)
             replayed = llm.runner.replayed_tokens
+            runner = llm.runner
+            drafting = (runner.verifies, runner.drafted_tokens, runner.accepted_tokens)
         disk_bytes = llm.disk.used_bytes
         prefix = report["prefix_cache"]
         label = ["model_name"]
@@ -74,6 +77,19 @@ class EngineCollector(Collector):
                             ("disk", prefix["disk_hit_tokens"])):
             hits.add_metric([self.model_name, tier], value)
         yield hits
+        verifies, drafted, accepted = drafting
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "DSpark verify calls (one per drafting request "
+                 "and step)", verifies),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified", drafted),
+                ("spec_decode_num_accepted_tokens", "Draft tokens the target accepted",
+                 accepted)):
+            family = CounterMetricFamily(f"kvstack:{name}", doc, labels=label)
+            family.add_metric([self.model_name], value)
+            yield family
+        yield gauge("spec_decode_mean_acceptance_length", "Tokens a DSpark verify yields on "
+                    "average (accepted drafts + the target's own), since start; 0 before "
+                    "the first", (accepted + verifies) / verifies if verifies else 0.0)
         queried = CounterMetricFamily("kvstack:prefix_cache_queried_tokens", "Prompt tokens "
                                       "looked up in the prefix cache", labels=label)
         queried.add_metric([self.model_name], prefix["queried_tokens"])

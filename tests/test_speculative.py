@@ -1,0 +1,238 @@
+"""DSpark's draft-verify step in the engine: greedy outputs equal a run that never drafted,
+and a rejected token leaves nothing in the cache."""
+
+import pytest
+import torch
+
+from kvstack import native
+from kvstack.cache.paged import PagedCache
+from kvstack.config import preset
+from kvstack.engine import LLM, EngineConfig, SamplingParams
+from kvstack.engine.runner import verify_length
+from kvstack.model import Model
+from kvstack.model.dspark import DraftBlock
+from kvstack.serve.metrics import EngineCollector
+
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38],
+           [2, 7, 1, 8, 28, 18, 28, 45, 90, 45, 23, 53, 60, 28, 74, 71, 35, 26, 62, 49]]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+ENGINE = dict(random_init=True, seed=0, kv_budget="16MiB", block_tokens=16, threads=1)
+
+
+def engine(speculative: str = "none", **settings) -> LLM:
+    return LLM("tiny-v41-dspark", speculative=speculative, **{**ENGINE, **settings})
+
+
+def oracle(llm: LLM, replies: dict[int, list[int]]) -> None:
+    """Make llm's draft propose the true continuation (replies: each prompt's first token
+    -> its prompt and reply, from a run without drafting; other text gets the draft
+    layers' own), wrong from a position that
+    moves from block to block (sometimes none), all with full confidence: long accepted
+    runs, whole blocks and every rejection point."""
+    model = llm.runner.model
+    k = model.config.dspark_block_size
+    calls = iter(range(1 << 20))
+    own = model.draft.forward
+
+    def draft(_model, target_hidden, token, position, sample=None):
+        p = int(position) + 1  # the position of `token`
+        tokens = next((t for t in replies.values() if len(t) > p and t[p] == int(token)),
+                      None)
+        if tokens is None:  # a turn it was not told: the draft layers' own block
+            return own(_model, target_hidden, token, position)
+        proposed = list(tokens[p + 1 : p + 1 + k])
+        proposed += [0] * (k - len(proposed))
+        wrong = next(calls) % (k + 2)
+        if wrong < k:
+            proposed[wrong] = (proposed[wrong] + 1) % model.config.vocab_size
+        block = torch.tensor([[int(token), *proposed]])
+        return DraftBlock(block, torch.zeros(1, k, model.config.vocab_size),
+                          torch.full((1, k), 10.0))
+
+    model.draft.forward = draft
+
+
+def run(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    return run(engine(), PROMPTS, GREEDY)
+
+
+def test_greedy_outputs_equal_a_run_that_never_drafted(plain):
+    """The model's own (random) draft layers, and a draft that is right for a while: the
+    same tokens, batch 1 and both prompts at once (each engine fresh: a prompt run again
+    hits the prefix cache, whose bounded replay moves logits), with drafts accepted and
+    rejected."""
+    drafting = [engine("dspark") for _ in PROMPTS]
+    assert [run(llm, [p], GREEDY)[0] for llm, p in zip(drafting, PROMPTS, strict=True)] == plain
+    assert run(engine("dspark"), PROMPTS, GREEDY) == plain
+    accepted = sum(llm.runner.accepted_tokens for llm in drafting)
+    assert 0 < accepted < sum(llm.runner.drafted_tokens for llm in drafting)
+
+    told = engine("dspark")
+    oracle(told, {p[0]: p + reply for p, reply in zip(PROMPTS, plain, strict=True)})
+    assert run(told, PROMPTS, GREEDY) == plain
+    # Whole blocks go through: far fewer verifies than tokens.
+    assert told.runner.verifies < sum(map(len, plain)) / 2
+
+
+def test_sampled_requests_beside_drafting_ones_are_unchanged(plain):
+    """A sampled request (seeded) decodes as without DSpark in the same batch."""
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+    want = run(engine(), PROMPTS, [GREEDY, sampled])
+    assert run(engine("dspark"), PROMPTS, [GREEDY, sampled]) == want
+    assert want[0] == plain[0]
+
+
+def test_preemption_and_prefix_hits_keep_the_outputs(plain):
+    """A pool too small for both sequences (one is preempted and recomputed) and a prompt
+    that hits the prefix cache of the one before."""
+    tight = dict(kv_budget=None, max_num_seqs=2)
+    config = preset("tiny-v41-dspark")
+    probe = PagedCache(config, "16MiB", 16, 2)
+    per_block = probe.pools.nbytes // probe.pools.n_blocks
+    ring = probe.layout.window_bytes_per_sequence
+    tight["kv_budget"] = 2 * ring + 16 * ring + 4 * per_block  # 2 slots, 16 checkpoints
+    for speculative in ("none", "dspark"):
+        llm = engine(speculative, **tight)
+        out = llm.generate(PROMPTS, GREEDY)
+        again = llm.generate([PROMPTS[1]], GREEDY)[0]
+        if speculative == "none":
+            want = [o.token_ids for o in out], again.token_ids
+            assert sum(o.metrics["preemptions"] for o in out) > 0
+        else:
+            assert ([o.token_ids for o in out], again.token_ids) == want
+            assert again.num_cached_tokens > 0
+
+
+def test_a_stop_inside_a_block_leaves_the_store_at_the_reply(plain):
+    """The reply ends on a token inside an accepted run: the kept cache holds the reply
+    and not the drafts after it, and the next turn equals a run that never drafted."""
+    stop = plain[0][5]
+    params = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stop,))
+    replies = {}
+    for speculative in ("none", "dspark"):
+        llm = engine(speculative)
+        if speculative == "dspark":
+            oracle(llm, {PROMPTS[0][0]: PROMPTS[0] + plain[0]})
+        first = llm.add_request(PROMPTS[0], params, keep_cache=True, watch=True)
+        while not (out := llm.wait(first)).finished:
+            pass
+        store = llm.scheduler.kept[first].store
+        assert store.held_ids == PROMPTS[0] + out.token_ids[:-1]
+        assert out.token_ids[-1] == stop
+        second = llm.add_request([7, 7, 9], GREEDY, continue_from=first, watch=True)
+        while not (follow := llm.wait(second)).finished:
+            pass
+        replies[speculative] = out.token_ids, follow.token_ids
+    assert replies["dspark"] == replies["none"]
+
+
+def test_a_session_saved_and_resumed_between_turns(tmp_path, plain):
+    replies = {}
+    for speculative in ("none", "dspark"):
+        first = engine(speculative, cache_dir=tmp_path / speculative)
+        session = first.session("talk")
+        session.append(PROMPTS[1])
+        one = session.generate(GREEDY).token_ids
+        session.save()
+        again = engine(speculative, cache_dir=tmp_path / speculative).resume("talk")
+        again.append([5, 6, 7])
+        replies[speculative] = one, again.generate(GREEDY).token_ids
+    assert replies["dspark"] == replies["none"]
+    assert replies["none"][0] == plain[1]
+
+
+def _state(cache: PagedCache, store) -> dict[str, object]:
+    """Every byte the store's sequence holds: token log, stream lengths and rows (each
+    block's rows up to its length), rings and their positions, partial groups up to their
+    fills."""
+    pools, slot = cache.pools, store.slot
+    state: dict[str, object] = {"tokens": list(store.held_ids), "fill": dict(store._fill),
+                                "len": {k: v for k, v in store._len.items()}}
+    for (layer, kind), rows in pools.rows.items():
+        entries = store.stream_len(layer)
+        flat = rows.data[store.block_table].reshape(-1, rows.data.shape[-1])
+        state[f"stream {layer} {kind}"] = flat[:entries].clone()
+        state[f"beyond {layer} {kind}"] = flat[entries:].clone()
+    for layer, ring in cache.rings.rows.items():
+        state[f"ring {layer}"] = ring.data[slot].clone()
+        state[f"ring positions {layer}"] = cache.rings.pos[layer][slot].clone()
+    for source, values in cache.partials.values.items():
+        fill = store._fill[source]
+        state[f"partial {source}"] = values[slot, :fill].clone()
+        state[f"partial gates {source}"] = cache.partials.gates[source][slot, :fill].clone()
+    return state
+
+
+@pytest.mark.parametrize("kept", [0, 1, 2, 4])
+def test_rejected_tokens_leave_no_byte_behind(kept):
+    """Two verifies that share their first tokens and differ after, each settled on those
+    first tokens: every byte of the two caches is equal, the rows past the kept tokens are
+    zeros, and the next tokens' logits are equal. 27 tokens before: the verify straddles
+    groups of the ratio-2 layers and a cache block."""
+    torch.manual_seed(0)
+    config = preset("tiny-v41-dspark")
+    model = Model(config).eval()
+    prompt = (torch.arange(1, 28)[None] * 7) % config.vocab_size
+    results = []
+    for rejected in ([1, 2], [100, 200]):
+        cache = PagedCache(config, "8MiB", 16, 2)
+        store = cache.open_sequence()
+        store.reserve(64)
+        fed = torch.tensor([[5, 9, 4, 8, *rejected]])
+        # The C kernels, as the engine runs them: their expert matmuls take each token
+        # alone, so the rejected tokens' routes cannot move the kept ones' rounding.
+        with native.active(native.resolve("auto")):
+            model.prefill(prompt, store)
+            store.speculate(fed.shape[1])
+            model.extend(fed, store, n_logits=fed.shape[1])
+        store.settle(kept)
+        state = _state(cache, store)
+        assert state["tokens"][27:] == fed[0, :kept].tolist()
+        for (layer, kind) in cache.pools.rows:  # what the rejected tokens wrote is gone
+            ratio = cache.pools.ratios[layer]
+            written = (27 + fed.shape[1]) // ratio - store.stream_len(layer)
+            assert not state[f"beyond {layer} {kind}"][:written].any(), (layer, kind)
+        with native.active(native.resolve("auto")):
+            logits = model.extend(torch.tensor([[11, 12, 13]]), store, n_logits=3).logits
+        results.append((state, logits))
+    (a, logits_a), (b, logits_b) = results
+    for name in a:
+        if not name.startswith("beyond"):
+            assert torch.equal(torch.as_tensor(a[name]), torch.as_tensor(b[name])) if \
+                isinstance(a[name], torch.Tensor) else a[name] == b[name], name
+    assert torch.equal(logits_a, logits_b)
+
+
+def test_verify_length_follows_the_confidence():
+    sure, unsure = torch.full((4,), 10.0), torch.full((4,), -10.0)
+    assert verify_length(sure, 4) == 4 and verify_length(sure, 2) == 2
+    assert verify_length(unsure, 4) == 0
+    # survival 0.73, 0.53, 0.39, 0.29 (sigmoid(1) = 0.73 each): all above a quarter
+    assert verify_length(torch.ones(4), 4) == 4
+    assert verify_length(torch.tensor([10.0, -10.0, 10.0, 10.0]), 4) == 1
+
+
+def test_metrics_count_drafts_and_accepted_tokens():
+    llm = engine("dspark")
+    llm.generate(PROMPTS[:1], GREEDY)
+    families = {m.name: m.samples[0].value for m in EngineCollector(llm, "m").collect()}
+    runner = llm.runner
+    assert families["kvstack:spec_decode_num_drafts"] == runner.verifies > 0
+    assert families["kvstack:spec_decode_num_draft_tokens"] == runner.drafted_tokens
+    assert families["kvstack:spec_decode_num_accepted_tokens"] == runner.accepted_tokens
+    assert families["kvstack:spec_decode_mean_acceptance_length"] == pytest.approx(
+        (runner.accepted_tokens + runner.verifies) / runner.verifies)
+
+
+def test_dspark_on_a_model_without_draft_layers_is_refused():
+    with pytest.raises(ValueError, match="no DSpark draft layers"):
+        LLM("tiny-v41", random_init=True, speculative="dspark", kv_budget="16MiB")
+    with pytest.raises(ValueError, match="speculative must be one of none, dspark"):
+        EngineConfig(speculative="eagle")
+    with pytest.raises(ValueError, match="draft on a model split over ranks"):
+        EngineConfig(speculative="dspark", tensor_parallel_size=2)
