@@ -9,6 +9,7 @@ from kvstack.cache.paged import PagedCache
 from kvstack.config import preset
 from kvstack.engine import LLM, EngineConfig, SamplingParams
 from kvstack.engine.runner import verify_length
+from kvstack.engine.sampling import speculative_accept
 from kvstack.model import Model
 from kvstack.model.dspark import DraftBlock
 from kvstack.serve.metrics import EngineCollector
@@ -79,9 +80,12 @@ def test_greedy_outputs_equal_a_run_that_never_drafted(plain):
     assert told.runner.verifies < sum(map(len, plain)) / 2
 
 
-def test_sampled_requests_beside_drafting_ones_are_unchanged(plain):
-    """A sampled request (seeded) decodes as without DSpark in the same batch."""
-    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+def test_requests_it_does_not_draft_for_decode_as_without_it(plain):
+    """A sampled request that asks for log-probabilities (which drafted tokens do not
+    report) decodes one token a step beside a drafting one, as without DSpark: the same
+    seeded tokens."""
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True,
+                             logprobs=0)
     want = run(engine(), PROMPTS, [GREEDY, sampled])
     assert run(engine("dspark"), PROMPTS, [GREEDY, sampled]) == want
     assert want[0] == plain[0]
@@ -236,3 +240,45 @@ def test_dspark_on_a_model_without_draft_layers_is_refused():
         EngineConfig(speculative="eagle")
     with pytest.raises(ValueError, match="draft on a model split over ranks"):
         EngineConfig(speculative="dspark", tensor_parallel_size=2)
+
+
+def test_speculative_sampling_draws_from_the_targets_distribution():
+    """Drafts drawn from a draft distribution that is not the target's, the rule applied:
+    each output position follows the target's distribution (20,000 draws, a tiny
+    vocabulary); keeping every draft, or drawing a refused one's replacement from the
+    target itself, would follow another."""
+    target = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4],
+                           [0.25, 0.25, 0.25, 0.25]])
+    draft = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(2, 4)
+    trials, seen_second = 8_000, 0
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(row, 1, generator=g)) for row in draft]
+        kept, token = speculative_accept(target, draft, drafts, g)
+        outputs = [*drafts[:kept], token]
+        counts[0, outputs[0]] += 1
+        if len(outputs) > 1:
+            counts[1, outputs[1]] += 1
+            seen_second += 1
+    assert (counts[0] / trials - target[0]).abs().max() < 0.025
+    # The second output exists when the first draft was kept; given that, it follows
+    # the target's second distribution too.
+    assert (counts[1] / seen_second - target[1]).abs().max() < 0.045
+
+
+def test_sampled_requests_draft_and_keep_the_targets_distribution():
+    """Through the engine: seeded sampled requests (top-k 2, so a few outcomes) with and
+    without DSpark give the same distribution of their third token, the second drawn by
+    a verify."""
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=i,
+                             ignore_eos=True) for i in range(96)]
+    third = {}
+    for speculative in ("none", "dspark"):
+        llm = engine(speculative, enable_prefix_caching=False, max_num_seqs=16)
+        outs = llm.generate([PROMPTS[0]] * len(params), params)
+        third[speculative] = torch.bincount(torch.tensor([o.token_ids[2] for o in outs]),
+                                            minlength=512).float() / len(params)
+        if speculative == "dspark":
+            assert llm.runner.verifies > 0
+    assert (third["none"] - third["dspark"]).abs().sum() / 2 < 0.2

@@ -13,9 +13,10 @@ from kvstack import native
 from kvstack.cache.batch import DecodeBatch
 from kvstack.cache.paged import PagedSequenceStore
 from kvstack.engine.config import EngineConfig
-from kvstack.engine.sampling import Sample, sample_batch
+from kvstack.engine.sampling import Sample, distribution, sample_batch, speculative_accept
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
+from kvstack.model.dspark import greedy as greedy_token
 from kvstack.model.model import Extension
 from kvstack.model.packed import PackedExperts, PackedLinear
 
@@ -129,12 +130,13 @@ class ModelRunner:
     # ---- DSpark: draft, verify, keep what the target agrees with -----------------------
     def drafts(self, seq: Sequence) -> bool:
         """Whether the sequence's next tokens come from DSpark's draft-verify step: the
-        engine runs it, and the request is greedy with nothing that changes its logits
-        (penalties, biases, a grammar, log-probabilities), so that the target's argmax
-        alone decides what it keeps."""
+        engine runs it, and nothing changes the request's logits between positions
+        (penalties, biases and a grammar depend on the tokens before; log-probabilities
+        are not reported for drafted tokens), so that the target's distribution at each
+        position is its logits' alone."""
         p = seq.params
-        return (self.speculative and p.temperature == 0 and not p.penalised
-                and p.logprobs is None and not p.constrained)
+        return (self.speculative and not p.penalised and p.logprobs is None
+                and not p.constrained)
 
     def speculate(self, seqs: list[Sequence]) -> list[Verified]:
         """One DSpark step of each sequence (it holds its prompt in cache and its
@@ -152,11 +154,20 @@ class ModelRunner:
         start = store.num_tokens  # the last sampled token's position
         last = seq.output_ids[-1]
         drafts: list[int] = []
+        params = seq.params
+        greedy = params.temperature == 0
+        proposed: list[torch.Tensor] = []  # sampled: the draft's distribution per position
+
+        def draw(logits: torch.Tensor) -> torch.Tensor:  # [1, vocab] -> [1]
+            proposed.append(distribution(logits[0], params))
+            return torch.multinomial(proposed[-1], 1, generator=seq.generator)
+
         context = seq.draft_context
         if context is not None:
             with native.active(self.cpu_kernels):
                 block = model.draft(model, context[None],
-                                    torch.tensor([last], device=self.device), start - 1)
+                                    torch.tensor([last], device=self.device), start - 1,
+                                    greedy_token if greedy else draw)
             limit = min(c.dspark_block_size, c.window_size - 1,
                         seq.params.max_tokens - len(seq.output_ids) - 1,
                         self.max_model_len - start - 2)
@@ -166,13 +177,24 @@ class ModelRunner:
             drafts = block.tokens[0, 1 : n + 1].tolist()
         store.speculate(len(drafts) + 1)
         out = self._extend(store, [last, *drafts], len(drafts) + 1, len(drafts) + 1)
-        samples = sample_batch(out.logits[0], [seq] * (len(drafts) + 1))
-        accepted = next((i for i, (d, s) in enumerate(zip(drafts, samples, strict=False))
-                         if d != s.token), len(drafts))
+        logits = out.logits[0]  # [fed, vocab]
+        if greedy:
+            samples = sample_batch(logits, [seq] * (len(drafts) + 1))
+            accepted = next((i for i, (d, s) in enumerate(zip(drafts, samples, strict=False))
+                             if d != s.token), len(drafts))
+            samples = samples[: accepted + 1]
+        else:
+            if not torch.isfinite(logits).all():
+                raise FloatingPointError("non-finite logits in a DSpark verify")
+            target = torch.stack([distribution(row, params) for row in logits])
+            accepted, token = speculative_accept(target, torch.stack(proposed[: len(drafts)])
+                                                 if drafts else target[:0], drafts,
+                                                 seq.generator)
+            samples = [Sample(t, None) for t in [*drafts[:accepted], token]]
         self.drafted_tokens += len(drafts)
         self.accepted_tokens += accepted
         self.verifies += 1
-        return Verified(samples[: accepted + 1], out.target_hidden[0])
+        return Verified(samples, out.target_hidden[0])
 
     def settle(self, seq: Sequence, verified: Verified, kept: int) -> None:
         """After the caller took `kept` of a verify's outputs: the store keeps the tokens

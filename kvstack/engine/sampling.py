@@ -183,6 +183,13 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     """One token id from next-token logits [vocab] (penalties already applied)."""
     if params.temperature == 0:
         return int(logits.argmax())
+    probs = distribution(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What `sample` draws from (temperature > 0): probabilities [vocab] on the host,
+    after temperature, top-k and top-p."""
     logits = logits.float() / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
@@ -192,8 +199,26 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         # Keep the smallest prefix whose mass reaches top_p (the first token always).
         drop = probs.cumsum(-1) - probs >= params.top_p
         logits[order[drop]] = float("-inf")
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return logits.softmax(-1).cpu()
+
+
+def speculative_accept(target: torch.Tensor, draft: torch.Tensor, drafts: list[int],
+                       generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative sampling's rule over n drafted tokens: target [n + 1, vocab] and
+    draft [n, vocab], the distributions (`distribution`) the target and the draft give at
+    each position, drafts [n] drawn from the draft's. Each draft in turn is kept with
+    probability min(1, target/draft) of its token; the first one refused is replaced by a
+    draw from the target's excess over the draft (max(0, target - draft), normalised), and
+    if none is refused a last token is drawn from the target's next distribution. Each
+    token then follows the target's distribution exactly. Returns (drafts kept, the token
+    after them)."""
+    for i, token in enumerate(drafts):
+        u = float(torch.rand((), generator=generator))
+        if u * float(draft[i, token]) < float(target[i, token]):
+            continue
+        excess = (target[i] - draft[i]).clamp(min=0)
+        return i, int(torch.multinomial(excess / excess.sum(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(target[len(drafts)], 1, generator=generator))
 
 
 def sample_batch(logits: torch.Tensor, requests: Sequence[Sampled]) -> list[Sample]:
