@@ -4,6 +4,7 @@ import importlib.util
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +51,13 @@ class ModelRunner:
         self.attention = _attention_backend(config.attention, model, self.device)
         self.speculative = _speculative(config.speculative, model)
         self.max_model_len = config.model_len(model.config)
-        # DSpark's verifies since start, the drafts they verified and those accepted.
+        # DSpark's verifies since start, the drafts they verified and those accepted; per
+        # verify, how many drafts it verified and kept (count by length); the seconds
+        # its draft and verify calls took.
         self.verifies = self.drafted_tokens = self.accepted_tokens = 0
+        self.verify_lengths: Counter[int] = Counter()
+        self.accepted_lengths: Counter[int] = Counter()
+        self.draft_seconds = self.verify_seconds = 0.0
         self.cpu_kernels = _cpu_kernels(config.cpu_kernels, self.device)
         if compile_decode:
             model.compile_decode()
@@ -163,6 +169,7 @@ class ModelRunner:
             return torch.multinomial(proposed[-1], 1, generator=seq.generator)
 
         context = seq.draft_context
+        started = time.perf_counter()
         if context is not None:
             with native.active(self.cpu_kernels):
                 block = model.draft(model, context[None],
@@ -175,6 +182,7 @@ class ModelRunner:
             if n and not store.reserve(start + n + 1):
                 n = 0
             drafts = block.tokens[0, 1 : n + 1].tolist()
+        drafted = time.perf_counter()
         store.speculate(len(drafts) + 1)
         out = self._extend(store, [last, *drafts], len(drafts) + 1, len(drafts) + 1)
         logits = out.logits[0]  # [fed, vocab]
@@ -191,9 +199,13 @@ class ModelRunner:
                                                  if drafts else target[:0], drafts,
                                                  seq.generator)
             samples = [Sample(t, None) for t in [*drafts[:accepted], token]]
+        self.draft_seconds += drafted - started
+        self.verify_seconds += time.perf_counter() - drafted
         self.drafted_tokens += len(drafts)
         self.accepted_tokens += accepted
         self.verifies += 1
+        self.verify_lengths[len(drafts)] += 1
+        self.accepted_lengths[accepted] += 1
         return Verified(samples, out.target_hidden[0])
 
     def settle(self, seq: Sequence, verified: Verified, kept: int) -> None:

@@ -1,0 +1,100 @@
+"""DSpark speculative decoding against plain decoding, side by side in one run.
+
+For each batch size (`--batches`, default 1 4 16) the same requests -- `--batches` B prompts
+of `--prompt-tokens` token ids, `--max-tokens` greedy tokens each (`--temperature` to
+sample) -- run through two engines on the same model: `speculative="none"` (one token a
+step) and `speculative="dspark"` (a draft block per sequence, its confident prefix verified
+in one target call). The two take turns for `--repeat` rounds and each keeps its best
+round. Reported per batch: output tokens/s of each (end to end, the prompts' prefill
+included, which is the same work in both), their ratio, and from the DSpark engine's runner
+the mean acceptance length (tokens a verify yields: accepted drafts + the target's own),
+how many drafts each verify accepted (a histogram), the verify lengths the confidence
+schedule chose, and the milliseconds of a draft call and of a verify call beside a plain
+step's.
+
+The model is `--model`: a directory with DSpark's draft layers (`mtp.*`: DeepSeek's V4.1
+checkpoint, or a model trained with a drafter), or a preset with random weights (default
+`tiny-v41-dspark`, seed 0). A random draft's acceptance is that of chance, so on the
+default the figures measure what drafting and verifying cost, not what a trained drafter
+gains. The prompts are random token ids (seeded): what a model of random weights does
+with text is no different. Prefix caching is off in both engines, so every round
+prefills alike. Torch runs one thread; the load average is printed beside the figures.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvstack.engine import LLM, SamplingParams
+
+
+def engine(args: argparse.Namespace, speculative: str, batch: int) -> LLM:
+    model = Path(args.model)
+    source = dict(model=str(model)) if model.is_dir() else dict(
+        model=args.model, random_init=True, seed=0)
+    return LLM(**source, speculative=speculative, threads=1, kv_budget=args.kv_budget,
+               max_num_seqs=batch, enable_prefix_caching=False)
+
+
+def run(args: argparse.Namespace, speculative: str, batch: int,
+        prompts: list[list[int]]) -> tuple[float, LLM]:
+    llm = engine(args, speculative, batch)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=1 if args.temperature else None, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    return sum(len(o.token_ids) for o in outs) / seconds, llm
+
+
+def histogram(counts: dict[int, int]) -> str:
+    total = sum(counts.values()) or 1
+    return " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(counts.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-v41-dspark")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--kv-budget", default="64MiB")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"model {args.model}, prompts of {args.prompt_tokens} tokens, {args.max_tokens} "
+          f"tokens each, temperature {args.temperature}, 1 torch thread, load "
+          f"{os.getloadavg()[0]:.2f}")
+    vocab = engine(args, "none", 1).model.config.vocab_size
+    header = ("| batch | plain tok/s | DSpark tok/s | DSpark ÷ plain | acceptance length "
+              "| accepted per verify | verify lengths | draft ms | verify ms | plain ms/token |")
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for batch in args.batches:
+        prompts = torch.randint(0, vocab, (batch, args.prompt_tokens),
+                                generator=torch.Generator().manual_seed(batch)).tolist()
+        best: dict[str, tuple[float, LLM | None]] = {"none": (0.0, None), "dspark": (0.0, None)}
+        for _ in range(args.repeat):
+            for speculative in best:
+                rate, llm = run(args, speculative, batch, prompts)
+                if rate > best[speculative][0]:
+                    best[speculative] = (rate, llm)
+        plain, drafting, r = best["none"][0], best["dspark"][0], best["dspark"][1].runner
+        verifies = max(r.verifies, 1)
+        print(f"| {batch} | {plain:.1f} | {drafting:.1f} | {drafting / plain:.2f}× | "
+              f"{(r.accepted_tokens + r.verifies) / verifies:.2f} | "
+              f"{histogram(r.accepted_lengths)} | {histogram(r.verify_lengths)} | "
+              f"{1e3 * r.draft_seconds / verifies:.1f} | "
+              f"{1e3 * r.verify_seconds / verifies:.1f} | {1e3 / plain:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
