@@ -11,7 +11,6 @@ from kvstack.engine import LLM, EngineConfig, SamplingParams
 from kvstack.engine.runner import verify_length
 from kvstack.engine.sampling import speculative_accept
 from kvstack.model import Model
-from kvstack.model.dspark import DraftBlock
 from kvstack.serve.metrics import EngineCollector
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38],
@@ -36,19 +35,21 @@ def oracle(llm: LLM, replies: dict[int, list[int]]) -> None:
     own = model.draft.forward
 
     def draft(_model, target_hidden, token, position, sample=None):
-        p = int(position) + 1  # the position of `token`
-        tokens = next((t for t in replies.values() if len(t) > p and t[p] == int(token)),
-                      None)
-        if tokens is None:  # a turn it was not told: the draft layers' own block
-            return own(_model, target_hidden, token, position)
-        proposed = list(tokens[p + 1 : p + 1 + k])
-        proposed += [0] * (k - len(proposed))
-        wrong = next(calls) % (k + 2)
-        if wrong < k:
-            proposed[wrong] = (proposed[wrong] + 1) % model.config.vocab_size
-        block = torch.tensor([[int(token), *proposed]])
-        return DraftBlock(block, torch.zeros(1, k, model.config.vocab_size),
-                          torch.full((1, k), 10.0))
+        block = own(_model, target_hidden, token, position, sample)
+        positions = torch.as_tensor(position).reshape(-1).expand(token.shape[0])
+        for row, (t, p) in enumerate(zip(token.tolist(), (positions + 1).tolist(),
+                                         strict=True)):  # p: the position of t
+            tokens = next((r for r in replies.values() if len(r) > p and r[p] == t), None)
+            if tokens is None:  # a turn it was not told: the draft layers' own block
+                continue
+            proposed = list(tokens[p + 1 : p + 1 + k])
+            proposed += [0] * (k - len(proposed))
+            wrong = next(calls) % (k + 2)
+            if wrong < k:
+                proposed[wrong] = (proposed[wrong] + 1) % model.config.vocab_size
+            block.tokens[row, 1:] = torch.tensor(proposed)
+            block.confidence[row] = 10.0
+        return block
 
     model.draft.forward = draft
 

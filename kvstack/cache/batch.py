@@ -31,16 +31,28 @@ KEY_FLOATS = 1 << 19
 
 class DecodeBatch(KVStore):
     def __init__(self, stores: list[PagedSequenceStore], kernels: bool = False,
-                 rows: int | None = None) -> None:
+                 rows: int | None = None, counts: list[int] | None = None) -> None:
         """kernels: attention and index scores by the Triton kernels (`attend`,
         `index_scores`); without them, on a CPU step that runs the C kernels
         (`kvstack.native`), attention is `attend` by those. rows: the batch padded to this
         many rows (a compiled step's batch-size bucket, so that one graph serves every
         batch up to it). A pad row is a sequence at position 0 with no blocks: it reads
         and writes the rings' pad slot, its stream entries go to the null block, and its
-        logits are the caller's to drop."""
+        logits are the caller's to drop.
+
+        counts: how many new tokens each sequence takes (default one: a decode step); a
+        sequence's tokens are consecutive rows at consecutive positions (DSpark's verify).
+        Such a batch runs on the C kernels alone, which take a row's writes and reads in
+        row order, so each row sees its sequence's earlier rows as a sequential step
+        would; the torch paths of the rings and partial groups refuse it."""
         if not stores:
             raise ValueError("a decode batch needs at least one sequence")
+        counts = [1] * len(stores) if counts is None else list(counts)
+        if len(counts) != len(stores) or min(counts) < 1:
+            raise ValueError(f"counts: one positive count per sequence, got {counts} for "
+                             f"{len(stores)} sequences")
+        self.counts = counts
+        self.several = max(counts) > 1  # some sequence takes several rows
         pools = stores[0].pools
         if any(s.pools is not pools for s in stores):
             raise ValueError("a decode batch joins sequences of one cache")
@@ -50,9 +62,13 @@ class DecodeBatch(KVStore):
             if not s.caught_up:
                 raise ValueError("a decode batch starts from stores whose streams, partial "
                                  "groups and window rings hold every token (replay first)")
-            s.check_room(1)
-        rows = len(stores) if rows is None else rows
-        pad = rows - len(stores)
+        for s, n in zip(stores, counts, strict=True):
+            s.check_room(n)
+        if self.several and (kernels or rows is not None):
+            raise ValueError("a decode batch with several tokens of a sequence runs the C "
+                             "kernels, unpadded")
+        rows = sum(counts) if rows is None else rows
+        pad = rows - sum(counts)
         if pad < 0:
             raise ValueError(f"a decode batch of {len(stores)} sequences cannot be padded to "
                              f"{rows} rows")
@@ -64,12 +80,19 @@ class DecodeBatch(KVStore):
         self.rings, self.partials = stores[0].rings, stores[0].partials
         self.triton = kernels
         self.c_attention = not kernels and native.enabled() and pools.device.type == "cpu"
+        if self.several and not self.c_attention:
+            raise ValueError("a decode batch with several tokens of a sequence runs the C "
+                             "kernels (kvstack.native), which are off for this step")
         dev, null = self.device, pools.null_block
-        lengths = [s.num_tokens for s in stores] + [0] * pad  # the new tokens' positions
+        # Row by row (a sequence's rows together, in order), then the pad rows.
+        held = [s for s, n in zip(stores, counts, strict=True) for _ in range(n)]
+        lengths = [s.num_tokens + j for s, n in zip(stores, counts, strict=True)
+                   for j in range(n)] + [0] * pad  # the new tokens' positions
         width = max(len(s.block_table) for s in stores)
-        tables = [s.block_table for s in stores] + [[]] * pad
+        tables = [s.block_table for s in held] + [[]] * pad
+        self.row_positions = lengths  # the host's copy
         self.positions = torch.tensor(lengths, device=dev)  # [B]
-        self.slots = torch.tensor([s.slot for s in stores] + [self.rings.pad_slot] * pad,
+        self.slots = torch.tensor([s.slot for s in held] + [self.rings.pad_slot] * pad,
                                   device=dev)  # [B]
         padded = [t + [null] * (width - len(t)) for t in tables]
         self.block_table = torch.tensor(padded, device=dev)  # [B, max_blocks]
@@ -91,13 +114,9 @@ class DecodeBatch(KVStore):
         self.stream_lens = {layer: lens[r]  # [B], this step's entry included
                             for layer, r in pools.ratios.items()}
         self._new_rows = {layer: tuple(new_rows[r]) for layer, r in pools.ratios.items()}
-        # The ids before each new token that Engram hashes (host copies, so the step
-        # itself builds nothing from host lists).
-        count = self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
-        held = [s.held_ids for s in stores] + [[]] * pad
-        self._history = torch.tensor(
-            [[0] * max(0, count - len(ids)) + ids[max(0, len(ids) - count):] if count else []
-             for ids in held], dtype=torch.long, device=dev)  # [B, count]
+        # The ids before each new token that Engram hashes, made when the tokens come
+        # (`append_tokens`; host copies, so the step itself builds nothing from host lists).
+        self._history: torch.Tensor | None = None
     def mark_dynamic(self) -> None:
         """For a traced step (Model.compile_decode): the table's width is symbolic, so
         that a growing context runs the same graph; the batch size is not (a padded
@@ -108,7 +127,8 @@ class DecodeBatch(KVStore):
     # ---- tokens ----------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return max(s.num_tokens for s in self.stores)
+        """The most tokens a sequence holds before this step's last row of it."""
+        return max(s.num_tokens + n - 1 for s, n in zip(self.stores, self.counts, strict=True))
 
     def start_positions(self) -> torch.Tensor:
         return self.positions
@@ -122,23 +142,42 @@ class DecodeBatch(KVStore):
         if len(rows) != self.batch_size or any(len(r) != 1 for r in rows):
             raise ValueError(f"a decode batch takes one token for each of its "
                              f"{self.batch_size} rows")
+        count = self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
+        history, row = [], 0
         # A padded batch's pad rows advance nothing.
-        for store, (token,) in zip(self.stores, rows[: len(self.stores)], strict=True):
-            store.advance(token)
+        for store, n in zip(self.stores, self.counts, strict=True):
+            for _ in range(n):
+                ids = store.held_ids
+                history.append([0] * max(0, count - len(ids)) + ids[max(0, len(ids) - count):]
+                               if count else [])
+                store.advance(rows[row][0])
+                row += 1
+        history += [[0] * count] * (self.batch_size - row)
+        self._history = torch.tensor(history, dtype=torch.long, device=self.device)
 
     def recent_ids(self, start: torch.Tensor, count: int) -> torch.Tensor:
-        """Taken from the host's copy of each sequence's ids when the batch was made."""
+        """Taken from the host's copy of each sequence's ids when its tokens came."""
+        if self._history is None:
+            raise ValueError("a decode batch hands out the ids before its tokens once it "
+                             "has them (append_tokens)")
         if count != self._history.shape[1]:
             raise ValueError(f"a decode batch holds the {self._history.shape[1]} ids before "
                              f"each new token (what Engram hashes), not {count}")
         return self._history
 
     # ---- window rings ------------------------------------------------------------------
+    def _one_row_each(self, what: str) -> None:
+        if self.several:
+            raise ValueError(f"{what} by torch takes one row a sequence; a batch with several "
+                             "tokens of a sequence runs it in the C kernels")
+
     def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._one_row_each("a ring read")
         return self.rings.read_at(layer, self.slots, self.positions)
 
     def write_window(self, layer: int, entries: torch.Tensor,
                      start: int | torch.Tensor) -> torch.Tensor:
+        self._one_row_each("a ring write")
         return self.rings.write_at(layer, self.slots, entries, self.positions)
 
     def attend_window(self, layer: int, entries: torch.Tensor,
@@ -148,6 +187,7 @@ class DecodeBatch(KVStore):
         before the write instead, a traced step copies each ring whole twice (Inductor
         cannot write into a tensor a pending read still needs): 4.5 MB and 3.7 ms of a
         batch-32 step on the decode benchmark's model."""
+        self._one_row_each("a ring write and read")
         self.rings.write_at(layer, self.slots, entries, self.positions)
         return self.rings.read_at(layer, self.slots, self.positions + 1)
 
@@ -198,11 +238,13 @@ class DecodeBatch(KVStore):
 
     # ---- partial groups ----------------------------------------------------------------
     def partial(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._one_row_each("a partial group's read")
         return self.partials.values[source][self.slots], self.partials.gates[source][self.slots]
 
     def set_partial(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor) -> None:
         """Record the new token's values [B, 1, D] at each sequence's fill; a sequence
         whose group it completes starts empty, so where it lands does not matter."""
+        self._one_row_each("a partial group's write")
         r = self.pools.ratios[source]
         fill = (self.positions % r).clamp(max=r - 2)
         self.partials.values[source][self.slots, fill] = values[:, 0].detach().float()
@@ -222,6 +264,23 @@ class DecodeBatch(KVStore):
         """What a C compressor step updates in place: source's partial values and gate
         logits of every slot [n_slots, ratio - 1, D], and this batch's slots [B]."""
         return self.partials.values[source], self.partials.gates[source], self.slots
+
+    def group_rows(self, source: int) -> torch.Tensor | None:
+        """Where a C compressor step hands each row's new values and gate logits [B, 2,
+        D] (`native.compress_step`'s group_rows), for the sequences that may take tokens
+        back (`PagedSequenceStore.speculate`); None when none may."""
+        if not any(s.speculation is not None for s in self.stores):
+            return None
+        return torch.empty(self.batch_size, 2, self.partials.values[source].shape[-1])
+
+    def saw_rows(self, source: int, rows: torch.Tensor) -> None:
+        """Hand what `group_rows` got to the sequences that keep it."""
+        row = 0
+        for store, n in zip(self.stores, self.counts, strict=True):
+            if store.speculation is not None:
+                store.saw_group_rows(source, rows[None, row : row + n, 0],
+                                     rows[None, row : row + n, 1], self.row_positions[row])
+            row += n
 
     def drop_window_state(self) -> None:
         raise ValueError("a decode batch does not replay: rebuild each store first")

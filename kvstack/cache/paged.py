@@ -184,9 +184,10 @@ class Speculation:
     start: int  # tokens held before them
     ring_rows: torch.Tensor  # [n]: the ring row each of the n fed tokens writes
     rings: dict[int, tuple[torch.Tensor, torch.Tensor]]  # those rows before (copy_rows)
-    # source -> (position of the first row, values, gate logits [m, D]): the rows of every
-    # partial group the chunk's compression saw (KVStore.saw_group_rows).
-    group_rows: dict[int, tuple[int, torch.Tensor, torch.Tensor]]
+    partials: dict[int, tuple[torch.Tensor, torch.Tensor]]  # the partial groups before
+    # source -> position -> (values, gate logits [D]): the fed tokens' rows that the
+    # compression saw (KVStore.saw_group_rows).
+    group_rows: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]
 
 
 @dataclass
@@ -397,21 +398,22 @@ class PagedSequenceStore(KVStore):
                              f"window), got {n}")
         start = len(self._tokens)
         rows = (start + torch.arange(n, device=self.device)) % self.rings.window
-        self.speculation = Speculation(start, rows, self.rings.copy_rows(self.slot, rows), {})
+        self.speculation = Speculation(start, rows, self.rings.copy_rows(self.slot, rows),
+                                       self.partials.copy_slot(self.slot),
+                                       {source: {} for source in self._fill})
 
-    def saw_group_rows(self, source: int, values: torch.Tensor,
-                       gate_logits: torch.Tensor) -> None:
-        if self.speculation is None:
+    def saw_group_rows(self, source: int, values: torch.Tensor, gate_logits: torch.Tensor,
+                       first: int | None = None) -> None:
+        """first: the position of the first row (None: a chunk's compression, whose rows
+        start at its partial group's first token)."""
+        spec = self.speculation
+        if spec is None:
             return
-        first = self._len[source] * self.pools.ratios[source]
-        values, gate_logits = values[0].detach(), gate_logits[0].detach()
-        seen = self.speculation.group_rows.get(source)
-        if seen is not None:  # a later chunk of the same call: its rows follow
-            cut = first - seen[0]
-            first = seen[0]
-            values = torch.cat((seen[1][:cut], values))
-            gate_logits = torch.cat((seen[2][:cut], gate_logits))
-        self.speculation.group_rows[source] = (first, values, gate_logits)
+        if first is None:
+            first = self._len[source] * self.pools.ratios[source]
+        seen = spec.group_rows[source]
+        for i in range(max(0, spec.start - first), values.shape[1]):
+            seen[first + i] = (values[0, i].detach().clone(), gate_logits[0, i].detach().clone())
 
     def settle(self, n_kept: int) -> None:
         """Keep the first n_kept of the tokens fed since `speculate` and take back the
@@ -439,13 +441,17 @@ class PagedSequenceStore(KVStore):
             self._len[layer] = kept
         self.rings.load_rows(self.slot, spec.ring_rows, spec.rings, slice(n_kept, None))
         for source in self._fill:
+            # The kept tokens' partial group: rows from before the speculation (its start
+            # lies in the same group) as they were, then the fed tokens' as computed.
             r = self.pools.ratios[source]
-            fill = end % r
-            if fill:
-                first, values, gates = spec.group_rows[source]
-                rows = slice(end - fill - first, end - first)
-                self.partials.values[source][self.slot, :fill] = values[rows]
-                self.partials.gates[source][self.slot, :fill] = gates[rows]
+            fill, before = end % r, spec.start - spec.start % r
+            values, gates = spec.partials[source]
+            seen = spec.group_rows[source]
+            for i, position in enumerate(range(end - fill, end)):
+                value, gate = (seen[position] if position >= spec.start
+                               else (values[position - before], gates[position - before]))
+                self.partials.values[source][self.slot, i] = value
+                self.partials.gates[source][self.slot, i] = gate
             self._fill[source] = fill
 
     # ---- window checkpoints ----------------------------------------------------------

@@ -1,6 +1,7 @@
 """Runs the model for the sequences a step scheduled, and samples their next tokens."""
 
 import importlib.util
+import itertools
 import logging
 import os
 import time
@@ -17,8 +18,7 @@ from kvstack.engine.config import EngineConfig
 from kvstack.engine.sampling import Sample, distribution, sample_batch, speculative_accept
 from kvstack.engine.sequence import Sequence
 from kvstack.model import Model
-from kvstack.model.dspark import greedy as greedy_token
-from kvstack.model.model import Extension
+from kvstack.model.model import Compressor, Extension
 from kvstack.model.packed import PackedExperts, PackedLinear
 
 log = logging.getLogger("kvstack")
@@ -59,6 +59,14 @@ class ModelRunner:
         self.accepted_lengths: Counter[int] = Counter()
         self.draft_seconds = self.verify_seconds = 0.0
         self.cpu_kernels = _cpu_kernels(config.cpu_kernels, self.device)
+        # A verify's rows in one decode step (DecodeBatch's counts) where the C kernels
+        # run every part of the step that keeps state: the compressors' (float32 weights,
+        # float64 RoPE) and the window rings' (a format they write).
+        self.verify_in_c = (
+            self.speculative and self.cpu_kernels and not compile_decode
+            and self.attention == "torch" and native.decodes(model.config.window_format)
+            and all(m.c_weights() is not None for m in model.modules()
+                    if isinstance(m, Compressor)))
         if compile_decode:
             model.compile_decode()
         self.packed_weights = _packed_weights_backend(model, self.device, self.cpu_kernels)
@@ -147,46 +155,88 @@ class ModelRunner:
     def speculate(self, seqs: list[Sequence]) -> list[Verified]:
         """One DSpark step of each sequence (it holds its prompt in cache and its
         `draft_context`): draft a block after its last sampled token, verify the block's
-        worthwhile prefix (`verify_length`) in one target call that feeds the last token
-        and the verified drafts, and choose the outputs: the drafts the target's argmax
-        agrees with, then the target's own next token. The store stays in speculation
-        (`PagedSequenceStore.speculate`): the caller settles it on the outputs it keeps."""
-        return [self._speculate(seq) for seq in seqs]
+        worthwhile prefix (`verify_length`), and choose the outputs (greedy: the drafts
+        the target's argmax agrees with, then the target's own token; sampled:
+        `speculative_accept`). The verify is one target call for every sequence, a
+        `DecodeBatch` with a row per fed token (the last sampled one, then the drafts),
+        where the C kernels run the step; else one `Model.extend` each. The stores stay in
+        speculation (`PagedSequenceStore.speculate`): the caller settles each on the
+        outputs it keeps."""
+        started = time.perf_counter()
+        blocks = self._draft(seqs)
+        drafted = time.perf_counter()
+        for seq, (drafts, _) in zip(seqs, blocks, strict=True):
+            seq.store.speculate(len(drafts) + 1)
+        fed = [[seq.output_ids[-1], *drafts] for seq, (drafts, _) in zip(seqs, blocks,
+                                                                        strict=True)]
+        if self.verify_in_c:
+            with native.active(self.cpu_kernels):
+                out = self.model.verify([t for tokens in fed for t in tokens], DecodeBatch(
+                    [seq.store for seq in seqs], counts=[len(tokens) for tokens in fed]))
+            ends = list(itertools.accumulate(len(tokens) for tokens in fed))
+            verified = [(out.logits[end - len(tokens) : end, 0],
+                         out.target_hidden[end - len(tokens) : end, 0])
+                        for tokens, end in zip(fed, ends, strict=True)]
+        else:
+            verified = []
+            for seq, tokens in zip(seqs, fed, strict=True):
+                one = self._extend(seq.store, tokens, len(tokens), len(tokens))
+                verified.append((one.logits[0], one.target_hidden[0]))
+        self.draft_seconds += drafted - started
+        self.verify_seconds += time.perf_counter() - drafted
+        return [self._accept(seq, drafts, proposed, logits, hidden)
+                for seq, (drafts, proposed), (logits, hidden)
+                in zip(seqs, blocks, verified, strict=True)]
 
     @torch.no_grad()
-    def _speculate(self, seq: Sequence) -> Verified:
-        store, model = seq.store, self.model
-        c = model.config
-        start = store.num_tokens  # the last sampled token's position
-        last = seq.output_ids[-1]
-        drafts: list[int] = []
-        params = seq.params
-        greedy = params.temperature == 0
-        proposed: list[torch.Tensor] = []  # sampled: the draft's distribution per position
+    def _draft(self, seqs: list[Sequence]) -> list[tuple[list[int], list[torch.Tensor]]]:
+        """Each sequence's drafts worth verifying after its last sampled token, and, for
+        a sampled request, the draft's distribution at each (none without a draft context
+        yet, or where the schedule or the limits leave none). One draft call for the
+        sequences whose contexts are as long (all of them, once they hold a window)."""
+        blocks: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in seqs]
+        groups: dict[int, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            if seq.draft_context is not None:
+                groups.setdefault(seq.draft_context.shape[0], []).append(i)
+        model, c = self.model, self.model.config
+        for members in groups.values():
+            group = [seqs[i] for i in members]
+            proposed: list[list[torch.Tensor]] = [[] for _ in group]
 
-        def draw(logits: torch.Tensor) -> torch.Tensor:  # [1, vocab] -> [1]
-            proposed.append(distribution(logits[0], params))
-            return torch.multinomial(proposed[-1], 1, generator=seq.generator)
+            def draw(logits: torch.Tensor, group: list[Sequence] = group,
+                     proposed: list[list[torch.Tensor]] = proposed) -> torch.Tensor:
+                """Each row's next draft [G] from logits [G, vocab]: greedy, or drawn
+                from its request's distribution."""
+                tokens = logits.argmax(-1)
+                for row, seq in enumerate(group):
+                    if seq.params.temperature > 0:
+                        proposed[row].append(distribution(logits[row], seq.params))
+                        tokens[row] = int(torch.multinomial(proposed[row][-1], 1,
+                                                            generator=seq.generator))
+                return tokens
 
-        context = seq.draft_context
-        started = time.perf_counter()
-        if context is not None:
+            starts = [seq.store.num_tokens for seq in group]  # the last sampled tokens'
             with native.active(self.cpu_kernels):
-                block = model.draft(model, context[None],
-                                    torch.tensor([last], device=self.device), start - 1,
-                                    greedy_token if greedy else draw)
-            limit = min(c.dspark_block_size, c.window_size - 1,
-                        seq.params.max_tokens - len(seq.output_ids) - 1,
-                        self.max_model_len - start - 2)
-            n = verify_length(block.confidence[0], limit)
-            if n and not store.reserve(start + n + 1):
-                n = 0
-            drafts = block.tokens[0, 1 : n + 1].tolist()
-        drafted = time.perf_counter()
-        store.speculate(len(drafts) + 1)
-        out = self._extend(store, [last, *drafts], len(drafts) + 1, len(drafts) + 1)
-        logits = out.logits[0]  # [fed, vocab]
-        if greedy:
+                block = model.draft(
+                    model, torch.stack([seq.draft_context for seq in group]),
+                    torch.tensor([seq.output_ids[-1] for seq in group], device=self.device),
+                    torch.tensor(starts, device=self.device) - 1, draw)
+            for row, (i, seq, start) in enumerate(zip(members, group, starts, strict=True)):
+                limit = min(c.dspark_block_size, c.window_size - 1,
+                            seq.params.max_tokens - len(seq.output_ids) - 1,
+                            self.max_model_len - start - 2)
+                n = verify_length(block.confidence[row], limit)
+                if n and not seq.store.reserve(start + n + 1):
+                    n = 0
+                blocks[i] = (block.tokens[row, 1 : n + 1].tolist(), proposed[row][:n])
+        return blocks
+
+    def _accept(self, seq: Sequence, drafts: list[int], proposed: list[torch.Tensor],
+                logits: torch.Tensor, hidden: torch.Tensor) -> Verified:
+        """The outputs of a verify's logits [fed, vocab]."""
+        params = seq.params
+        if params.temperature == 0:
             samples = sample_batch(logits, [seq] * (len(drafts) + 1))
             accepted = next((i for i, (d, s) in enumerate(zip(drafts, samples, strict=False))
                              if d != s.token), len(drafts))
@@ -195,18 +245,15 @@ class ModelRunner:
             if not torch.isfinite(logits).all():
                 raise FloatingPointError("non-finite logits in a DSpark verify")
             target = torch.stack([distribution(row, params) for row in logits])
-            accepted, token = speculative_accept(target, torch.stack(proposed[: len(drafts)])
-                                                 if drafts else target[:0], drafts,
-                                                 seq.generator)
+            draft = torch.stack(proposed) if proposed else target[:0]
+            accepted, token = speculative_accept(target, draft, drafts, seq.generator)
             samples = [Sample(t, None) for t in [*drafts[:accepted], token]]
-        self.draft_seconds += drafted - started
-        self.verify_seconds += time.perf_counter() - drafted
         self.drafted_tokens += len(drafts)
         self.accepted_tokens += accepted
         self.verifies += 1
         self.verify_lengths[len(drafts)] += 1
         self.accepted_lengths[accepted] += 1
-        return Verified(samples, out.target_hidden[0])
+        return Verified(samples, hidden)
 
     def settle(self, seq: Sequence, verified: Verified, kept: int) -> None:
         """After the caller took `kept` of a verify's outputs: the store keeps the tokens

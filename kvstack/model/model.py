@@ -523,10 +523,13 @@ class Compressor(nn.Module):
                 (None, None, positions)
             wkv, wgate, norm, wk_index, index_norm = weights
             write = store.stream_writes(self.layer)  # the entries written in the same call
+            seen = store.group_rows(self.layer) if r > 1 else None
             kv, keys = native.compress_step(
                 x[:, 0], positions, slots, r, wkv, wgate,
                 None if values is None else (values, gates), norm, self.norm.eps,
-                wk_index, index_norm, self.index_norm.eps, self.freqs, write)
+                wk_index, index_norm, self.index_norm.eps, self.freqs, write, seen)
+            if seen is not None:
+                store.saw_rows(self.layer, seen)
             if write is None:
                 store.append_stream(self.layer, {"kv": kv[:, None], "index": keys[:, None]})
             return
@@ -554,9 +557,20 @@ class Compressor(nn.Module):
                                  torch.Tensor] | None:
         """(wkv, wgate or None, norm, wk_index, index_norm), the weights a decode step's
         compression takes as one C call, where it runs so: a decode batch over the
-        engine's pools, float32 weights, inside a step that chose the C kernels; else
-        None."""
-        if not isinstance(store, DecodeBatch) or self.freqs.dtype is not torch.float64:
+        engine's pools, float32 weights (`c_weights`), inside a step that chose the C
+        kernels; else None."""
+        if not isinstance(store, DecodeBatch):
+            return None
+        weights = self.c_weights()
+        if weights is None or not native.fuses(x, *(w for w in weights if w is not None)):
+            return None
+        return weights
+
+    def c_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                 torch.Tensor, torch.Tensor] | None:
+        """The weights `_weights_in_c` hands a C compression step where they are plain
+        float32 linear weights with float64 RoPE (default numerics); else None."""
+        if self.freqs.dtype is not torch.float64:
             return None
         mods = self._modules  # read from the dicts: see MoE.fused_parts
         parts = [mods["wkv"], mods["wk_index"]] + ([mods["wgate"]] if self.ratio > 1 else [])
@@ -565,7 +579,7 @@ class Compressor(nn.Module):
         wkv, wk_index, *wgate = (p._parameters["weight"] for p in parts)
         norm = mods["norm"]._parameters["weight"]
         index_norm = mods["index_norm"]._parameters["weight"]
-        if not native.fuses(x, wkv, wk_index, *wgate, norm, index_norm):
+        if any(w.dtype is not torch.float32 for w in (wkv, wk_index, *wgate, norm, index_norm)):
             return None
         return wkv, (wgate[0] if wgate else None), norm, wk_index, index_norm
 
@@ -1862,6 +1876,22 @@ class Model(nn.Module):
         else:
             s = self._run(s, start, cache, range(self.config.n_layers))
         return self._logits(s)[:, 0]
+
+    @torch.no_grad()
+    def verify(self, token_ids: list[int], batch: DecodeBatch) -> Extension:
+        """One decode step of a batch with several tokens of a sequence (`DecodeBatch`'s
+        counts: DSpark's verify), token_ids one per row: every row's logits [rows, 1, V]
+        and DSpark's target states [rows, 1, len(targets) * dim]."""
+        ids = torch.tensor([[t] for t in token_ids], dtype=torch.long,
+                           device=self.embed.weight.device)
+        self._check_ids(ids)
+        self._check_room(batch, ids)
+        start = batch.start_positions()
+        batch.append_tokens(ids.tolist())
+        draft = self._draft_inputs(True)
+        s = self._run(self._states(ids, start, batch), start, batch,
+                      range(self.config.n_layers), _draft_context(draft))
+        return Extension(self._logits(s), _target_hidden(draft, 1))
 
     @torch.no_grad()
     def rebuild_window(self, cache: KVStore, replay: str = "bounded", chunk_size: int = 512,

@@ -87,7 +87,7 @@ _SIGNATURES = {
     "kv_compress_write": [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, ctypes.c_float, _P,
                           _I, _P, ctypes.c_float, _P, _I, _P, _P, _P, ctypes.c_int,
                           ctypes.c_int, _I, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I, _P,
-                          _P, _I, _P, _P, ctypes.c_int],
+                          _P, _I, _P, _P, _P, ctypes.c_int],
     "kv_prefill_attention": [_P, _P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I,
                              ctypes.c_float, _P, ctypes.c_int],
     "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
@@ -121,7 +121,7 @@ _SIGNATURES = {
     "kv_attention_out_spread": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P, _P,
                                 _I, _P, _P, _P, ctypes.c_int],
     "kv_compress_step": [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, ctypes.c_float, _P,
-                         _I, _P, ctypes.c_float, _P, _I, _P, _P, ctypes.c_int],
+                         _I, _P, ctypes.c_float, _P, _I, _P, _P, _P, ctypes.c_int],
     "kv_index_queries": [_P, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, ctypes.c_int,
                          ctypes.c_int, _I, _P, _P, ctypes.c_float, _P, _P, ctypes.c_int],
     "kv_ffn_block": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P,
@@ -937,7 +937,8 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   norm_eps: float, wk_index: torch.Tensor, index_norm: torch.Tensor,
                   index_eps: float, freqs: torch.Tensor,
                   write: tuple[torch.Tensor, str, torch.Tensor, str, torch.Tensor,
-                               torch.Tensor] | None = None
+                               torch.Tensor] | None = None,
+                  group_rows: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Compressor._compress_step` for one token of each of B sequences, x [B, dim] at
     positions [B] with float weights (wkv, wgate [D, dim], wk_index [Di, D], the norms'
@@ -947,9 +948,17 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
     (contiguous float32, updated in place at each sequence's slot). write: (the "kv"
     pool, its block-scaled format, the "index" pool, its format, blocks [B], offsets
     [B]): both written in the same call as `stream_write` writes them, into the pools
-    [blocks, per, bytes] (contiguous, in place)."""
+    [blocks, per, bytes] (contiguous, in place). Rows run in order (a sequence's rows at
+    consecutive positions pool each other). group_rows: with ratio > 1, float32 [B, 2, D]
+    that gets each row's new values and gate logits."""
     b, dim = x.shape
     d, di, half = wkv.shape[0], wk_index.shape[0], freqs.shape[0]
+    if group_rows is not None and (ratio == 1 or group_rows.shape != (b, 2, d)
+                                   or group_rows.dtype is not torch.float32
+                                   or not group_rows.is_contiguous()):
+        raise ValueError(f"compress_step: group_rows must be contiguous float32 [{b}, 2, {d}]"
+                         f" with ratio > 1")
+    rows_out = 0 if group_rows is None else _ptr(group_rows)
     if ratio > 1 and (wgate is None or partial is None or partial[0].shape[1:] != (ratio - 1, d)
                       or not all(t.is_contiguous() and t.dtype is torch.float32
                                  for t in partial)):
@@ -973,7 +982,7 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             0 if gates is None else _ptr(gates), _ptr(norm), norm_eps, _ptr(wk_index), di,
             _ptr(index_norm), index_eps, _ptr(freqs), half, _ptr(kv), _ptr(keys))
     if write is None:
-        _load().kv_compress_step(*args, _threads())
+        _load().kv_compress_step(*args, rows_out, _threads())
         return kv, keys
     kv_pool, kv_fmt, index_pool, index_fmt, blocks, offsets = write
     targets = []
@@ -988,7 +997,7 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     _ptr(elem), _ptr(scale)]
     blocks, offsets = _as(blocks, torch.int64), _as(offsets, torch.int64)
     _load().kv_compress_write(*args, *targets, kv_pool.shape[1], _ptr(blocks), _ptr(offsets),
-                              _threads())
+                              rows_out, _threads())
     return kv, keys
 
 

@@ -604,7 +604,11 @@ void kv_ring_write(const float *x, int64_t b, int64_t d, int element, int scale_
 
 /* A decode step's window entries x [b, d] written into their rings (kv_ring_write, with
  * kv_quantize's element and scale_kind of the ring's block-scaled format), then
- * kernels.c's kv_sparse_attention over the rings with them: the two calls in one. */
+ * kernels.c's kv_sparse_attention over the rings with them: the two calls in one, row
+ * by row, each row attending right after its own write. Rows of one sequence at
+ * consecutive positions (a verify of several tokens) then see each other as sequential
+ * steps would: a row's later neighbours have not yet overwritten the ring rows it still
+ * reads. */
 void kv_ring_write_attend(const float *x, int element, int scale_kind, const float *q,
                           const float *sink, uint8_t *ring, int64_t ring_bytes,
                           int64_t *ring_pos, const int64_t *slots, const int64_t *positions,
@@ -616,15 +620,19 @@ void kv_ring_write_attend(const float *x, int element, int scale_kind, const flo
                           const float *kv_elem, const float *kv_scale, int64_t b, int64_t h,
                           int64_t d, float scale, float *rows, float *logits, float *out,
                           int threads) {
-    float *values = malloc((size_t)(b * d) * sizeof(float));
+    float *values = malloc((size_t)d * sizeof(float));
     if (!values) abort();
-    kv_ring_write(x, b, d, element, scale_kind, ring_block, ring_elem, ring_scale, ring,
-                  ring_pos, w, slots, positions, values);
+    for (int64_t s = 0; s < b; s++) {
+        kv_ring_write(x + s * d, 1, d, element, scale_kind, ring_block, ring_elem, ring_scale,
+                      ring, ring_pos, w, slots + s, positions + s, values);
+        kv_sparse_attention(q + s * h * d, sink, ring, ring_bytes, ring_pos, slots + s,
+                            positions + s, w, window_size, ring_block, ring_packed, ring_elem,
+                            ring_scale, pool, per, kv_bytes, block_table + s * max_blocks,
+                            max_blocks, selected ? selected + s * k : NULL, k, kv_block,
+                            kv_packed, kv_elem, kv_scale, 1, h, d, scale, rows, logits,
+                            out + s * h * d, threads);
+    }
     free(values);
-    kv_sparse_attention(q, sink, ring, ring_bytes, ring_pos, slots, positions, w, window_size,
-                        ring_block, ring_packed, ring_elem, ring_scale, pool, per, kv_bytes,
-                        block_table, max_blocks, selected, k, kv_block, kv_packed, kv_elem,
-                        kv_scale, b, h, d, scale, rows, logits, out, threads);
 }
 
 /* One new entry per sequence into a stream's pool (kvstack.cache.batch.DecodeBatch's
@@ -810,13 +818,16 @@ void kv_dense_attention_block(const float *x, int64_t b, int64_t dim, const floa
  * completes its group starts empty: where they land does not matter). The entry
  * RMS-normalised (norm_w, norm_eps) is kv [b, d]; its index key index_norm(entry
  * wk_index^T) (index_norm_w, index_eps) is keys [b, di]; both rotated at the group's first
- * position ((position + 1) / r - 1) * r. */
+ * position ((position + 1) / r - 1) * r. Rows run in order, so rows of one sequence at
+ * consecutive positions pool each other as sequential steps would. group_rows (NULL:
+ * not asked for) gets each row's new values and gates [b, 2, d] (r > 1): what a store
+ * that may take tokens back rebuilds its partial group from. */
 void kv_compress_step(const float *x, int64_t b, int64_t dim, const int64_t *positions,
                       const int64_t *slots, int64_t r, const float *wkv, const float *wgate,
                       int64_t d, float *partial_values, float *partial_gates,
                       const float *norm_w, float norm_eps, const float *wk_index, int64_t di,
                       const float *index_norm_w, float index_eps, const double *freqs,
-                      int64_t half, float *kv, float *keys, int threads) {
+                      int64_t half, float *kv, float *keys, float *group_rows, int threads) {
     float cs[512], sn[512];  /* half <= 512 */
     float *values = malloc((size_t)(2 * d) * sizeof(float));
     if (!values) abort();
@@ -842,6 +853,7 @@ void kv_compress_step(const float *x, int64_t b, int64_t dim, const int64_t *pos
             if (fill > r - 2) fill = r - 2;
             memcpy(pv + fill * d, values, (size_t)d * sizeof(float));
             memcpy(pg + fill * d, gates, (size_t)d * sizeof(float));
+            if (group_rows) memcpy(group_rows + s * 2 * d, values, (size_t)(2 * d) * sizeof(float));
         }
         kv_rmsnorm(entry, 1, d, norm_w, norm_eps, entry);
         small_linear(entry, 1, d, wk_index, di, key, threads);
@@ -868,10 +880,10 @@ void kv_compress_write(const float *x, int64_t b, int64_t dim, const int64_t *po
                        const float *kv_scale, uint8_t *index_pool, int index_element,
                        int index_scale_kind, int64_t index_block, const float *index_elem,
                        const float *index_scale, int64_t per, const int64_t *blocks,
-                       const int64_t *offsets, int threads) {
+                       const int64_t *offsets, float *group_rows, int threads) {
     kv_compress_step(x, b, dim, positions, slots, r, wkv, wgate, d, partial_values,
                      partial_gates, norm_w, norm_eps, wk_index, di, index_norm_w, index_eps,
-                     freqs, half, kv, keys, threads);
+                     freqs, half, kv, keys, group_rows, threads);
     kv_stream_write(kv, b, d, kv_element, kv_scale_kind, kv_block, kv_elem, kv_scale, kv_pool,
                     per, blocks, offsets, NULL);
     kv_stream_write(keys, b, di, index_element, index_scale_kind, index_block, index_elem,
