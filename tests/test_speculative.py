@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvstack import native
+from kvstack.cache.batch import DecodeBatch
 from kvstack.cache.paged import PagedCache
 from kvstack.config import preset
 from kvstack.engine import LLM, EngineConfig, SamplingParams
@@ -174,11 +175,14 @@ def _state(cache: PagedCache, store) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("kept", [0, 1, 2, 4])
-def test_rejected_tokens_leave_no_byte_behind(kept):
+@pytest.mark.parametrize("call", ["decode", "extend"])
+def test_rejected_tokens_leave_no_byte_behind(kept, call):
     """Two verifies that share their first tokens and differ after, each settled on those
     first tokens: every byte of the two caches is equal, the rows past the kept tokens are
     zeros, and the next tokens' logits are equal. 27 tokens before: the verify straddles
-    groups of the ratio-2 layers and a cache block."""
+    groups of the ratio-2 layers and a cache block. A verify as the engine makes it (one
+    decode step of several rows) and as a prefill (`Model.extend`, where the C kernels
+    cannot run the step)."""
     torch.manual_seed(0)
     config = preset("tiny-v41-dspark")
     model = Model(config).eval()
@@ -194,7 +198,10 @@ def test_rejected_tokens_leave_no_byte_behind(kept):
         with native.active(native.resolve("auto")):
             model.prefill(prompt, store)
             store.speculate(fed.shape[1])
-            model.extend(fed, store, n_logits=fed.shape[1])
+            if call == "extend":
+                model.extend(fed, store, n_logits=fed.shape[1])
+            else:
+                model.verify(fed[0].tolist(), DecodeBatch([store], counts=[fed.shape[1]]))
         store.settle(kept)
         state = _state(cache, store)
         assert state["tokens"][27:] == fed[0, :kept].tolist()
@@ -283,3 +290,65 @@ def test_sampled_requests_draft_and_keep_the_targets_distribution():
         if speculative == "dspark":
             assert llm.runner.verifies > 0
     assert (third["none"] - third["dspark"]).abs().sum() / 2 < 0.2
+
+
+def test_a_verify_step_equals_steps_of_one_token():
+    """A decode batch with several consecutive tokens of each sequence (a verify: 4 rows
+    of one, 3 of another) against the same tokens decoded one step at a time: the same
+    stream and index-key rows, rings and token logs, byte for byte, and the same logits
+    and partial groups within float rounding (the batched matmuls round alike only at
+    equal row counts)."""
+    torch.manual_seed(0)
+    config = preset("tiny-v41-dspark")
+    model = Model(config).eval()
+    prompts = [(torch.arange(1, 28)[None] * 7) % 512, (torch.arange(1, 20)[None] * 5) % 512]
+    tokens = [[5, 9, 4, 8], [11, 3, 7]]
+
+    def started() -> tuple[PagedCache, list]:
+        cache = PagedCache(config, "8MiB", 16, 2)
+        stores = []
+        for prompt in prompts:
+            store = cache.open_sequence()
+            store.reserve(64)
+            model.prefill(prompt, store)
+            stores.append(store)
+        return cache, stores
+
+    with native.active(native.resolve("c")):
+        stepped, stores = started()
+        logits: list[list[torch.Tensor]] = [[], []]
+        for j in range(4):
+            live = [i for i in range(2) if j < len(tokens[i])]
+            out = model.decode([tokens[i][j] for i in live],
+                               DecodeBatch([stores[i] for i in live]))
+            for row, i in enumerate(live):
+                logits[i].append(out[row])
+        verified, rows = started()
+        out = model.verify(tokens[0] + tokens[1], DecodeBatch(rows, counts=[4, 3]))
+    torch.testing.assert_close(out.logits[:, 0], torch.stack(logits[0] + logits[1]),
+                               rtol=0, atol=1e-5)
+    assert out.target_hidden.shape == (7, 1, 3 * config.dim)
+    for store, row_store in zip(stores, rows, strict=True):
+        a, b = _state(stepped, store), _state(verified, row_store)
+        for name in a:
+            if name.startswith("partial"):
+                torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5)
+            elif not name.startswith("beyond"):
+                assert (torch.equal(a[name], b[name]) if isinstance(a[name], torch.Tensor)
+                        else a[name] == b[name]), name
+
+
+def test_several_tokens_of_a_sequence_need_the_c_kernels():
+    config = preset("tiny-v41-dspark")
+    cache = PagedCache(config, "8MiB", 16, 2)
+    store = cache.open_sequence()
+    store.reserve(16)
+    Model(config).eval().prefill(torch.tensor([[1, 2, 3]]), store)
+    with native.active(False), pytest.raises(ValueError, match="runs the C kernels"):
+        DecodeBatch([store], counts=[2])
+    with native.active(native.resolve("c")):
+        with pytest.raises(ValueError, match="one positive count per sequence"):
+            DecodeBatch([store], counts=[0])
+        batch = DecodeBatch([store], counts=[2])
+        with pytest.raises(ValueError, match="ring read by torch takes one row a sequence"):
+            batch.window(0)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kvstack import native
 from kvstack.config import LayerSpec, ModelConfig
 from kvstack.formats import fake_quantize
 from kvstack.model.model import (
@@ -56,7 +57,10 @@ class DraftAttention(Attention):
         """Keys (and values) of states x [B, n, dim] at positions [P, n]: [B, n, D], rounded
         to the window format as the ring holds them."""
         kv = rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
-        return fake_quantize(kv, self.config.window_format)
+        fmt = self.config.window_format
+        if native.fuses(kv) and native.decodes(fmt):  # the same values, in one C pass
+            return native.quantize(kv, fmt, rows=False)[1]
+        return fake_quantize(kv, fmt)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 window: torch.Tensor) -> torch.Tensor:
