@@ -44,6 +44,19 @@ def test_generate_errors(tmp_path, capsys):
     assert "config.json is missing" in capsys.readouterr().err
     assert main(["generate", *ENGINE, "--prompt", "x", "--top-p", "2"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert main(["generate", *ENGINE, "--prompt", "x", "--speculative", "dspark"]) == 2
+    assert "no DSpark draft layers" in capsys.readouterr().err
+
+
+def test_generate_with_dspark_drafts(capsys):
+    """--speculative dspark on a model with draft layers: the same greedy tokens."""
+    dspark = ["--model", "tiny-v41-dspark", "--random-init", "--kv-budget", "16MiB",
+              "--prompt", "def f():", "--max-tokens", "8", "--temperature", "0",
+              "--ignore-eos", "--json"]
+    assert main(["generate", *dspark]) == 0
+    plain = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(["generate", *dspark, "--speculative", "dspark"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain
 
 
 def test_chat_keeps_the_conversation_in_the_cache(capsys, monkeypatch):

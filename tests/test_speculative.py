@@ -231,7 +231,14 @@ def test_verify_length_follows_the_confidence():
 
 def test_metrics_count_drafts_and_accepted_tokens():
     llm = engine("dspark")
-    llm.generate(PROMPTS[:1], GREEDY)
+    first = llm.add_request(PROMPTS[0], GREEDY, keep_cache=True, watch=True)
+    while not llm.wait(first).finished:
+        pass
+    draft = llm.memory_report()["draft"]
+    c = llm.config
+    assert draft["context_bytes_per_sequence"] == c.window_size * 3 * c.dim * 4
+    assert draft["context_bytes_held"] == 0  # a finished request drafts no more
+    assert draft["verifies"] == llm.runner.verifies
     families = {m.name: m.samples[0].value for m in EngineCollector(llm, "m").collect()}
     runner = llm.runner
     assert families["kvstack:spec_decode_num_drafts"] == runner.verifies > 0

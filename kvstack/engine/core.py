@@ -358,6 +358,7 @@ class EngineCore:
         seq.text = seq.detokenizer.text  # all of it: nothing can cut it any more
         keep = seq.keep_cache and reason in ("stop", "length")
         self.scheduler.finish(seq, reason, keep_cache=keep)
+        seq.draft_context = None  # nothing drafts for it any more (a next turn starts anew)
         seq.finish_time = time.perf_counter()
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:

@@ -259,7 +259,8 @@ class LLM:
     def memory_report(self, context: int | None = None) -> dict[str, Any]:
         """Bytes per token and capacity, measured from the storage actually allocated,
         with the plan (computed from the config) beside every figure; the Engram tables
-        (weights, not cache) on their own line."""
+        (weights, not cache) on their own line; with DSpark, the target states its
+        drafts read ("draft"), apart from the cache."""
         with self.core.lock:
             report = self.cache.report(context or self.core.max_model_len)
         for w in report["warnings"]:
@@ -268,6 +269,20 @@ class LLM:
                              "device": str(block.engram.table_codes.device)}
                             for block in self.model.layers if block.engram is not None]
         report["backend"] = self.runner.backend()
+        if self.runner.speculative:
+            # DSpark's draft keeps no cache: it reads each drafting sequence's target
+            # states (draft_context), float32 on the host, apart from the KV cache.
+            c = self.config
+            with self.core.lock:
+                held = sum(seq.draft_context.numel() * seq.draft_context.element_size()
+                           for seq in self.core.requests.values()
+                           if seq.draft_context is not None)
+            report["draft"] = {
+                "context_bytes_per_sequence": c.window_size * len(c.dspark_target_layer_ids)
+                * c.dim * 4,
+                "context_bytes_held": held,
+                "drafts": self.runner.drafted_tokens, "accepted": self.runner.accepted_tokens,
+                "verifies": self.runner.verifies}
         if self.rank_bytes is not None:
             from kvstack.parallel.plan import ShardingPlan
 

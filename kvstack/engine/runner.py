@@ -16,7 +16,7 @@ from kvstack.cache.batch import DecodeBatch
 from kvstack.cache.paged import PagedSequenceStore
 from kvstack.engine.config import EngineConfig
 from kvstack.engine.sampling import Sample, distribution, sample_batch, speculative_accept
-from kvstack.engine.sequence import Sequence
+from kvstack.engine.sequence import Sequence, Status
 from kvstack.model import Model
 from kvstack.model.model import Compressor, Extension
 from kvstack.model.packed import PackedExperts, PackedLinear
@@ -258,8 +258,11 @@ class ModelRunner:
     def settle(self, seq: Sequence, verified: Verified, kept: int) -> None:
         """After the caller took `kept` of a verify's outputs: the store keeps the tokens
         that fed them (the last sampled one and the drafts before the last output) and
-        takes back the rest; the draft reads the kept tokens' target states next."""
+        takes back the rest; the draft reads the kept tokens' target states next, if the
+        sequence goes on."""
         seq.store.settle(kept)
+        if seq.status is Status.FINISHED:
+            return
         rows = verified.target_hidden[:kept]
         context = rows if seq.draft_context is None else torch.cat((seq.draft_context, rows))
         seq.draft_context = context[-self.model.config.window_size :]
