@@ -460,9 +460,10 @@ def _validate_draft(c: ModelConfig) -> None:
             raise ValueError(f"config key {key} = {value!r}: must be a non-negative integer")
     if not c.has_draft:
         return
-    if c.arch != "v41" or not c.uses_moe or not c.single_pass_hc:
+    if c.arch != "v41" or (c.hc_mult > 1 and not c.single_pass_hc):
         raise ValueError("config key dspark_block_size: DSpark's draft stages are V4.1 layers "
-                         "(MoE, single-pass hyper-connections); this model has none")
+                         "(window-only attention, single-pass hyper-connections where the "
+                         "trunk has several residual copies); this model's are not")
     targets = list(c.dspark_target_layer_ids)
     if not targets or targets != sorted(set(targets)) or \
             not all(0 <= i < c.n_layers for i in targets):

@@ -134,7 +134,7 @@ def test_dspark_keys_validate_and_map_from_hf_names():
         (dict(dspark_markov_rank=0), "dspark_markov_rank = 0"),
         (dict(dspark_n_activated_experts=4), "more than the draft stages' 3"),
         (dict(dspark_block_size=-1), "dspark_block_size = -1"),
-        (dict(hc_mult=1), "DSpark's draft stages are V4.1 layers"),
+        (dict(hc_residual="per_site"), "DSpark's draft stages are V4.1 layers"),
     ]:
         with pytest.raises(ValueError, match=message):
             c.replace(**changes)

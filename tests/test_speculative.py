@@ -359,3 +359,21 @@ def test_several_tokens_of_a_sequence_need_the_c_kernels():
         batch = DecodeBatch([store], counts=[2])
         with pytest.raises(ValueError, match="ring read by torch takes one row a sequence"):
             batch.window(0)
+
+
+def test_a_draft_for_a_model_of_one_residual_copy_and_a_dense_ffn():
+    """The bundled model's shape (no hyper-connections, no MoE: the draft stage is a plain
+    pre-norm residual with a dense feed-forward) with a random draft: the same greedy
+    tokens with DSpark, drafts verified and some kept."""
+    config = preset("default").replace(
+        compress_ratios=[*preset("default").compress_ratios, 0], n_mtp_layers=1,
+        dspark_block_size=4, dspark_noise_token_id=2, dspark_target_layer_ids=[5, 6, 7],
+        dspark_markov_rank=16, max_seq_len=1024)
+    prompts = [[(7 * i) % 2000 + 3 for i in range(40)], [(5 * i) % 1999 + 3 for i in range(70)]]
+    outs = {}
+    for speculative in ("none", "dspark"):
+        llm = LLM(config, random_init=True, seed=0, kv_budget="32MiB", threads=1,
+                  speculative=speculative)
+        outs[speculative] = run(llm, prompts, GREEDY)
+    assert outs["dspark"] == outs["none"]
+    assert llm.runner.verifies > 0 and llm.runner.drafted_tokens > 0

@@ -31,6 +31,7 @@ from kvstack.config import LayerSpec, ModelConfig
 from kvstack.formats import fake_quantize
 from kvstack.model.model import (
     Attention,
+    DenseFFN,
     HyperConnection,
     MoE,
     RMSNorm,
@@ -79,7 +80,9 @@ class DraftAttention(Attention):
 
 
 class DraftStage(nn.Module):
-    """One `mtp.<s>` stage: a window-only V4.1 layer with `DraftAttention`."""
+    """One `mtp.<s>` stage: a window-only V4.1 layer with `DraftAttention`, built as the
+    trunk's layers are: a MoE or a dense feed-forward, single-pass hyper-connections or
+    (one residual copy) a plain pre-norm residual."""
 
     def __init__(self, config: ModelConfig, spec: LayerSpec) -> None:
         """config: the draft's (its expert counts in the trunk's keys)."""
@@ -87,14 +90,19 @@ class DraftStage(nn.Module):
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = DraftAttention(config, spec)
-        self.ffn = MoE(config)
-        self.hc_attn = HyperConnection(config)
-        self.hc_ffn = HyperConnection(config)
+        self.ffn = (MoE(config) if config.uses_moe
+                    else DenseFFN(config.dim, config.inter_dim, config.swiglu_limit))
+        self.hc_attn = HyperConnection(config) if config.hc_mult > 1 else None
+        self.hc_ffn = HyperConnection(config) if config.hc_mult > 1 else None
 
-    def forward(self, x: torch.Tensor, mix: torch.Tensor, positions: torch.Tensor,
-                window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, mix: torch.Tensor | None, positions: torch.Tensor,
+                window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, K, h, dim] and the `pre` mix [B, K, h] that collapses it (single-pass, as
-        the trunk's layers): the stage's output and the mix for the next sub-layer."""
+        the trunk's layers): the stage's output and the mix for the next sub-layer. One
+        residual copy: x [B, K, dim], no mix."""
+        if self.hc_attn is None or self.hc_ffn is None:
+            x = x + self.attn(self.attn_norm(x), positions, window)
+            return x + self.ffn(self.ffn_norm(x)), None
         attn_pre, post, comb = self.hc_attn.mixes(x)
         y = HyperConnection.collapse(x, mix)
         x = self.hc_attn.post(self.attn(self.attn_norm(y), positions, window), x, post, comb)
@@ -152,13 +160,16 @@ class Draft(nn.Module):
         ids = torch.full((b, k), c.dspark_noise_token_id, dtype=torch.long, device=device)
         ids[:, 0] = token
         x = model.embed(ids).float()  # [B, K, dim]
-        x = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()  # [B, K, h, dim]
-        mix = x.new_zeros(x.shape[:3])  # a one-hot collapse on copy 0, as the trunk starts
-        mix[..., 0] = 1.0
+        mix = None
+        if c.hc_mult > 1:
+            x = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()  # [B, K, h, dim]
+            mix = x.new_zeros(x.shape[:3])  # a one-hot collapse on copy 0, as the trunk's
+            mix[..., 0] = 1.0
         for stage in self.stages:
             window = stage.attn.entries(context, window_at)  # [B, W, D]
             x, mix = stage(x, mix, block_at, window)
-        x = HyperConnection.collapse(x, mix)  # [B, K, dim]
+        if mix is not None:
+            x = HyperConnection.collapse(x, mix)  # [B, K, dim]
         logits = model.head_logits(self.norm(x))  # [B, K, vocab]
         tokens, embeds = [token.long()], []
         for i in range(k):

@@ -1356,8 +1356,8 @@ class Layer(nn.Module):
     def forward(self, s: TokenStates, start: int | torch.Tensor, store: KVStore,
                 ctx: StepContext) -> TokenStates:
         x = self._add_engram(s)
-        if self.spec.index in ctx.draft_targets:
-            ctx.draft_inputs[self.spec.index].append(x.mean(2))
+        if self.spec.index in ctx.draft_targets:  # the mean of the copies, if several
+            ctx.draft_inputs[self.spec.index].append(x.mean(2) if x.dim() == 4 else x)
         if self.hc_attn is None:
             mods = self._modules  # read from the dicts: see MoE.fused_parts
             attn, norm = mods["attn"], mods["attn_norm"]
