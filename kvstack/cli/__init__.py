@@ -8,11 +8,12 @@ import importlib.metadata
 import sqlite3
 import sys
 
-from kvstack.cli import chat, demo, export, generate, plan, serve, session, train
+from kvstack.cli import chat, demo, export, generate, plan, serve, session, train, train_draft
 from kvstack.eval import commands as eval_commands
 
 # In the order `kvstack --help` lists them.
-COMMANDS = (plan, generate, chat, serve, session, train, demo, export, eval_commands)
+COMMANDS = (plan, generate, chat, serve, session, train, train_draft, demo, export,
+            eval_commands)
 
 
 def _version() -> str:

@@ -28,7 +28,7 @@ from torch import nn
 
 from kvstack import native
 from kvstack.config import LayerSpec, ModelConfig
-from kvstack.formats import fake_quantize
+from kvstack.formats import straight_through
 from kvstack.model.model import (
     Attention,
     DenseFFN,
@@ -61,7 +61,7 @@ class DraftAttention(Attention):
         fmt = self.config.window_format
         if native.fuses(kv) and native.decodes(fmt):  # the same values, in one C pass
             return native.quantize(kv, fmt, rows=False)[1]
-        return fake_quantize(kv, fmt)
+        return straight_through(kv, fmt)  # (a draft in training learns through the rounding)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 window: torch.Tensor) -> torch.Tensor:
