@@ -16,9 +16,12 @@ The model is `--model`: a directory with DSpark's draft layers (`mtp.*`: DeepSee
 checkpoint, or a model trained with a drafter), or a preset with random weights (default
 `tiny-v41-dspark`, seed 0). A random draft's acceptance is that of chance, so on the
 default the figures measure what drafting and verifying cost, not what a trained drafter
-gains. The prompts are random token ids (seeded): what a model of random weights does
-with text is no different. Prefix caching is off in both engines, so every round
-prefills alike. Torch runs one thread; the load average is printed beside the figures.
+gains. For a model directory with a tokenizer the prompts are held-out text: the first
+`--prompt-tokens` tokens of files of the standard library's held-out split (the 2 % the
+bundled model and `kvstack train-draft` never train on); for a preset they are random
+token ids (seeded): what a model of random weights does with text is no different.
+Prefix caching is off in both engines, so every round prefills alike. Torch runs one
+thread; the load average is printed beside the figures.
 """
 
 import argparse
@@ -54,6 +57,23 @@ def run(args: argparse.Namespace, speculative: str, batch: int,
     return sum(len(o.token_ids) for o in outs) / seconds, llm
 
 
+def heldout_prompts(llm: LLM, args: argparse.Namespace) -> list[list[int]]:
+    """The first --prompt-tokens tokens of held-out standard-library files, as many as
+    the largest batch."""
+    from kvstack.corpus.data import read_source, split_corpus, stdlib_root
+
+    root = stdlib_root()
+    prompts = []
+    for path in split_corpus(root, 2.0)[1]:
+        text = read_source(root / path)
+        ids = llm.encode(text) if text else []
+        if len(ids) >= args.prompt_tokens:
+            prompts.append(ids[: args.prompt_tokens])
+        if len(prompts) == max(args.batches):
+            return prompts
+    raise ValueError(f"too few held-out files of {args.prompt_tokens} tokens")
+
+
 def histogram(counts: dict[int, int]) -> str:
     total = sum(counts.values()) or 1
     return " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(counts.items()))
@@ -73,14 +93,18 @@ def main() -> None:
     print(f"model {args.model}, prompts of {args.prompt_tokens} tokens, {args.max_tokens} "
           f"tokens each, temperature {args.temperature}, 1 torch thread, load "
           f"{os.getloadavg()[0]:.2f}")
-    vocab = engine(args, "none", 1).model.config.vocab_size
+    plain = engine(args, "none", 1)
+    vocab = plain.model.config.vocab_size
+    held_out = heldout_prompts(plain, args) if Path(args.model, "tokenizer.json").exists() \
+        else None
     header = ("| batch | plain tok/s | DSpark tok/s | DSpark ÷ plain | acceptance length "
               "| accepted per verify | verify lengths | draft ms | verify ms | plain ms/token |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for batch in args.batches:
-        prompts = torch.randint(0, vocab, (batch, args.prompt_tokens),
-                                generator=torch.Generator().manual_seed(batch)).tolist()
+        prompts = held_out[:batch] if held_out is not None else torch.randint(
+            0, vocab, (batch, args.prompt_tokens),
+            generator=torch.Generator().manual_seed(batch)).tolist()
         best: dict[str, tuple[float, LLM | None]] = {"none": (0.0, None), "dspark": (0.0, None)}
         for _ in range(args.repeat):
             for speculative in best:
