@@ -17,10 +17,8 @@ tokenised corpus, and a checkpoint written whole or not at all (a killed run res
 it); the finished model (the target with its draft) is `OUT/model`.
 """
 
-import fcntl
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict
@@ -33,6 +31,7 @@ from kvstack.corpus.data import TokenCache, split_corpus, stdlib_root
 from kvstack.model import Model
 from kvstack.model.checkpoint import float_state_dict
 from kvstack.train.draft_config import DraftTrainConfig
+from kvstack.train.trainer import lock_run, replace_text, swap_in, trim_log
 
 
 class DraftTrainer:
@@ -48,7 +47,7 @@ class DraftTrainer:
             raise ValueError(f"seq_len {tc.seq_len} must exceed the window ({c.window_size}) "
                              f"and a block ({tc.block_size}) by more than one token")
         self.out.mkdir(parents=True, exist_ok=True)
-        self._lock = self._lock_run()
+        self._lock = lock_run(self.out, "train-draft")
         saved = self.out / "train_config.json"
         if saved.exists():
             before = json.loads(saved.read_text())
@@ -57,7 +56,7 @@ class DraftTrainer:
                 raise ValueError(f"{self.out} holds a run with other settings ("
                                  f"{', '.join(differs)}); use a new --out, or the same "
                                  "settings to resume (--steps may grow)")
-        _replace_text(saved, json.dumps(asdict(tc), indent=2))
+        replace_text(saved, json.dumps(asdict(tc), indent=2))
         kv = set(c.kv_source_layers)
         self.config = c.replace(
             n_mtp_layers=tc.stages, compress_ratios=[*c.compress_ratios, *[0] * tc.stages],
@@ -199,14 +198,7 @@ class DraftTrainer:
         draft = {k: v for k, v in self.model.state_dict().items() if k.startswith("draft.")}
         torch.save({"draft": draft, "optimizer": self.optimizer.state_dict(),
                     "step": self.step}, tmp / "trainer.pt")
-        with open(tmp / "trainer.pt", "rb") as fh:
-            os.fsync(fh.fileno())
-        old = self.out / "checkpoint.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(tmp, final)
 
     def _resume(self) -> None:
         path = self.out / "checkpoint" / "trainer.pt"
@@ -216,22 +208,7 @@ class DraftTrainer:
         self.model.load_state_dict(state["draft"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
-        log = self.out / "log.jsonl"
-        if log.exists():  # steps after the checkpoint run again
-            kept = [line for line in log.read_text().splitlines()
-                    if json.loads(line)["step"] <= self.step]
-            _replace_text(log, "".join(line + "\n" for line in kept))
-
-    def _lock_run(self):
-        """One run per directory (the kernel drops the lock when a process dies)."""
-        handle = open(self.out / "train.lock", "a+")  # noqa: SIM115 (held until close())
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            raise ValueError(f"{self.out} is in use by another kvstack train-draft process; "
-                             "wait for it, or use another --out") from None
-        return handle
+        trim_log(self.out / "log.jsonl", self.step)
 
     def close(self) -> None:
         if self._lock is not None:
@@ -248,9 +225,4 @@ def _noise_token(target: str) -> int:
     pad = tokenizer.token_to_id("<|pad|>")
     return pad if pad is not None else 0
 
-
-def _replace_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 

@@ -153,11 +153,48 @@ class TrainConfig:
                              f"and its special tokens ({MIN_VOCAB})")
 
 
-def _replace_text(path: Path, text: str) -> None:
+def replace_text(path: Path, text: str) -> None:
     """Swap in `text` as the whole of `path` by a rename, so no reader sees it half written."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def lock_run(out: Path, command: str):
+    """One run per directory: a second process on it would interleave the log and swap
+    checkpoints under the first. The kernel drops the lock when a process dies, so a
+    killed run's directory resumes. The open lock file (held until closed)."""
+    handle = open(out / "train.lock", "a+")  # noqa: SIM115 (held until close())
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ValueError(f"{out} is in use by another kvstack {command} process; wait for "
+                         "it, or use another --out") from None
+    return handle
+
+
+def trim_log(log: Path, step: int) -> None:
+    """Drop the log's lines of steps after `step` (a resumed run runs them again)."""
+    if log.exists():
+        kept = [line for line in log.read_text().splitlines()
+                if json.loads(line)["step"] <= step]
+        replace_text(log, "".join(line + "\n" for line in kept))
+
+
+def swap_in(tmp: Path, final: Path) -> None:
+    """Make the directory `tmp` (its files synced) the directory `final`, by renames: a
+    kill at any moment leaves the old one or the new one whole."""
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    old = final.with_name(final.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _saved_config(path: Path) -> TrainConfig:
@@ -275,7 +312,7 @@ class Trainer:
         if tc.init_from:
             _check_init_from(tc)
         self.out.mkdir(parents=True, exist_ok=True)
-        self._lock = self._lock_run() if self.rank == 0 else None
+        self._lock = lock_run(self.out, "train") if self.rank == 0 else None
         saved = self.out / "train_config.json"
         extended = False
         if saved.exists():
@@ -294,7 +331,7 @@ class Trainer:
             if not saved.exists() or extended:
                 # Written once, whole or not at all: the other processes of a resumed run
                 # read it at this moment, and a kill must not leave it empty.
-                _replace_text(saved, json.dumps(asdict(tc), indent=2))
+                replace_text(saved, json.dumps(asdict(tc), indent=2))
             tokenizer = self.out / "tokenizer.json"
             if tc.init_from and not tokenizer.exists():  # its token ids are the model's
                 shutil.copy(Path(tc.init_from) / "tokenizer.json", tokenizer)
@@ -338,19 +375,6 @@ class Trainer:
         self.heldout_data = TokenCache.build(root, heldout_files, self.tokenizer,
                                              self.out / "data" / "heldout.npy")
 
-    def _lock_run(self):
-        """One run per directory: a second process on it would interleave the log and
-        swap checkpoints under the first. The kernel drops the lock when a process dies,
-        so a killed run's directory resumes."""
-        handle = open(self.out / "train.lock", "a+")  # noqa: SIM115 (held until close())
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            raise ValueError(f"{self.out} is in use by another kvstack train process; wait "
-                             "for it, or use another --out") from None
-        return handle
-
     def close(self) -> None:
         """Let another process take the run directory, and end the process group this
         trainer started (run() does this when it ends)."""
@@ -369,11 +393,8 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
-        log = self.out / "log.jsonl"
-        if self.rank == 0 and log.exists():  # steps after the checkpoint are run again
-            kept = [line for line in log.read_text().splitlines()
-                    if json.loads(line)["step"] <= self.step]
-            _replace_text(log, "".join(line + "\n" for line in kept))
+        if self.rank == 0:
+            trim_log(self.out / "log.jsonl", self.step)
 
     def save_checkpoint(self) -> None:
         """Write to a temporary directory, then swap it in: a kill leaves the old one."""
@@ -384,16 +405,7 @@ class Trainer:
                     "step": self.step}, tmp / "trainer.pt")
         self.model.save_pretrained(tmp / "model")
         shutil.copy(self.out / "tokenizer.json", tmp / "model" / "tokenizer.json")
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        old = self.out / "checkpoint.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(tmp, final)
 
     # ---- one step ----------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
