@@ -10,7 +10,7 @@ included, which is the same work in both), their ratio, and from the DSpark engi
 the mean acceptance length (tokens a verify yields: accepted drafts + the target's own),
 how many drafts each verify accepted (a histogram), the verify lengths the confidence
 schedule chose, and the milliseconds of a draft call and of a verify call beside a plain
-step's.
+step's; then what a batch-1 verify step costs by the rows it feeds.
 
 The model is `--model`: a directory with DSpark's draft layers (`mtp.*`: DeepSeek's V4.1
 checkpoint, or a model trained with a drafter), or a preset with random weights (default
@@ -74,6 +74,35 @@ def heldout_prompts(llm: LLM, args: argparse.Namespace) -> list[list[int]]:
     raise ValueError(f"too few held-out files of {args.prompt_tokens} tokens")
 
 
+def verify_cost(llm: LLM, prompt: list[int]) -> str:
+    """Milliseconds of one sequence's verify step by the rows it feeds (1, 2, 3, 5, 8),
+    each the best of 20: what one more verified draft costs (the runner's MIN_SURVIVAL
+    rests on it). The verify is taken back after each (settle(0)), so every call starts
+    from the same cache."""
+    from kvstack import native
+    from kvstack.cache.batch import DecodeBatch
+
+    first = llm.add_request(prompt, SamplingParams(max_tokens=2, temperature=0,
+                                                   ignore_eos=True), keep_cache=True,
+                            watch=True)
+    while not llm.wait(first).finished:
+        pass
+    store, model = llm.scheduler.kept[first].store, llm.runner.model
+    store.reserve(store.num_tokens + 8)
+    times = {}
+    for rows in (1, 2, 3, 5, 8):
+        best = float("inf")
+        for _ in range(20):
+            store.speculate(rows)
+            started = time.perf_counter()
+            with native.active(llm.runner.cpu_kernels):
+                model.verify([prompt[0]] * rows, DecodeBatch([store], counts=[rows]))
+            best = min(best, time.perf_counter() - started)
+            store.settle(0)
+        times[rows] = 1e3 * best
+    return ", ".join(f"{rows} rows {ms:.2f} ms" for rows, ms in times.items())
+
+
 def histogram(counts: dict[int, int]) -> str:
     total = sum(counts.values()) or 1
     return " ".join(f"{k}:{100 * v / total:.0f}%" for k, v in sorted(counts.items()))
@@ -118,6 +147,10 @@ def main() -> None:
               f"{histogram(r.accepted_lengths)} | {histogram(r.verify_lengths)} | "
               f"{1e3 * r.draft_seconds / verifies:.1f} | "
               f"{1e3 * r.verify_seconds / verifies:.1f} | {1e3 / plain:.1f} |")
+    if engine(args, "dspark", 1).runner.verify_in_c:
+        prompt = held_out[0] if held_out is not None else list(range(1, args.prompt_tokens))
+        print(f"a batch-1 verify step by its rows: "
+              f"{verify_cost(engine(args, 'dspark', 1), prompt)}")
 
 
 if __name__ == "__main__":

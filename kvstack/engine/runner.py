@@ -32,7 +32,6 @@ class Verified:
     target_hidden: torch.Tensor  # [fed, targets * dim]: the target states of what it fed
 
 
-
 class ModelRunner:
     lost: str | None = None  # why this runner can make no more calls (a parallel group's)
 
@@ -355,9 +354,10 @@ def verify_length(confidence: torch.Tensor, limit: int) -> int:
 
 
 # A draft worth verifying: in a verify step each more row costs about 4 % of the step
-# (tiny-v41-dspark at batch 1 on a CPU: 6.0 ms for one row, +0.25 ms a row; the step's
-# weights are read once for all its rows), so a draft is verified while the chance that
-# it is kept is at least 0.1, which leaves the confidence head's calibration a margin.
+# (bench/speculative.py, tiny-v41-dspark at batch 1 on a CPU: 5.2 ms for one row, 6.6 ms
+# for eight; the step's weights are read once for all its rows), so a draft is verified
+# while the chance that it is kept is at least 0.1, which leaves the confidence head's
+# calibration a margin.
 MIN_SURVIVAL = 0.1
 
 

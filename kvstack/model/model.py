@@ -1855,6 +1855,21 @@ class Model(nn.Module):
     def decode(self, token_ids: torch.Tensor | list[int], cache: KVStore) -> torch.Tensor:
         """One new token per sequence, token_ids [B] (host ints are checked on the host,
         so the step reads nothing back from the device); logits [B, V]."""
+        return self._logits(self._decode_states(token_ids, cache))[:, 0]
+
+    @torch.no_grad()
+    def verify(self, token_ids: list[int], batch: DecodeBatch) -> Extension:
+        """One decode step of a batch with several tokens of a sequence (`DecodeBatch`'s
+        counts: DSpark's verify), token_ids one per row: every row's logits [rows, 1, V]
+        and DSpark's target states [rows, 1, len(targets) * dim]."""
+        draft = self._draft_inputs(True)
+        s = self._decode_states(token_ids, batch, draft)
+        return Extension(self._logits(s), _target_hidden(draft, 1))
+
+    def _decode_states(self, token_ids: torch.Tensor | list[int], cache: KVStore,
+                       draft: dict[int, list[torch.Tensor]] | None = None) -> TokenStates:
+        """A decode step's token states after the last layer; `draft`: where DSpark's
+        target states are recorded (the compiled step records none)."""
         if isinstance(token_ids, torch.Tensor):
             ids = self._check_ids(token_ids.reshape(-1, 1))
             appended: torch.Tensor | list[list[int]] = ids
@@ -1871,27 +1886,9 @@ class Model(nn.Module):
         cache.append_tokens(appended)
         s = self._states(ids, start, cache)
         # A decode batch (per-sequence starts) runs the compiled step, if any.
-        if self._compiled_step is not None and isinstance(cache, DecodeBatch):
-            s = self._run_compiled(s, start, cache)
-        else:
-            s = self._run(s, start, cache, range(self.config.n_layers))
-        return self._logits(s)[:, 0]
-
-    @torch.no_grad()
-    def verify(self, token_ids: list[int], batch: DecodeBatch) -> Extension:
-        """One decode step of a batch with several tokens of a sequence (`DecodeBatch`'s
-        counts: DSpark's verify), token_ids one per row: every row's logits [rows, 1, V]
-        and DSpark's target states [rows, 1, len(targets) * dim]."""
-        ids = torch.tensor([[t] for t in token_ids], dtype=torch.long,
-                           device=self.embed.weight.device)
-        self._check_ids(ids)
-        self._check_room(batch, ids)
-        start = batch.start_positions()
-        batch.append_tokens(ids.tolist())
-        draft = self._draft_inputs(True)
-        s = self._run(self._states(ids, start, batch), start, batch,
-                      range(self.config.n_layers), _draft_context(draft))
-        return Extension(self._logits(s), _target_hidden(draft, 1))
+        if draft is None and self._compiled_step is not None and isinstance(cache, DecodeBatch):
+            return self._run_compiled(s, start, cache)
+        return self._run(s, start, cache, range(self.config.n_layers), _draft_context(draft))
 
     @torch.no_grad()
     def rebuild_window(self, cache: KVStore, replay: str = "bounded", chunk_size: int = 512,
