@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev,bench,serve,kernels]"
+	$(BIN)/pip install --quiet -e ".[dev,bench,serve,kernels,vision]"
 	$(BIN)/python -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], \
 	    'kvstack-checkout.pth').write_text('$(CURDIR)\n')"
 	touch $@

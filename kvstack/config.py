@@ -38,11 +38,9 @@ class LayerSpec:
     uses_candidates: bool  # restricts its top-k to that pool
 
 
-# Keys of the published V4.1 config.json for parts kvstack does not build yet (vision)
-# and the checkpoint's weight dtypes, which the loader reads. A real config.json loads;
-# these are set aside.
-_UNBUILT_V41_PREFIXES = ("vision_",)
-_UNBUILT_V41_KEYS = frozenset({"dtype", "expert_dtype", "image_token_id"})
+# Keys of the published V4.1 config.json that are the checkpoint's weight dtypes, which
+# the loader reads. A real config.json loads; these are set aside.
+_UNBUILT_V41_KEYS = frozenset({"dtype", "expert_dtype"})
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 # How the hyper-connection residual collapses its copies (hc_mult > 1):
 # "single_pass" (DeepSeek's V4.1 code: the `pre` mix a sub-layer computes collapses the
@@ -137,6 +135,23 @@ class ModelConfig:
     engram_head_dim: int = 0
     engram_pad_id: int = 2  # token filling n-gram slots before the sequence starts
     engram_compressed_vocab_size: int = 0
+    # The vision tower (`kvstack.model.vision`), built when vision_n_layers > 0: a ViT over
+    # patch_size pixel patches with 2-D RoPE, an aligner that merges downsample_ratio^2
+    # patches into one token, and the processor's limits (at most vision_max_n_token
+    # positions an image; smaller images are scaled up to vision_min_pixels; a width over
+    # vision_max_wh_ratio times the height is squeezed). Every position of an image span
+    # carries image_token_id.
+    vision_n_layers: int = 0
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024
+    vision_min_pixels: int = 544 * 544
+    vision_max_wh_ratio: int | None = None
+    image_token_id: int = 129264
     # kvstack's own keys.
     # CED split: layers [0, n_encoder_layers) are the encoder; 0 = plain decoder-only.
     # None (the published config.json has no key for it) takes the split the layout
@@ -174,6 +189,7 @@ class ModelConfig:
         _validate_engram(self)
         _validate_arch(self)
         _validate_draft(self)
+        _validate_vision(self)
         object.__setattr__(self, "layers", _resolve_layers(self))
         object.__setattr__(self, "draft_layers", tuple(
             LayerSpec(self.n_layers + s, 0, Mode.WINDOW, False, None, None, False, False)
@@ -197,6 +213,11 @@ class ModelConfig:
     def has_draft(self) -> bool:
         """Whether the model holds DSpark's draft stages."""
         return self.n_mtp_layers > 0 and self.dspark_block_size > 0
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether the model holds the vision tower (image spans in prompts)."""
+        return self.vision_n_layers > 0
 
     @property
     def draft_experts(self) -> tuple[int, int]:
@@ -235,7 +256,6 @@ class ModelConfig:
             for k in data
             if k not in known
             and k not in _UNBUILT_V41_KEYS
-            and not k.startswith(_UNBUILT_V41_PREFIXES)
         )
         if unknown:
             raise ValueError(f"config: unknown keys {', '.join(unknown)}")
@@ -303,9 +323,23 @@ _HF_INERT = frozenset({
 })
 
 
+# HF's `vision_config` (DeepseekV41VisionConfig) -> kvstack's keys, and its defaults.
+_HF_VISION_KEYS = {
+    "num_hidden_layers": "vision_n_layers", "hidden_size": "vision_dim",
+    "num_attention_heads": "vision_n_heads", "intermediate_size": "vision_inter_dim",
+    "patch_size": "vision_patch_size", "rope_theta": "vision_rope_theta",
+    "downsample_ratio": "vision_downsample_ratio", "max_image_tokens": "vision_max_n_token",
+    "min_pixels": "vision_min_pixels", "max_wh_ratio": "vision_max_wh_ratio",
+}
+_HF_VISION_DEFAULTS = {"num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16,
+                       "intermediate_size": 2816, "patch_size": 14, "rope_theta": 10000.0,
+                       "downsample_ratio": 3, "max_image_tokens": 1024, "min_pixels": 295936,
+                       "max_wh_ratio": None}
+
+
 def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
-    """An HF-form config (outer with `text_config`, or the text config alone) in kvstack's
-    keys. The outer level's vision and quantisation settings are the loader's business."""
+    """An HF-form config (outer with `text_config` and `vision_config`, or the text config
+    alone) in kvstack's keys. The quantisation settings are the loader's business."""
     outer = data
     text = data.get("text_config", data)
     if not isinstance(text, dict):
@@ -344,6 +378,19 @@ def _from_hf(data: dict[str, Any]) -> dict[str, Any]:
     if out.get("dspark_target_layer_ids") is None and isinstance(n, int) and \
             isinstance(kv, list):  # HF: the last three layers that are not kv sources
         out["dspark_target_layer_ids"] = [i for i in range(n) if i not in kv][-3:]
+    vision = outer.get("vision_config") if outer is not text else None
+    if vision is None:
+        out["vision_n_layers"] = 0
+    else:
+        if not isinstance(vision, dict):
+            raise ValueError("config key vision_config: expected an object")
+        for key, value in {**_HF_VISION_DEFAULTS, **vision}.items():
+            if key in _HF_VISION_KEYS:
+                out[_HF_VISION_KEYS[key]] = value
+            elif key not in _HF_INERT:
+                raise ValueError(f"config key vision_config.{key}: not built")
+        if "image_token_id" in outer:
+            out["image_token_id"] = outer["image_token_id"]
     return out
 
 
@@ -480,6 +527,39 @@ def _validate_draft(c: ModelConfig) -> None:
                          f"draft stages' {routed} routed experts")
 
 
+def _validate_vision(c: ModelConfig) -> None:
+    for key in ("vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim",
+                "vision_patch_size", "vision_downsample_ratio", "vision_max_n_token",
+                "vision_min_pixels", "image_token_id"):
+        value = getattr(c, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"config key {key} = {value!r}: must be a non-negative integer")
+    ratio = c.vision_max_wh_ratio
+    if ratio is not None and (not isinstance(ratio, int) or isinstance(ratio, bool)
+                              or ratio < 1):
+        raise ValueError(f"config key vision_max_wh_ratio = {ratio!r}: must be a positive "
+                         "integer or null")
+    if not c.has_vision:
+        return
+    if c.arch != "v41":
+        raise ValueError("config key vision_n_layers: the dense control takes text only")
+    for key in ("vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+                "vision_downsample_ratio"):
+        if getattr(c, key) == 0:
+            raise ValueError(f"config key {key} = 0: the vision tower needs it positive")
+    if c.vision_dim % c.vision_n_heads or (c.vision_dim // c.vision_n_heads) % 4:
+        raise ValueError(f"config key vision_n_heads = {c.vision_n_heads}: the head width "
+                         f"vision_dim / vision_n_heads must be a multiple of 4 (its 2-D "
+                         f"rotation turns pairs along height and width), got "
+                         f"{c.vision_dim} / {c.vision_n_heads}")
+    if c.vision_max_n_token < 4:
+        raise ValueError(f"config key vision_max_n_token = {c.vision_max_n_token}: an image "
+                         "needs at least 4 positions (start, one token, newline, end)")
+    if not c.image_token_id < c.vocab_size:
+        raise ValueError(f"config key image_token_id = {c.image_token_id}: must be a token "
+                         f"id in 0..{c.vocab_size - 1}")
+
+
 def _resolve_layers(c: ModelConfig) -> tuple[LayerSpec, ...]:
     """Resolve every layer's mode and sources, enforcing design.md section 2's rules."""
     n_total = c.n_layers + c.n_mtp_layers
@@ -582,7 +662,7 @@ def _resolve_layers(c: ModelConfig) -> tuple[LayerSpec, ...]:
 
 # ---- presets -------------------------------------------------------------------------
 
-# DeepSeek-V4.1-Flash's public inference/config.json (its vision keys are not modelled).
+# DeepSeek-V4.1-Flash's public inference/config.json.
 _V41_FLASH = dict(
     vocab_size=129280, dim=5120, n_layers=40, n_heads=64, head_dim=512, rope_head_dim=64,
     q_lora_rank=1280, o_groups=8, o_lora_rank=1024, window_size=128,
@@ -600,6 +680,9 @@ _V41_FLASH = dict(
     engram_layer_ids=[1, 14], engram_vocab_size=16000000,
     engram_num_embeddings=[384006168, 384016682], engram_max_ngram_size=4, engram_n_heads=8,
     engram_head_dim=256, engram_pad_id=2, engram_compressed_vocab_size=99092,
+    vision_n_layers=32, vision_dim=1024, vision_n_heads=16, vision_inter_dim=2816,
+    vision_patch_size=14, vision_rope_theta=10000.0, vision_downsample_ratio=3,
+    vision_max_n_token=1024, vision_min_pixels=544 * 544, image_token_id=129264,
 )
 
 # Every mechanism in 8 layers: window-only (0); ratio-2 Full (1), Reuse (2), Reindex (3)
@@ -643,6 +726,17 @@ _TINY_V41_DSPARK = {
     ),
 }
 
+# tiny-v41 with a two-layer vision tower: 14-pixel patches merged 3 x 3 as V4.1 does, at
+# most 64 positions an image, images scaled up to at least 84 x 84 pixels.
+_TINY_V41_VISION = {
+    **_TINY_V41,
+    **dict(
+        vision_n_layers=2, vision_dim=32, vision_n_heads=2, vision_inter_dim=48,
+        vision_patch_size=14, vision_downsample_ratio=3, vision_max_n_token=64,
+        vision_min_pixels=84 * 84, image_token_id=510,
+    ),
+}
+
 # V4.1-Flash's exact layer pattern, head_dim, index_head_dim and window (so the cache
 # layout is the real one, 890 B/token) on a tiny, dense trunk.
 _V41_LAYOUT_SMALL = {
@@ -652,7 +746,7 @@ _V41_LAYOUT_SMALL = {
         index_n_heads=2, n_routed_experts=0, n_activated_experts=0, moe_inter_dim=0,
         inter_dim=128, hc_mult=1, norm_eps=1e-6, max_seq_len=65536, rope_factor=1.0,
         original_seq_len=0, n_mtp_layers=0, compress_ratios=[0, 0] + [2] * 18 + [1] * 20,
-        engram_layer_ids=[], engram_num_embeddings=[],
+        engram_layer_ids=[], engram_num_embeddings=[], vision_n_layers=0,
     ),
 }
 
@@ -667,6 +761,7 @@ def dense_control(config: ModelConfig) -> ModelConfig:
         n_encoder_layers=0, rope_head_dim=config.head_dim, index_head_dim=config.head_dim,
         rope_factor=1.0, original_seq_len=0, hc_mult=1,
         engram_layer_ids=[], engram_num_embeddings=[], index_query_format="none",
+        vision_n_layers=0,
         kv_format="bf16", index_format="bf16", window_format="bf16",
     )
 
@@ -702,6 +797,7 @@ _PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": lambda: ModelConfig.from_dict(_TINY),
     "tiny-v41": lambda: ModelConfig.from_dict(_TINY_V41),
     "tiny-v41-dspark": lambda: ModelConfig.from_dict(_TINY_V41_DSPARK),
+    "tiny-v41-vision": lambda: ModelConfig.from_dict(_TINY_V41_VISION),
     "v41-layout-small": lambda: ModelConfig.from_dict(_V41_LAYOUT_SMALL),
     "dense-v4.1-flash": lambda: dense_control(preset("deepseek-v4.1-flash")),
     "dense-tiny": lambda: dense_control(preset("tiny")),
@@ -717,7 +813,7 @@ PRESETS = tuple(_PRESETS)
 
 def preset(name: str) -> ModelConfig:
     """A named config: deepseek-v4.1-flash, tiny, tiny-v41, tiny-v41-dspark (with DSpark's
-    draft), v41-layout-small, default (the bundled
+    draft), tiny-v41-vision (with a vision tower), v41-layout-small, default (the bundled
     model's shape), and the dense controls dense-v4.1-flash, dense-tiny, dense-default."""
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(_PRESETS)}")

@@ -10,12 +10,14 @@ from typing import Any
 
 from kvstack.cache.layout import CacheLayout
 from kvstack.config import ModelConfig, dense_control
+from kvstack.image_grid import plan_grid, span_length
 from kvstack.model.params import (
     count_parameters,
     draft_parameter_shapes,
     engram_columns,
     engram_table_bytes,
     parameter_shapes,
+    vision_parameter_shapes,
 )
 from kvstack.parallel.plan import ShardingPlan
 
@@ -35,7 +37,7 @@ _FP8 = frozenset({
     *(f"ffn.{part}w{i}.weight" for part in ("shared.", "") for i in (1, 2, 3)),
     "draft.main_proj.weight",
 })
-_F32 = frozenset({"attn.sink", "ffn.gate.bias",
+_F32 = frozenset({"attn.sink", "ffn.gate.bias", "ffn.gate.bias_vl",
                   *(f"hc_{site}.{p}" for site in ("attn", "ffn") for p in ("fn", "base", "scale"))})
 _TABLES = frozenset({"engram.table_codes", "engram.table_scales"})
 _WEIGHT_BLOCK = 32  # kvstack.formats.weights.WEIGHT_BLOCK (that module imports torch)
@@ -61,8 +63,8 @@ def stored_bytes(name: str, shape: tuple[int, ...]) -> int:
     """Bytes of kvstack's tensor `name` of `shape` (whole, or one rank's piece) packed as
     DeepSeek publishes V4.1: dense projections FP8 E4M3 with a UE8M0 scale per 32x32
     block, routed experts FP4 with a scale per 32 along each row, Engram tables as kvstack
-    holds them (a code byte per value, a scale byte per 32), hyper-connections, sinks and
-    the routing bias float32, the rest bf16. A piece off the 32-row grid keeps the scales
+    holds them (a code byte per value, a scale byte per 32), hyper-connections, sinks, the
+    routing biases and the vision tower's norms float32, the rest bf16. A piece off the 32-row grid keeps the scales
     of the blocks it touches."""
     local, n = _local(name), math.prod(shape)
     if local in _FP8:
@@ -75,9 +77,15 @@ def stored_bytes(name: str, shape: tuple[int, ...]) -> int:
         return n
     # hc_head_*: per-site hyper-connections (not in the published layout), kept like the
     # layers' own.
-    if local in _F32 or local.startswith("hc_head_"):
+    if local in _F32 or local.startswith("hc_head_") or _is_vision_norm(name):
         return 4 * n
     return 2 * n
+
+
+def _is_vision_norm(name: str) -> bool:
+    """The vision tower's norms, which it builds (and publishes) in float32."""
+    return name.startswith("vision.") and name.endswith(("norm1.weight", "norm2.weight",
+                                                         "norm.weight"))
 
 
 @dataclass(frozen=True)
@@ -91,8 +99,8 @@ class RankWeights:
 
 def rank_weights(config: ModelConfig, sharding: ShardingPlan) -> list[RankWeights]:
     """What each rank of `sharding` holds (one rank: the whole published checkpoint; a
-    sharded model runs without DSpark's draft)."""
-    shapes = parameter_shapes(config)
+    sharded model runs without DSpark's draft; every rank holds the vision tower)."""
+    shapes = parameter_shapes(config) | vision_parameter_shapes(config)
     if sharding.world_size == 1:
         shapes |= draft_parameter_shapes(config)
     whole = {name for name, shape in shapes.items() if sharding.split(name, shape) is None}
@@ -248,9 +256,35 @@ def _capacity(layout: CacheLayout, context: int, hbm_gib: float | None) -> dict[
     return row
 
 
+# The picture `kvstack plan` prices when not told one (width, height in pixels).
+DEFAULT_IMAGE_SIZE = (1024, 768)
+
+
+def vision_plan(config: ModelConfig, layout: CacheLayout,
+                image_size: tuple[int, int]) -> dict[str, Any]:
+    """The vision tower's weights (apart from the trunk) and what one image of
+    `image_size` pixels costs in prompt positions and cache bytes: image positions are
+    cache positions like text."""
+    width, height = image_size
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive pixels, got {width} x {height}")
+    grid = plan_grid(width, height, config)
+    positions = span_length(grid.n_h, grid.n_w)
+    return {
+        "layers": config.vision_n_layers,
+        "params": count_parameters(config).vision,
+        "weight_bytes": sum(stored_bytes(name, shape) for name, shape
+                            in vision_parameter_shapes(config).items()),
+        "image": {"width": width, "height": height, "grid": [grid.n_h, grid.n_w],
+                  "positions": positions,
+                  "cache_bytes": _number(positions * layout.bytes_per_token)},
+    }
+
+
 def make_plan(
     config: ModelConfig, name: str, context: int | None = None, hbm_gib: float | None = None,
     tensor_parallel_size: int | None = None, expert_parallel: bool = False,
+    image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
 ) -> dict[str, Any]:
     """Everything `kvstack plan` shows, as one JSON-ready dict. With
     `tensor_parallel_size`, a "parallel" entry: what each of that many devices holds,
@@ -309,6 +343,7 @@ def make_plan(
         "params_draft": params.draft,
         "draft_weight_bytes": sum(stored_bytes(name, shape) for name, shape
                                   in draft_parameter_shapes(config).items()),
+        "params_vision": params.vision,
         "params_total": params.total,
         "params_active_decode": params.active_decode,
         "params_active_prefill": params.active_prefill,
@@ -326,6 +361,8 @@ def make_plan(
             "rows_read_per_token_and_layer": engram_columns(config),
             "table_bytes": sum(engram_table_bytes(config)),
         }
+    if config.has_vision:
+        plan["vision"] = vision_plan(config, layout, image_size)
     if config.arch == "v41" and config.uses_moe and config.single_pass_hc:
         plan["cpu_run"] = cpu_run(config, layout, context)
     if tensor_parallel_size is not None:

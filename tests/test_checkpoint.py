@@ -95,8 +95,8 @@ def test_what_is_skipped_is_named(v41_dir):
     report = Model.from_pretrained(v41_dir).checkpoint_report
     assert report.layout == "v41" and len(report.files) == 3
     assert "DSpark" in report.skipped["mtp.0.attn.wq_a.weight"]
-    assert "text only" in report.skipped["vision.patch_embed.weight"]
-    assert "text only" in report.skipped["image_newline"]
+    assert "without a vision tower" in report.skipped["vision.patch_embed.proj.weight"]
+    assert "without a vision tower" in report.skipped["image_newline"]
     assert "image tokens" in report.skipped["layers.0.ffn.gate.bias_vl"]
 
 

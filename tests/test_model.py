@@ -62,8 +62,11 @@ def test_v41_flash_builds_with_the_planned_parameter_count():
     with torch.device("meta"):
         model = Model(c, token_map)
     counts = count_parameters(c)
-    assert sum(p.numel() for p in model.parameters()) == counts.total + counts.draft
+    assert sum(p.numel() for p in model.parameters()) == \
+        counts.total + counts.draft + counts.vision
     assert sum(p.numel() for p in model.draft.parameters()) == counts.draft
+    tower = [model.vision, model.aligner]
+    assert sum(p.numel() for m in tower for p in m.parameters()) + 3 * c.dim == counts.vision
 
 
 def test_layer_modes_own_what_they_should():

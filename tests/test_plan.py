@@ -14,6 +14,7 @@ from kvstack.model.params import (
     draft_parameter_shapes,
     engram_table_bytes,
     parameter_shapes,
+    vision_parameter_shapes,
 )
 from kvstack.parallel.plan import ShardingPlan
 from kvstack.plan import RESERVE_FRACTION, make_plan, rank_weights, stored_bytes
@@ -215,15 +216,15 @@ def _published_bytes_by_name(config):
 def test_weight_bytes_are_those_of_the_published_checkpoint(name):
     c = preset(name)
     published = _published_bytes_by_name(c)
-    shapes = parameter_shapes(c) | draft_parameter_shapes(c)
+    shapes = parameter_shapes(c) | draft_parameter_shapes(c) | vision_parameter_shapes(c)
     assert {n: stored_bytes(n, s) for n, s in shapes.items()} == published
     single = make_plan(c, name, tensor_parallel_size=1)["parallel"]
     assert single["weight_bytes_one_process"] == single["weight_bytes_per_device"]
     assert single["weight_bytes_one_process"] == sum(published.values())
     assert single["engram_table_bytes_on_host"] == sum(engram_table_bytes(c))
     if name == "deepseek-v4.1-flash":
-        # DeepSeek's shards hold ~510 GB, with the draft layers kvstack leaves out.
-        assert 495e9 < single["weight_bytes_one_process"] < 510e9
+        # DeepSeek's shards hold ~510 GB, draft layers and vision tower included.
+        assert 495e9 < single["weight_bytes_one_process"] < 512e9
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
@@ -298,7 +299,7 @@ def test_plan_prints_the_parallel_section(capsys):
     assert "Tensor parallel over 8 devices" in out
     assert "each device keeps every token's whole record" in out
     assert "890 bytes/token per device" in out
-    assert "Engram tables on the host" in out and "608" in out and "821" in out
+    assert "Engram tables on the host" in out and "600" in out and "813" in out
     assert main([*args[:-4], "--hbm-gib", "40"]) == 0
     assert "exceed the device's 40 GiB" in capsys.readouterr().out
     assert main([*args, "--expert-parallel", "--json"]) == 0

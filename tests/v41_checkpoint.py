@@ -101,7 +101,7 @@ def published_tensors(c: ModelConfig, g: torch.Generator) -> dict[str, torch.Ten
             bf16(p + "engram.k_weight", h, d, mean=1.0)
         bf16(p + "ffn.gate.weight", experts, d, std=0.2)
         f32(p + "ffn.gate.bias", experts, std=0.1)
-        f32(p + "ffn.gate.bias_vl", experts, std=0.1)  # vision routing: skipped
+        f32(p + "ffn.gate.bias_vl", experts, std=1.0)  # skipped without a vision tower
         i = c.moe_inter_dim
         for e in range(experts):
             for proj, out_f, in_f in (("w1", i, d), ("w2", d, i), ("w3", i, d)):
@@ -129,9 +129,36 @@ def published_tensors(c: ModelConfig, g: torch.Generator) -> dict[str, torch.Ten
     else:  # draft tensors of a config that builds no draft: skipped
         bf16("mtp.0.attn.wq_a.weight", 4, d)
         bf16("mtp.0.markov_head.embed.weight", 4, 4)
-    # What kvstack does not build: the vision tower.
-    bf16("vision.patch_embed.weight", 4, 4)
-    bf16("image_newline", d)
+    if c.vision_n_layers:
+        # The vision tower as DeepSeek's vision.py names and builds it: bf16 linears with
+        # biases (the MLP's without), float32 norms, the image span's three embeddings.
+        vd, vi, vp = c.vision_dim, c.vision_inter_dim, c.vision_patch_size
+        bf16("vision.patch_embed.proj.weight", vd, 3 * vp * vp, std=0.1)
+        bf16("vision.patch_embed.proj.bias", vd)
+        for i in range(c.vision_n_layers):
+            b = f"vision.blocks.{i}."
+            f32(b + "norm1.weight", vd, std=0.1)
+            out[b + "norm1.weight"] += 1.0
+            bf16(b + "attn.wqkv.weight", 3 * vd, vd, std=0.2)
+            bf16(b + "attn.wqkv.bias", 3 * vd)
+            bf16(b + "attn.wo.weight", vd, vd, std=0.1)
+            bf16(b + "attn.wo.bias", vd)
+            f32(b + "norm2.weight", vd, std=0.1)
+            out[b + "norm2.weight"] += 1.0
+            bf16(b + "mlp.w1.weight", 2 * vi, vd, std=0.2)
+            bf16(b + "mlp.w2.weight", vd, vi, std=0.1)
+        f32("vision.norm.weight", vd, std=0.1)
+        out["vision.norm.weight"] += 1.0
+        r = c.vision_downsample_ratio
+        bf16("aligner.w1.weight", d, vd * r * r, std=0.1)
+        bf16("aligner.w1.bias", d)
+        bf16("aligner.w2.weight", d, d, std=0.2)
+        bf16("aligner.w2.bias", d)
+        for name in ("image_start", "image_end", "image_newline"):
+            bf16(name, d, std=1.0)
+    else:  # what a model without the tower skips
+        bf16("vision.patch_embed.proj.weight", 4, 4)
+        bf16("image_newline", d)
     return out
 
 
@@ -166,9 +193,21 @@ def inference_config(c: ModelConfig) -> dict:
     out = {k: list(v) if isinstance(v := getattr(c, k), tuple) else v for k in INFERENCE_KEYS}
     if out["candidate_source_layer"] is None:
         out["candidate_source_layer"] = -1
-    out.update(dtype="fp8", expert_dtype="fp4", vision_n_layers=0,
-               image_token_id=c.vocab_size - 1)
+    out.update(dtype="fp8", expert_dtype="fp4", vision_n_layers=c.vision_n_layers,
+               image_token_id=c.image_token_id)
+    if c.has_vision:
+        out.update({k: getattr(c, k) for k in VISION_KEYS})
     return out
+
+
+# DeepSeek's vision keys (ModelArgs) beside HF's names for them (vision_config).
+VISION_KEYS = {
+    "vision_dim": "hidden_size", "vision_n_heads": "num_attention_heads",
+    "vision_inter_dim": "intermediate_size", "vision_patch_size": "patch_size",
+    "vision_rope_theta": "rope_theta", "vision_downsample_ratio": "downsample_ratio",
+    "vision_max_n_token": "max_image_tokens", "vision_min_pixels": "min_pixels",
+    "vision_max_wh_ratio": "max_wh_ratio",
+}
 
 
 def hf_config(c: ModelConfig) -> dict:
@@ -214,9 +253,12 @@ def hf_config(c: ModelConfig) -> dict:
     }
     return {
         "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
-        "text_config": text, "vision_config": {"hidden_size": 1024},
+        "text_config": text,
+        "vision_config": {"num_hidden_layers": c.vision_n_layers,
+                          **{hf: getattr(c, k) for k, hf in VISION_KEYS.items()}},
         "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32],
                                 "scale_fmt": "ue8m0", "expert_dtype": "fp4",
                                 "activation_scheme": "dynamic"},
-        "image_token_id": c.vocab_size - 1, "tie_word_embeddings": False,
+        "image_token_id": c.image_token_id,
+        "tie_word_embeddings": False,
     }

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstack.config import PRESETS, ModelConfig, preset
-from kvstack.plan import make_plan
+from kvstack.plan import DEFAULT_IMAGE_SIZE, make_plan
 from kvstack.units import format_bytes, positive_float, positive_int
 
 
@@ -40,8 +40,23 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
         help="with --tensor-parallel-size: whole routed experts per device, not a slice of "
              "every expert",
     )
+    plan.add_argument(
+        "--image", type=image_size, metavar="WxH", default=DEFAULT_IMAGE_SIZE,
+        help="for a model with a vision tower: what one picture of W x H pixels costs in "
+             "prompt positions and cache bytes (default %(default)s)",
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     plan.set_defaults(run=run)
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """'1024x768' -> (1024, 768)."""
+    width, x, height = text.lower().partition("x")
+    if not x or not width.isdigit() or not height.isdigit() or not int(width) or \
+            not int(height):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in pixels, e.g. 1024x768, "
+                                         f"got {text!r}")
+    return int(width), int(height)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         config, name = preset(args.preset), args.preset
     plan = make_plan(config, name, context=args.context, hbm_gib=args.hbm_gib,
                      tensor_parallel_size=args.tensor_parallel_size,
-                     expert_parallel=args.expert_parallel)
+                     expert_parallel=args.expert_parallel, image_size=args.image)
     if args.json:
         print(json.dumps(plan))
     else:
@@ -133,6 +148,16 @@ def print_plan(plan: dict[str, Any], console: Console) -> None:
         + (f"; DSpark draft apart: {drafts} stages, {_params(plan['params_draft'])} "
            f"({format_bytes(plan['draft_weight_bytes'])} packed)" if drafts else "")
     )
+    if "vision" in plan:
+        v, image = plan["vision"], plan["vision"]["image"]
+        console.print(
+            f"Vision tower (apart from the trunk): {v['layers']} layers, "
+            f"{_params(v['params'])} ({format_bytes(v['weight_bytes'])} as published); a "
+            f"{image['width']} x {image['height']} picture is {image['grid'][0]} x "
+            f"{image['grid'][1]} tokens, {image['positions']:,} prompt positions: "
+            f"[bold]{image['cache_bytes']:,} B[/bold] of cache "
+            f"({format_bytes(image['cache_bytes'])})"
+        )
     if "engram" in plan:
         e = plan["engram"]
         console.print(
@@ -197,7 +222,8 @@ def _print_parallel(plan: dict[str, Any], console: Console) -> None:
         + (f"{format_bytes(p['engram_table_bytes_per_device'])} of Engram table rows and "
            if tables else "")
         + f"{format_bytes(p['replicated_bytes_per_device'])} that every device holds whole "
-        "(norms, hyper-connections, wq_a, wkv, compressors, router)"
+        "(norms, hyper-connections, wq_a, wkv, compressors, router"
+        + (", vision tower)" if "vision" in plan else ")")
     )
     console.print(
         f"Cache: each device keeps every token's whole record, so [bold]"

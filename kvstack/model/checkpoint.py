@@ -40,7 +40,12 @@ from kvstack.formats.weights import EXPERT_FORMAT, fp8_block_scale_shape, quanti
 from kvstack.model.engram import build_token_map
 from kvstack.model.model import Model
 from kvstack.model.packed import Experts, PackedExpert, PackedExperts, PackedLinear
-from kvstack.model.params import draft_parameter_shapes, engram_columns, parameter_shapes
+from kvstack.model.params import (
+    draft_parameter_shapes,
+    engram_columns,
+    parameter_shapes,
+    vision_parameter_shapes,
+)
 
 log = logging.getLogger("kvstack")
 
@@ -55,13 +60,15 @@ STORED_DTYPES = {_F8: torch.float8_e4m3fn, _E8M0: torch.float8_e8m0fnu, _I8: tor
                  _BF16: torch.bfloat16, _F32: torch.float32}
 _FLOAT_DTYPES = frozenset({_BF16, _F32, "F16"})
 
-# Tensors of the published checkpoint that kvstack does not build, by prefix, with why.
+# Tensors of the published checkpoint a model built without its vision tower
+# (vision_n_layers 0) leaves out, by prefix, with why.
+_NO_VISION = " (this model is built without a vision tower: vision_n_layers 0)"
 SKIPPED_PREFIXES = {
-    "vision.": "vision tower (kvstack takes text only)",
-    "aligner.": "vision aligner (kvstack takes text only)",
-    "image_": "image span embeddings (kvstack takes text only)",
+    "vision.": "vision tower" + _NO_VISION,
+    "aligner.": "vision aligner" + _NO_VISION,
+    "image_": "image span embeddings" + _NO_VISION,
 }
-SKIPPED_SUFFIXES = {".ffn.gate.bias_vl": "routing bias of image tokens (kvstack takes text only)"}
+SKIPPED_SUFFIXES = {".ffn.gate.bias_vl": "routing bias of image tokens" + _NO_VISION}
 
 # DeepSeek's ModelArgs keys that kvstack's config holds under the same name: what an
 # exported config.json carries (with dtype / expert_dtype).
@@ -77,7 +84,10 @@ _INFERENCE_KEYS = (
     "engram_num_embeddings", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim",
     "engram_pad_id", "engram_compressed_vocab_size", "max_seq_len", "dspark_block_size",
     "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
-    "dspark_n_routed_experts", "dspark_n_activated_experts",
+    "dspark_n_routed_experts", "dspark_n_activated_experts", "vision_n_layers", "vision_dim",
+    "vision_n_heads", "vision_inter_dim", "vision_patch_size", "vision_rope_theta",
+    "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels",
+    "vision_max_wh_ratio", "image_token_id",
 )
 DRAFT_PREFIX = "mtp."  # DSpark's stages in the published layout
 _NO_DRAFT = "DSpark draft stages (this model is built without its draft: {})"
@@ -172,6 +182,8 @@ def v41_names(c: ModelConfig) -> dict[str, V41Tensor]:
         f, tf = p + "ffn.", t + "ffn."
         bf16(f + "gate.weight", tf + "gate.weight", c.n_routed_experts, d)
         f32(f + "gate.bias", tf + "gate.bias", c.n_routed_experts)
+        if c.has_vision:
+            f32(f + "gate.bias_vl", tf + "gate.bias_vl", c.n_routed_experts)
         for e in range(c.n_routed_experts):
             for proj, out_f, in_f in _expert_projections(c):
                 name = f"{f}experts.{e}.{proj}"
@@ -200,6 +212,11 @@ def v41_names(c: ModelConfig) -> dict[str, V41Tensor]:
         add(last + "markov_head.head.weight", "draft.markov_head", "head", (c.vocab_size, r),
             _BF16)
         bf16(last + "confidence_head.proj.weight", "draft.confidence.weight", 1, d + r)
+    # The vision tower keeps DeepSeek's module names: bf16 weights, float32 norms (its
+    # code builds them float32; any float dtype loads).
+    for name, shape in vision_parameter_shapes(c).items():
+        (f32 if name.endswith(("norm1.weight", "norm2.weight", "vision.norm.weight"))
+         else bf16)(name, name, *shape)
     return names
 
 
@@ -208,8 +225,10 @@ def _expert_projections(c: ModelConfig) -> tuple[tuple[str, int, int], ...]:
     return ("w1", i, d), ("w2", d, i), ("w3", i, d)
 
 
-def skip_reason(name: str) -> str | None:
+def skip_reason(name: str, config: ModelConfig) -> str | None:
     """Why a published tensor is not loaded, or None if kvstack builds it."""
+    if config.has_vision:
+        return None
     for prefix, why in SKIPPED_PREFIXES.items():
         if name.startswith(prefix):
             return why
@@ -302,7 +321,8 @@ def _load_kvstack(directory: Path) -> Model:
         state = load_file(str(weights))
     except (OSError, SafetensorError) as e:
         raise ValueError(f"checkpoint {weights}: cannot load ({e})") from e
-    expected = parameter_shapes(config) | draft_parameter_shapes(config)
+    expected = (parameter_shapes(config) | draft_parameter_shapes(config)
+                | vision_parameter_shapes(config))
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -490,7 +510,7 @@ def _load_v41(directory: Path, cut: V41Cut | None = None) -> Model:
                 raise ValueError(f"checkpoint {directory}: tensor {name} is in both "
                                  f"{where[name]} and {file}")
             where[name] = file
-            why = skip_reason(name)
+            why = skip_reason(name, config)
             if why is None and model.draft is None and name.startswith(DRAFT_PREFIX):
                 why = no_draft
             if why is not None:

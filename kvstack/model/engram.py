@@ -195,7 +195,9 @@ class EngramHash(nn.Module):
     before it (XOR of id * multiplier, one look-back at a time, so the running value after
     look-back i is the hash of the (i+1)-gram), and each (n-gram size, head) lands in its own
     prime-sized range of the layer's table. Look-back stops at the start of the sequence: a
-    slot before position 0 takes the pad token's compressed id.
+    slot before position 0 takes the pad token's compressed id. It stops at an image
+    position too (`dead_id`, the image token: an n-gram never spans an image): that slot
+    and every one further back take the pad's id.
 
     Everything here is derived from the config and the tokenizer, so the buffers are
     non-persistent (never in a checkpoint) and always built on the CPU, even under a
@@ -218,6 +220,7 @@ class EngramHash(nn.Module):
         compressed_vocab_size: int,
         pad_id: int,
         token_map: torch.Tensor,
+        dead_id: int | None = None,
     ) -> None:
         super().__init__()
         layer_ids, num_embeddings = tuple(layer_ids), tuple(num_embeddings)
@@ -281,6 +284,7 @@ class EngramHash(nn.Module):
         self.compressed_vocab_size = compressed_vocab_size
         self.pad_id = pad_id
         self.pad_compressed = int(token_map[pad_id])  # what a slot before position 0 holds
+        self.dead_id = dead_id
         self.prime_values = primes
 
         # [L, N-1, H]; flat per layer [L, C], columns n-gram size major, head minor
@@ -356,6 +360,10 @@ class EngramHash(nn.Module):
         compressed = self.token_map[raw]  # [B, k+n]
         # window of token t: positions t-k..t; look-back s (0 = the token itself) at -1-s
         tokens = compressed.unfold(1, k + 1, 1).flip(-1)  # [B, n, N]
+        if self.dead_id is not None:
+            dead = (raw == self.dead_id).unfold(1, k + 1, 1).flip(-1)  # [B, n, N]
+            # a look-back past an image position reads the pad, as every one beyond it
+            tokens = torch.where(dead.cummax(-1).values, self.pad_compressed, tokens)
 
         products = tokens.unsqueeze(2) * self.multipliers  # [B, n, L, N]
         rolling = products[..., 0]  # [B, n, L]
@@ -482,9 +490,11 @@ class Engram(nn.Module):
             values = self.shard.all_reduce(values * mine[:, None])
         return values.view(*rows.shape, self.head_dim)
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: torch.Tensor,
+                live: torch.Tensor | None = None) -> torch.Tensor:
         """New residual [B, n, h, dim] (x's dtype) from the residual x [B, n, h, dim] and this
-        layer's hash rows [B, n, C] (int64, from EngramHash). Computed in float32."""
+        layer's hash rows [B, n, C] (int64, from EngramHash). Computed in float32. `live`
+        [B, n] bool: where False (image positions) the gate is shut and x passes as it is."""
         if rows.shape[-1] != self.n_columns or rows.shape[:-1] != x.shape[:2]:
             raise ValueError(
                 f"engram: rows must be [B, n, {self.n_columns}] matching x {list(x.shape)}, "
@@ -507,4 +517,6 @@ class Engram(nn.Module):
         dot = (h * weight * key).sum(-1) * rstd * self.dim**-0.5  # [B, n, h]
         # signed square root before the sigmoid, as DeepSeek's training kernel does
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+        if live is not None:
+            gate = gate.masked_fill(~live.unsqueeze(-1), 0.0)
         return (h + gate.unsqueeze(-1) * value).to(x.dtype)

@@ -33,6 +33,7 @@ from kvstack.model.engram import Engram, EngramHash
 from kvstack.model.instruments import Instruments
 from kvstack.model.packed import Experts, PackedExperts, PackedLinear
 from kvstack.model.params import check_fits_memory
+from kvstack.model.vision import Aligner, ImageRows, ImageSpan, ViT
 
 QUERY_TILE = 256  # queries scored at once: bounds the [tile, keys] score matrices
 KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
@@ -191,9 +192,14 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.dim))
         # Balanced by a rule outside backprop (the trainer), so no gradient.
         self.bias = nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
+        # Image positions choose their experts with their own bias (V4.1 trains them apart).
+        self.bias_vl = (nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
+                        if config.has_vision else None)
         self.load: torch.Tensor | None = None  # tokens per expert since the last balancing
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, image: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim]; image [T] bool, True at image positions (None: none)."""
         logits = F.linear(x.float(), self.weight.float()) / self.config.gate_temp  # [T, E]
         func = self.config.score_func
         if func == "softmax":
@@ -202,7 +208,10 @@ class Gate(nn.Module):
             scores = logits.sigmoid()
         else:
             scores = F.softplus(logits).sqrt()
-        chosen = (scores + self.bias).topk(self.config.n_activated_experts, dim=-1).indices
+        bias = self.bias
+        if image is not None and self.bias_vl is not None:
+            bias = torch.where(image[:, None], self.bias_vl, bias)
+        chosen = (scores + bias).topk(self.config.n_activated_experts, dim=-1).indices
         if self.training:
             load = torch.bincount(chosen.flatten(), minlength=self.config.n_routed_experts)
             self.load = load if self.load is None else self.load + load
@@ -240,13 +249,15 @@ class MoE(nn.Module):
         self.first_expert = 0
         self.shard: Shard | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., dim]; image [...] bool, True at image positions (their own routing bias),
+        None where the tokens hold none."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        fused = self._fused(x)
+        fused = self._fused(x) if image is None else None
         if fused is not None:
             return fused.type_as(x).view(shape)
-        weights, chosen = self.gate(x)  # [T, k] each
+        weights, chosen = self.gate(x, None if image is None else image.reshape(-1))
         held = len(self.experts) if isinstance(self.experts, PackedExperts) else \
             self.experts.w1.shape[0]
         if self.first_expert or held < self.gate.weight.shape[0]:
@@ -1296,24 +1307,36 @@ class DenseAttention(nn.Module):
 class TokenStates:
     """What runs through the layers for each token of a chunk: the residual x [B, n, dim],
     or [B, n, h, dim] with hyper-connections; with single-pass hyper-connections the `pre`
-    mix [B, n, h] the next sublayer collapses x with; and the Engram table rows
-    [B, n, engram layers, columns] of the tokens (None without Engram)."""
+    mix [B, n, h] the next sublayer collapses x with; the Engram table rows
+    [B, n, engram layers, columns] of the tokens (None without Engram); and which tokens are
+    image positions, bool [B, n] (None where none is)."""
 
     x: torch.Tensor
     mix: torch.Tensor | None = None
     engram_rows: torch.Tensor | None = None
+    image: torch.Tensor | None = None
 
     def __getitem__(self, tokens: slice) -> "TokenStates":
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[:, tokens]
-        return TokenStates(self.x[:, tokens], cut(self.mix), cut(self.engram_rows))
+        return TokenStates(self.x[:, tokens], cut(self.mix), cut(self.engram_rows),
+                           cut(self.image))
+
+    def replace(self, x: torch.Tensor, mix: torch.Tensor | None) -> "TokenStates":
+        """The same tokens with a new residual and mix (what a layer hands on)."""
+        return TokenStates(x, mix, self.engram_rows, self.image)
 
     @staticmethod
     def cat(parts: list["TokenStates"]) -> "TokenStates":
         def join(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
-            return None if ts[0] is None else torch.cat(ts, dim=1)
+            if all(t is None for t in ts):
+                return None
+            if any(t is None for t in ts):  # image marks: a part without any holds none
+                ts = [torch.zeros(p.x.shape[:2], dtype=torch.bool, device=p.x.device)
+                      if t is None else t for p, t in zip(parts, ts, strict=True)]
+            return torch.cat(ts, dim=1)
         return TokenStates(torch.cat([p.x for p in parts], dim=1), join([p.mix for p in parts]),
-                           join([p.engram_rows for p in parts]))
+                           join([p.engram_rows for p in parts]), join([p.image for p in parts]))
 
 
 class Layer(nn.Module):
@@ -1349,9 +1372,11 @@ class Layer(nn.Module):
         if self.engram is None:
             return s.x
         rows = s.engram_rows[:, :, self.engram_index]
+        # Image positions take no part in an n-gram: their gate stays shut.
+        live = None if s.image is None else ~s.image
         if self.hc_attn is None:  # one residual copy
-            return self.engram(s.x.unsqueeze(2), rows).squeeze(2)
-        return self.engram(s.x, rows)
+            return self.engram(s.x.unsqueeze(2), rows, live).squeeze(2)
+        return self.engram(s.x, rows, live)
 
     def forward(self, s: TokenStates, start: int | torch.Tensor, store: KVStore,
                 ctx: StepContext) -> TokenStates:
@@ -1364,9 +1389,9 @@ class Layer(nn.Module):
             fused = (attn.decode_block(x, norm, start, store)
                      if isinstance(attn, DenseAttention) else None)
             x = fused if fused is not None else x + attn(norm(x), start, store, ctx)
-            fused = self._ffn_in_c(x, None)
-            x = fused[0] if fused is not None else x + self.ffn(self.ffn_norm(x))
-            return TokenStates(x, None, s.engram_rows)
+            fused = self._ffn_in_c(x, None) if s.image is None else None
+            x = fused[0] if fused is not None else x + self._ffn(self.ffn_norm(x), s)
+            return s.replace(x, None)
         collapse_pre = s.mix if self.single_pass else None  # None: the mixes' own pre
         fused = self._attention_in_c(x, collapse_pre, start, ctx)
         if fused is not None:
@@ -1381,14 +1406,20 @@ class Layer(nn.Module):
         else:
             x = self.hc_attn.post(self.attn(y, start, store, ctx), x, post, comb)
         collapse_pre = attn_pre if self.single_pass else None
-        fused = self._ffn_in_c(x, collapse_pre)
+        fused = self._ffn_in_c(x, collapse_pre) if s.image is None else None
         if fused is not None:
             x, ffn_pre = fused
         else:
             ffn_pre, post, comb = self.hc_ffn.mixes(x)
             y = self.hc_ffn.collapse(x, ffn_pre if collapse_pre is None else collapse_pre)
-            x = self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb)
-        return TokenStates(x, ffn_pre if self.single_pass else None, s.engram_rows)
+            x = self.hc_ffn.post(self._ffn(self.ffn_norm(y), s), x, post, comb)
+        return s.replace(x, ffn_pre if self.single_pass else None)
+
+    def _ffn(self, x: torch.Tensor, s: TokenStates) -> torch.Tensor:
+        """The feed-forward sublayer; an MoE routes image positions with their own bias."""
+        if s.image is not None and isinstance(self.ffn, MoE):
+            return self.ffn(x, s.image)
+        return self.ffn(x)
 
     def _attention_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None,
                         start: int | torch.Tensor, ctx: StepContext
@@ -1508,6 +1539,13 @@ class Model(nn.Module):
         from kvstack.model.dspark import Draft  # built from this module's layers
 
         self.draft = Draft(c) if c.has_draft else None
+        # The vision tower (`kvstack.model.vision`): image spans' embedding rows.
+        if c.has_vision:
+            self.vision = ViT(c)
+            self.aligner = Aligner(c)
+            self.image_start = nn.Parameter(torch.empty(c.dim))
+            self.image_end = nn.Parameter(torch.empty(c.dim))
+            self.image_newline = nn.Parameter(torch.empty(c.dim))
         # Sharded: embed and head hold vocabulary rows first_token.. (padded to one length
         # on every rank); embeddings add up over the ranks and logits are gathered.
         self.first_token = 0
@@ -1526,7 +1564,8 @@ class Model(nn.Module):
         out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith(("norm.weight", "scale", "q_weight", "k_weight")):
+                if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "scale",
+                                  "q_weight", "k_weight")):
                     p.fill_(1.0)
                 elif name.endswith(("base", "sink", "gate.bias")):
                     p.zero_()
@@ -1548,20 +1587,48 @@ class Model(nn.Module):
                 m.set_rope_precision(torch.float32 if reference else torch.float64)
 
     # ---- running layers over a chunk ---------------------------------------------------
-    def _states(self, ids: torch.Tensor, start: int | torch.Tensor,
-                store: KVStore) -> TokenStates:
-        """The chunk's token states entering layer 0: each token's embedding (as h equal
-        copies with hyper-connections; single-pass collapses the first with a one-hot mix
-        on copy 0) and its Engram rows."""
+    def _states(self, ids: torch.Tensor, start: int | torch.Tensor, store: KVStore,
+                images: ImageRows | None = None) -> TokenStates:
+        """The chunk's token states entering layer 0: each token's embedding (an image
+        position's row from `images` instead; as h equal copies with hyper-connections;
+        single-pass collapses the first with a one-hot mix on copy 0), its Engram rows and
+        its image marks."""
         c = self.config
         x = self._embed(ids)
+        image = self._place_images(x, ids, start, images) if c.has_vision else None
         mix = None
         if c.hc_mult > 1:
             x = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()
             if c.single_pass_hc:
                 mix = x.new_zeros(x.shape[:3])
                 mix[..., 0] = 1.0
-        return TokenStates(x, mix, self._engram_rows(ids, start, store))
+        return TokenStates(x, mix, self._engram_rows(ids, start, store), image)
+
+    def _place_images(self, x: torch.Tensor, ids: torch.Tensor, start: int | torch.Tensor,
+                      images: ImageRows | None) -> torch.Tensor | None:
+        """Writes the image rows into x [B, n, dim] where the chunk's ids are the image
+        token; the chunk's image marks [B, n] (None where it holds no image position).
+        A decode step's tokens (per-sequence starts) are the model's own: text."""
+        if isinstance(start, torch.Tensor):
+            return None
+        marked = ids == self.config.image_token_id  # [B, n]
+        if images is None:
+            if bool(marked.any()):
+                first = start + int(marked.nonzero()[0, 1])
+                raise ValueError(f"position {first} holds the image token id "
+                                 f"({self.config.image_token_id}) and no image was given "
+                                 "for it")
+            return None
+        if ids.shape[0] != 1:
+            raise ValueError(f"a call with images runs one sequence, got {ids.shape[0]}")
+        rows, covered = images.at(start, ids.shape[1])
+        if not torch.equal(marked[0], covered):
+            first = start + int((marked[0] ^ covered).nonzero()[0, 0])
+            raise ValueError(f"position {first}: the image token id "
+                             f"({self.config.image_token_id}) must mark exactly the "
+                             "positions of the images' spans")
+        x[0, covered] = rows[covered]
+        return marked if bool(marked.any()) else None
 
     def _engram_rows(self, ids: torch.Tensor, start: int | torch.Tensor,
                      store: KVStore) -> torch.Tensor | None:
@@ -1700,13 +1767,15 @@ class Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, dense: bool = False, collect: bool = False,
                 target_rows: torch.Tensor | None = None,
                 instruments: Instruments | None = None,
-                target_hidden: bool = False) -> ModelOutput:
+                target_hidden: bool = False,
+                images: list[ImageSpan] | None = None) -> ModelOutput:
         """Every layer over every token. Training asks for more: `dense`, attend to all
         visible compressed entries (the warm-up); `collect`, also return indexer scores
         and targets; `target_rows` [B, R], indexer scores and attention targets over every
         visible entry at these query positions alone, attention staying sparse. Research
         probes go through `instruments`, which records what they ask for. `target_hidden`:
-        also return what DSpark's draft reads (`ModelOutput.target_hidden`)."""
+        also return what DSpark's draft reads (`ModelOutput.target_hidden`). `images`: the
+        images whose spans the ids hold (one sequence)."""
         ids = self._check_ids(input_ids)
         if target_rows is not None:
             if collect or dense:
@@ -1731,7 +1800,9 @@ class Model(nn.Module):
         ctx = StepContext(dense=dense, collect=collect, target_rows=target_rows,
                           instruments=instruments, draft_targets=frozenset(draft or ()),
                           draft_inputs=draft or {})
-        s = self._run(self._states(ids, 0, store), 0, store, range(self.config.n_layers), ctx)
+        rows = self._image_rows(images, 0, ids.shape[1])
+        s = self._run(self._states(ids, 0, store, rows), 0, store, range(self.config.n_layers),
+                      ctx)
         hidden = _target_hidden(draft, ids.shape[1]) if draft else None
         return ModelOutput(self._logits(s), ctx.index_scores, ctx.attention_targets,
                            ctx.index_entries, hidden)
@@ -1778,17 +1849,19 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: KVStore, replay: str = "bounded",
-                chunk_size: int = 512) -> torch.Tensor:
+                chunk_size: int = 512, images: list[ImageSpan] | None = None) -> torch.Tensor:
         """CED prefill of input_ids [B, n] after what the cache holds; last logits [B, V].
 
         The encoder runs over every token, the decoder's stream is written for every token,
         and the decoder layers run over the last `decoder_span` tokens only. Without CED
-        every layer runs over every token."""
-        return self.extend(input_ids, cache, replay, chunk_size).logits[:, -1]
+        every layer runs over every token. `images`: the images whose spans the new ids
+        hold, at positions counted from the sequence's start (one sequence)."""
+        return self.extend(input_ids, cache, replay, chunk_size, images=images).logits[:, -1]
 
     @torch.no_grad()
     def extend(self, input_ids: torch.Tensor, cache: KVStore, replay: str = "bounded",
-               chunk_size: int = 512, n_logits: int = 1, target_hidden: int = 0) -> Extension:
+               chunk_size: int = 512, n_logits: int = 1, target_hidden: int = 0,
+               images: list[ImageSpan] | None = None) -> Extension:
         """`prefill` handing back more: the logits of the last `n_logits` tokens (a
         draft's verify reads one per drafted token), and with `target_hidden`, DSpark's
         target states (`ModelOutput.target_hidden`) of the last `target_hidden` tokens
@@ -1800,7 +1873,7 @@ class Model(nn.Module):
             raise ValueError(f"n_logits must be 1..{span} (the tokens the decoder runs "
                              f"over), got {n_logits}")
         draft = self._draft_inputs(target_hidden)
-        s = self._encode(input_ids, cache, chunk_size, keep=span, draft=draft)
+        s = self._encode(input_ids, cache, chunk_size, keep=span, draft=draft, images=images)
         c = self.config
         if c.n_encoder_layers:
             s = self._run_chunked(s, cache.num_tokens - span, cache,
@@ -1810,13 +1883,13 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def prefill_part(self, input_ids: torch.Tensor, cache: KVStore,
-                     chunk_size: int = 512) -> None:
+                     chunk_size: int = 512, images: list[ImageSpan] | None = None) -> None:
         """A prompt's leading part, when it is prefilled over several calls (a long prompt
         spread over engine steps): the encoder over input_ids [B, n] and the decoder's
         stream, which is all a later `prefill` needs of these tokens as long as it holds at
         least `final_prefill_tokens(replay)` of its own. Together the calls compute what one
         `prefill` of the whole prompt computes."""
-        self._encode(input_ids, cache, chunk_size, keep=0)
+        self._encode(input_ids, cache, chunk_size, keep=0, images=images)
 
     def final_prefill_tokens(self, replay: str) -> int:
         """The fewest tokens the last call of a prompt prefilled in parts must hold: the
@@ -1824,8 +1897,8 @@ class Model(nn.Module):
         return self.decoder_span(replay) if self.config.n_encoder_layers else 1
 
     def _encode(self, input_ids: torch.Tensor, cache: KVStore, chunk_size: int,
-                keep: int, draft: dict[int, list[torch.Tensor]] | None = None
-                ) -> "TokenStates | None":
+                keep: int, draft: dict[int, list[torch.Tensor]] | None = None,
+                images: list[ImageSpan] | None = None) -> "TokenStates | None":
         """Append input_ids to the cache and run the encoder (every layer without CED) over
         them in chunks, writing the decoder's stream; the token states of the last `keep`
         tokens as the encoder leaves them (without CED: the last chunk's), else None."""
@@ -1835,12 +1908,13 @@ class Model(nn.Module):
         self._check_room(cache, ids)
         c = self.config
         start, n = cache.num_tokens, ids.shape[1]
+        rows = self._image_rows(images, start, n)  # encoded once, whatever the chunks
         cache.append_tokens(ids)
         enc = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
         tail = []  # token states of the last `keep` tokens as the encoder leaves them
         s = None
         for i in range(0, n, chunk_size):
-            chunk = self._states(ids[:, i : i + chunk_size], start + i, cache)
+            chunk = self._states(ids[:, i : i + chunk_size], start + i, cache, rows)
             s = self._run(chunk, start + i, cache, range(enc), _draft_context(draft))
             if c.n_encoder_layers:
                 self.layers[enc].write_stream(s, start + i, cache)
@@ -1892,12 +1966,15 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def rebuild_window(self, cache: KVStore, replay: str = "bounded", chunk_size: int = 512,
-                       logits: bool = True) -> torch.Tensor | None:
+                       logits: bool = True, images: list[ImageSpan] | None = None
+                       ) -> torch.Tensor | None:
         """Rebuild every window ring and partial group from the persisted streams by
         re-running the last tokens (nothing new is written to the streams); returns the
         last position's logits [B, V]. Without `logits` (an engine, which prefills the next
         tokens anyway) the last layer only writes its rings and partial groups: nothing
-        reads its attention or feed-forward output, and None is returned."""
+        reads its attention or feed-forward output, and None is returned. `images`: the
+        images of the sequence's spans (a replay over part of a span encodes the image
+        again)."""
         c = self.config
         n = cache.num_tokens
         if c.arch == "dense":
@@ -1910,7 +1987,8 @@ class Model(nn.Module):
         enc = c.n_encoder_layers if c.n_encoder_layers else c.n_layers
         last = c.n_layers if logits else c.n_layers - 1  # layers run whole
         ids = cache.token_ids()[:, n - span :]
-        s = self._run_chunked(self._states(ids, n - span, cache), n - span, cache,
+        rows = self._image_rows(images, n - span, span)
+        s = self._run_chunked(self._states(ids, n - span, cache, rows), n - span, cache,
                               range(min(enc, last)), chunk_size)
         start = n - span
         if c.n_encoder_layers:
@@ -1921,6 +1999,15 @@ class Model(nn.Module):
         for i in range(0, s.x.shape[1], chunk_size):
             self.layers[last].write_window(s[i : i + chunk_size], start + i, cache)
         return None
+
+    def _image_rows(self, images: list[ImageSpan] | None, first: int,
+                    n: int) -> ImageRows | None:
+        if not images:
+            return None
+        if not self.config.has_vision:
+            raise ValueError("this model has no vision tower (vision_n_layers is 0): it "
+                             "takes text only")
+        return ImageRows.of(self, images, first, n)
 
     def _run_chunked(self, s: TokenStates, start: int, store: KVStore, layers: range,
                      chunk_size: int, draft: dict[int, list[torch.Tensor]] | None = None
@@ -1984,7 +2071,8 @@ def _engram_hash(config: ModelConfig, token_map: torch.Tensor | None) -> EngramH
         token_map = torch.arange(c.vocab_size, device="cpu")
     return EngramHash(c.engram_layer_ids, c.engram_num_embeddings, c.engram_vocab_size,
                       c.engram_max_ngram_size, c.engram_n_heads, c.engram_compressed_vocab_size,
-                      c.engram_pad_id, token_map)
+                      c.engram_pad_id, token_map,
+                      dead_id=c.image_token_id if c.has_vision else None)
 
 
 def _draft_context(draft: dict[int, list[torch.Tensor]] | None) -> StepContext | None:

@@ -2,8 +2,8 @@
 
 This is the model's parameter contract (design.md section 2): the module tree of
 `kvstack.model` creates exactly these tensors (kvstack's own checkpoint layout), and the
-planner counts them. DSpark's draft is not part of the trunk: `draft_parameter_shapes`
-lists it apart.
+planner counts them. DSpark's draft and the vision tower are not part of the trunk:
+`draft_parameter_shapes` and `vision_parameter_shapes` list them apart.
 Engram tables are listed as stored: E4M3 codes and UE8M0 scales (uint8).
 """
 
@@ -19,7 +19,8 @@ def check_fits_memory(config: ModelConfig, element_bytes: int) -> None:
     machine's memory (a config with a million experts would otherwise allocate until
     MemoryError, or until the kernel's OOM killer ends the process). `element_bytes`: of
     a float parameter as it will be allocated; Engram tables are stored as bytes."""
-    shapes = parameter_shapes(config) | draft_parameter_shapes(config)
+    shapes = (parameter_shapes(config) | draft_parameter_shapes(config)
+              | vision_parameter_shapes(config))
     needed = sum(math.prod(shape) * (1 if name.endswith(_ENGRAM_TABLES) else element_bytes)
                  for name, shape in shapes.items())
     try:
@@ -72,6 +73,39 @@ def draft_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def vision_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The vision tower (`kvstack.model.vision`): the ViT under `vision.`, the aligner under
+    `aligner.`, the image span's three learned embeddings; {} without one. (The routers'
+    image bias, `bias_vl`, is a trunk parameter.)"""
+    c = config
+    if not c.has_vision:
+        return {}
+    d, inter, p = c.vision_dim, c.vision_inter_dim, c.vision_patch_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "vision.patch_embed.proj.weight": (d, 3 * p * p),
+        "vision.patch_embed.proj.bias": (d,),
+    }
+    for i in range(c.vision_n_layers):
+        b = f"vision.blocks.{i}."
+        shapes[b + "norm1.weight"] = (d,)
+        shapes[b + "attn.wqkv.weight"] = (3 * d, d)
+        shapes[b + "attn.wqkv.bias"] = (3 * d,)
+        shapes[b + "attn.wo.weight"] = (d, d)
+        shapes[b + "attn.wo.bias"] = (d,)
+        shapes[b + "norm2.weight"] = (d,)
+        shapes[b + "mlp.w1.weight"] = (2 * inter, d)
+        shapes[b + "mlp.w2.weight"] = (d, inter)
+    shapes["vision.norm.weight"] = (d,)
+    merged = d * c.vision_downsample_ratio ** 2
+    shapes["aligner.w1.weight"] = (c.dim, merged)
+    shapes["aligner.w1.bias"] = (c.dim,)
+    shapes["aligner.w2.weight"] = (c.dim, c.dim)
+    shapes["aligner.w2.bias"] = (c.dim,)
+    for name in ("image_start", "image_end", "image_newline"):
+        shapes[name] = (c.dim,)
+    return shapes
+
+
 def _layer_shapes(c: ModelConfig, spec: LayerSpec, p: str,
                   shapes: dict[str, tuple[int, ...]]) -> None:
     hc_dim = c.hc_mult * c.dim
@@ -98,6 +132,8 @@ def _layer_shapes(c: ModelConfig, spec: LayerSpec, p: str,
     if c.uses_moe:
         shapes[f + "gate.weight"] = (c.n_routed_experts, c.dim)
         shapes[f + "gate.bias"] = (c.n_routed_experts,)
+        if c.has_vision:
+            shapes[f + "gate.bias_vl"] = (c.n_routed_experts,)
         shapes[f + "experts.w1"] = (c.n_routed_experts, c.moe_inter_dim, c.dim)
         shapes[f + "experts.w2"] = (c.n_routed_experts, c.dim, c.moe_inter_dim)
         shapes[f + "experts.w3"] = (c.n_routed_experts, c.moe_inter_dim, c.dim)
@@ -165,6 +201,7 @@ class ParamCounts:
     engram: int = 0  # Engram table entries (one per stored code), apart from the trunk
     engram_active: int = 0  # of those, what one token reads (every Engram layer)
     draft: int = 0  # DSpark's draft stages and heads, apart from the trunk
+    vision: int = 0  # the vision tower, aligner and image embeddings, apart from the trunk
 
 
 def count_parameters(config: ModelConfig) -> ParamCounts:
@@ -208,4 +245,6 @@ def count_parameters(config: ModelConfig) -> ParamCounts:
             prefill += active
     engram_active = len(config.engram_layer_ids) * engram_columns(config) * config.engram_head_dim
     draft = sum(math.prod(shape) for shape in draft_parameter_shapes(config).values())
-    return ParamCounts(total, round(decode), round(prefill), engram, engram_active, draft)
+    vision = sum(math.prod(shape) for shape in vision_parameter_shapes(config).values())
+    return ParamCounts(total, round(decode), round(prefill), engram, engram_active, draft,
+                       vision)

@@ -1,0 +1,353 @@
+"""V4.1's vision tower: the image processor's grid and patches, the tower and its span in
+the prompt, the router's image bias, Engram skipping image positions, the checkpoint's
+vision tensors, and the plan's figures for a picture."""
+
+import base64
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from kvstack.cache.reference import ReferenceStore
+from kvstack.config import ModelConfig, preset
+from kvstack.engine.images import (
+    ImageError,
+    expand_images,
+    image_input,
+    read_image_bytes,
+)
+from kvstack.image_grid import plan_grid, span_length
+from kvstack.model import Model
+from kvstack.model.checkpoint import export_v41
+from kvstack.model.params import count_parameters, vision_parameter_shapes
+from kvstack.model.vision import IMAGE, ImageInput, ImageSpan, span_rows, span_types
+from kvstack.plan import make_plan
+from tests.v41_checkpoint import hf_config, inference_config, write_v41_checkpoint
+
+PIL = pytest.importorskip("PIL.Image")
+SEED = 0
+# DeepSeek's V4.1 code (its model.py, vision.py and image_processor.py, with the CPU ports of
+# its kernels) run on the tiny-v41-vision checkpoint tests/v41_checkpoint.py writes with
+# seed 0, and its image processor on a set of sizes: data/README.md.
+REFERENCE = Path(__file__).parent / "data" / "vision_reference.safetensors"
+
+
+@pytest.fixture(scope="module")
+def seeing(tmp_path_factory) -> Model:
+    directory = tmp_path_factory.mktemp("vision")
+    write_v41_checkpoint(directory, preset("tiny-v41-vision"), seed=SEED, shards=2)
+    return Model.from_pretrained(directory).eval()
+
+
+def png(width: int, height: int, seed: int = 0) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8)
+    out = io.BytesIO()
+    PIL.fromarray(pixels.numpy()).save(out, format="PNG")
+    return out.getvalue()
+
+
+def prompt_with(model: Model, images: list[ImageInput], text: int = 6,
+                seed: int = 1) -> tuple[torch.Tensor, list[ImageSpan]]:
+    """text tokens, then each image's placeholder followed by text tokens."""
+    c = model.config
+    g = torch.Generator().manual_seed(seed)
+    ids: list[int] = []
+    for _ in images:
+        ids += [*torch.randint(0, 500, (text,), generator=g).tolist(), c.image_token_id]
+    ids += torch.randint(0, 500, (text,), generator=g).tolist()
+    expanded, spans = expand_images(ids, images, c)
+    return torch.tensor([expanded]), spans
+
+
+def reference() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safe_open(str(REFERENCE), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
+
+
+def test_with_images_the_logits_equal_deepseeks_within_its_own_noise_floor(seeing):
+    """Every prompt position's logits and four decode steps after it, the prompt holding two
+    images, against DeepSeek's code: within twice what the reference itself moves when
+    every input value (token embeddings and pixels) moves by one bf16 ulp; the tower's rows
+    within twice their own floor; the greedy token wherever the reference's two best
+    logits stand further apart than that."""
+    ref, _ = reference()
+    model, c = seeing, seeing.config
+    images = [image_input(png(100, 70, 1), c), image_input(png(60, 120, 2), c)]
+    spans = [ImageSpan(int(ref[f"image_start_{i}"]), image) for i, image in enumerate(images)]
+    ids = ref["tokens"][None]
+    assert ids[0].tolist() == expand_images(
+        [t for i, t in enumerate(ids[0].tolist())
+         if t != c.image_token_id or i in {s.start for s in spans}], images, c)[0]
+    with torch.no_grad():
+        for i, image in enumerate(images):
+            rows = span_rows(model, image)[span_types(*image.grid) == IMAGE]
+            floor = ref["floor_image_embeds"][i]
+            assert (rows - ref[f"image_embeds_{i}"]).abs().max() <= 2 * floor
+        prefill = model(ids, images=spans).logits[0]  # [n, V]
+        store = ReferenceStore(c, 1, ids.device)
+        model.prefill(ids, store, replay="exact", images=spans)
+        decoded = torch.stack([model.decode(torch.tensor([t]), store)[0]
+                               for t in ref["decode_tokens"].tolist()])
+    got = torch.cat([prefill, decoded])
+    want = torch.cat([ref["prefill_logits"], ref["decode_logits"]])
+    floor = torch.cat([ref["floor_prefill"], ref["floor_decode"]])
+    assert ((got - want).abs().amax(-1) <= 2 * floor).all()
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * floor
+    assert clear.sum() >= 3
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def test_the_image_processor_equals_deepseeks():
+    """The grid of 18 sizes (tiny, huge, extreme aspects) on V4.1-Flash's settings, the tiny
+    preset's and the tiny preset's with a width limit (which stretches instead of padding);
+    the patches, byte for byte, of 10 pictures on the last two."""
+    ref, digests = reference()
+    flash, tiny = preset("deepseek-v4.1-flash"), preset("tiny-v41-vision")
+    configs = {"flash": flash, "tiny": tiny, "tiny_wide": tiny.replace(vision_max_wh_ratio=2)}
+    for name, c in configs.items():
+        for (width, height), want in zip(ref["sizes"].tolist(), ref[f"plan_{name}"].tolist(),
+                                         strict=True):
+            grid = plan_grid(width, height, c)
+            assert [grid.n_h, grid.n_w, grid.height, grid.width] == want, (name, width, height)
+    for name in ("tiny", "tiny_wide"):
+        for k, (width, height) in enumerate(ref["patch_sizes"].tolist()):
+            got = image_input(png(width, height, 10 + k), configs[name])
+            n_h, n_w = got.grid
+            assert [got.n_vit_h, got.n_vit_w, n_h, n_w] == ref[f"grid_{name}_{k}"].tolist()
+            data = got.patches.contiguous().view(torch.uint8).numpy().tobytes()
+            assert hashlib.sha256(data).hexdigest() == digests[f"sha256_patches_{name}_{k}"]
+
+
+def test_the_span_is_start_rows_of_tokens_and_newlines_then_end():
+    assert span_length(2, 3) == 10
+    assert span_types(2, 3).tolist() == [0, 1, 1, 1, 2, 1, 1, 1, 2, 3]
+
+
+def test_the_image_grid_fits_the_token_budget_and_keeps_small_images_whole():
+    c = preset("deepseek-v4.1-flash")
+    for width, height in [(1, 1), (544, 544), (4000, 3000), (3000, 4000), (20000, 20),
+                          (20, 20000), (1024, 768), (14, 14 * 500)]:
+        grid = plan_grid(width, height, c)
+        assert span_length(grid.n_h, grid.n_w) <= c.vision_max_n_token
+        assert grid.height % 14 == 0 and grid.width % 14 == 0
+    small = plan_grid(100, 100, c)  # scaled up to the minimum area: 544 x 544
+    assert (small.height, small.width) == (546, 546) and (small.n_h, small.n_w) == (13, 13)
+
+
+def test_patches_are_the_picture_padded_grey_in_reading_order():
+    c = preset("tiny-v41-vision")
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (84, 112, 3), generator=g, dtype=torch.uint8)
+    image = PIL.fromarray(pixels.numpy())
+    got = image_input(image, c)
+    assert (got.n_vit_h, got.n_vit_w) == (6, 8) and got.grid == (2, 3)
+    expected = ((pixels.permute(2, 0, 1).float() / 255 - 0.5) / 0.5).to(torch.bfloat16)
+    # patch (1, 2) is rows 14..27, columns 28..41
+    assert torch.equal(got.patches[1 * 8 + 2], expected[:, 14:28, 28:42])
+    wide = image_input(PIL.fromarray(pixels[:40].numpy()), c)  # padded to keep its aspect
+    assert wide.patches.dtype == torch.bfloat16
+    grey = (torch.tensor(127.0) / 255 - 0.5) / 0.5
+    assert torch.equal(wide.patches[0, :, 0, 0], grey.to(torch.bfloat16).expand(3))
+
+
+def test_images_come_as_bytes_paths_and_data_urls_and_nothing_is_fetched(tmp_path):
+    c = preset("tiny-v41-vision")
+    data = png(90, 60)
+    (tmp_path / "a.png").write_bytes(data)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    inputs = [image_input(source, c) for source in (data, tmp_path / "a.png",
+                                                    str(tmp_path / "a.png"), url)]
+    assert len({i.digest for i in inputs}) == 1
+    assert inputs[0].digest != image_input(png(90, 60, seed=1), c).digest
+    for source, message in [
+        ("https://example.com/cat.png", "only data: URLs"),
+        ("http://example.com/cat.png", "fetches nothing"),
+        ("data:image/png,notbase64", "base64"),
+        ("data:image/png;base64,@@@", "not valid base64"),
+        (b"not an image", "cannot decode"),
+        (tmp_path / "missing.png", "cannot read"),
+        (3, "expected bytes"),
+    ]:
+        with pytest.raises(ImageError, match=message):
+            image_input(source, c)
+    with pytest.raises(ImageError, match="over 100 bytes"):
+        read_image_bytes(data, max_bytes=100)
+    with pytest.raises(ImageError, match="no vision tower"):
+        image_input(data, preset("tiny-v41"))
+
+
+def test_placeholders_become_spans_and_must_match_the_images():
+    c = preset("tiny-v41-vision")
+    image = image_input(png(90, 60), c)
+    ids, spans = expand_images([5, c.image_token_id, 7], [image], c)
+    assert spans == [ImageSpan(1, image)]
+    assert ids == [5] + [c.image_token_id] * image.n_positions + [7]
+    with pytest.raises(ImageError, match=r"1 image placeholders .* and 2 images"):
+        expand_images([5, c.image_token_id], [image, image], c)
+
+
+def test_the_tower_fills_the_span_with_the_delimiters_and_the_aligner_rows(seeing):
+    model, c = seeing, seeing.config
+    image = image_input(png(100, 70), c)
+    rows = span_rows(model, image)
+    types = span_types(*image.grid)
+    assert torch.equal(rows[0], model.image_start.float())
+    assert torch.equal(rows[-1], model.image_end.float())
+    assert torch.equal(rows[image.grid[1] + 1], model.image_newline.float())
+    # the aligner's rows: each 3 x 3 square of patch features, channel major, zero padded
+    with torch.no_grad():
+        features = model.vision(image.patches.float(), image.n_vit_h, image.n_vit_w)
+        n_h, n_w = image.grid
+        grid = torch.zeros(n_h * 3, n_w * 3, c.vision_dim)
+        grid[: image.n_vit_h, : image.n_vit_w] = features.view(image.n_vit_h, image.n_vit_w, -1)
+        squares = grid.view(n_h, 3, n_w, 3, -1).permute(0, 2, 4, 1, 3).reshape(n_h * n_w, -1)
+        aligned = model.aligner.w2(torch.nn.functional.gelu(model.aligner.w1(squares)))
+    assert torch.allclose(rows[types == IMAGE], aligned, atol=1e-5)
+
+
+def test_image_positions_route_by_their_own_bias(seeing):
+    model, c = seeing, seeing.config
+    gate = model.layers[2].ffn.gate
+    x = torch.randn(6, c.dim)
+    image = torch.tensor([False, True, False, True, True, False])
+    with torch.no_grad():
+        saved = gate.bias_vl.clone()
+        gate.bias_vl.fill_(-100.0)
+        gate.bias_vl[3] = 100.0
+        _, chosen = gate(x, image)
+        _, plain = gate(x)
+        gate.bias_vl.copy_(saved)
+    assert (chosen[image] == 3).any(-1).all()
+    assert torch.equal(chosen[~image], plain[~image])
+
+
+def test_engram_skips_image_positions(seeing):
+    model, c = seeing, seeing.config
+    h = model.engram_hash
+    k = c.engram_max_ngram_size - 1
+    m = c.image_token_id
+    ids = torch.tensor([[11, 12, m, m, 13, 14]])
+    rows = h(ids, torch.zeros(1, k, dtype=torch.long), 0)
+    # after an image, a token hashes as if the sequence started there
+    alone = h(torch.tensor([[13, 14]]), torch.zeros(1, k, dtype=torch.long), 0)
+    assert torch.equal(rows[:, 4:], alone)
+    assert not torch.equal(rows[:, 1], alone[:, 0])  # text before it still looks back
+    # the gate is shut at image positions: the residual passes as it is
+    engram = model.layers[1].engram
+    x = torch.randn(1, 6, c.hc_mult, c.dim)
+    live = torch.tensor([[True, True, False, False, True, True]])
+    with torch.no_grad():
+        out = engram(x, rows[:, :, 0], live)
+        opened = engram(x, rows[:, :, 0])
+    assert torch.equal(out[:, 2:4], x[:, 2:4])
+    assert torch.equal(out[live], opened[live]) and not torch.equal(out, opened)
+
+
+def test_a_prompt_with_images_prefills_alike_in_any_chunks(seeing):
+    model, c = seeing, seeing.config
+    images = [image_input(png(100, 70), c), image_input(png(60, 120, seed=2), c)]
+    ids, spans = prompt_with(model, images)
+    with torch.no_grad():
+        whole = model(ids, images=spans).logits[:, -1]
+        outputs = []
+        for chunk in (512, 7, 3):
+            store = ReferenceStore(c, 1, ids.device)
+            outputs.append(model.prefill(ids, store, replay="exact", chunk_size=chunk,
+                                         images=spans))
+        # a prompt spread over calls, a span cut between them
+        store = ReferenceStore(c, 1, ids.device)
+        cut = spans[0].start + 3
+        model.prefill_part(ids[:, :cut], store, chunk_size=5, images=spans)
+        outputs.append(model.prefill(ids[:, cut:], store, replay="exact", images=spans))
+    for out in outputs:
+        assert torch.allclose(out, whole, atol=1e-4), (out - whole).abs().max()
+    # the image changes the answer
+    other = [image_input(png(100, 70, seed=5), c), images[1]]
+    with torch.no_grad():
+        changed = model(ids, images=[ImageSpan(s.start, i) for s, i in zip(spans, other,
+                                                                          strict=True)])
+    assert not torch.allclose(changed.logits[:, -1], whole, atol=1e-3)
+
+
+def test_image_positions_must_be_exactly_the_spans(seeing):
+    model, c = seeing, seeing.config
+    image = image_input(png(100, 70), c)
+    ids, spans = prompt_with(model, [image])
+    with pytest.raises(ValueError, match=f"position {spans[0].start} holds the image token"):
+        model(ids)
+    moved = [ImageSpan(spans[0].start + 1, image)]
+    with pytest.raises(ValueError, match="must mark exactly the positions"):
+        model(ids, images=moved)
+    with pytest.raises(ValueError, match="runs one sequence"):
+        model(ids.repeat(2, 1), images=spans)
+    text_only = Model(preset("tiny-v41"))
+    with pytest.raises(ValueError, match="no vision tower"):
+        text_only(ids[:, :5], images=spans)
+
+
+def test_vision_tensors_load_and_export_byte_for_byte(tmp_path, seeing):
+    model = seeing
+    files = export_v41(model, tmp_path / "out")
+    written: dict[str, torch.Tensor] = {}
+    for file in files:
+        written.update(load_file(str(tmp_path / "out" / file)))
+    original = write_v41_checkpoint(tmp_path / "again", model.config, seed=SEED, shards=0)
+    tower = {n for n in original if n.startswith(("vision.", "aligner.", "image_"))
+             or n.endswith("bias_vl")}
+    assert tower == {n for n in written if n.startswith(("vision.", "aligner.", "image_"))
+                     or n.endswith("bias_vl")}
+    assert len(tower) == len(vision_parameter_shapes(model.config)) + model.config.n_layers
+    for name in tower:
+        assert torch.equal(written[name].float(), original[name].float()), name
+    assert not model.checkpoint_report.skipped.keys() & tower
+
+
+def test_vision_keys_validate_and_map_from_hf_names():
+    c = preset("tiny-v41-vision")
+    assert c.has_vision and not preset("tiny-v41").has_vision
+    assert ModelConfig.from_dict(hf_config(c)) == c
+    assert ModelConfig.from_dict(inference_config(c)) == c
+    flash = preset("deepseek-v4.1-flash")
+    hf = hf_config(flash)
+    hf["vision_config"] = {}  # HF's defaults are V4.1-Flash's tower
+    assert ModelConfig.from_dict(hf) == flash
+    no_tower = hf_config(flash)
+    del no_tower["vision_config"]
+    assert not ModelConfig.from_dict(no_tower).has_vision
+    bad = hf_config(c)
+    bad["vision_config"]["spatial_merge"] = 2
+    with pytest.raises(ValueError, match=r"vision_config\.spatial_merge: not built"):
+        ModelConfig.from_dict(bad)
+    for changes, message in [
+        (dict(vision_n_heads=3), "vision_n_heads = 3"),
+        (dict(vision_dim=20), "head width"),
+        (dict(image_token_id=512), "image_token_id = 512"),
+        (dict(vision_max_n_token=3), "at least 4 positions"),
+        (dict(vision_max_wh_ratio=0), "vision_max_wh_ratio = 0"),
+        (dict(vision_patch_size=0), "vision_patch_size = 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            c.replace(**changes)
+
+
+def test_the_plan_counts_the_tower_apart_and_prices_a_picture(seeing):
+    c = seeing.config
+    plan, trunk = make_plan(c, "v", image_size=(100, 70)), make_plan(preset("tiny-v41"), "t")
+    tower = [seeing.vision, seeing.aligner]
+    assert plan["params_vision"] == count_parameters(c).vision == \
+        sum(p.numel() for m in tower for p in m.parameters()) + 3 * c.dim > 0
+    assert plan["params_total"] == trunk["params_total"] + c.n_layers * c.n_routed_experts
+    image = plan["vision"]["image"]
+    grid = image_input(png(100, 70), c).grid
+    assert image["grid"] == list(grid)
+    assert image["positions"] == span_length(*grid)
+    assert image["cache_bytes"] == image["positions"] * plan["bytes_per_token"]
+    assert "vision" not in trunk
+    assert json.dumps(plan)
