@@ -64,8 +64,8 @@ def stored_bytes(name: str, shape: tuple[int, ...]) -> int:
     DeepSeek publishes V4.1: dense projections FP8 E4M3 with a UE8M0 scale per 32x32
     block, routed experts FP4 with a scale per 32 along each row, Engram tables as kvstack
     holds them (a code byte per value, a scale byte per 32), hyper-connections, sinks, the
-    routing biases and the vision tower's norms float32, the rest bf16. A piece off the 32-row grid keeps the scales
-    of the blocks it touches."""
+    routing biases and the vision tower's norms float32, the rest bf16. A piece off the
+    32-row grid keeps the scales of the blocks it touches."""
     local, n = _local(name), math.prod(shape)
     if local in _FP8:
         out_f, in_f = shape

@@ -351,3 +351,154 @@ def test_the_plan_counts_the_tower_apart_and_prices_a_picture(seeing):
     assert image["cache_bytes"] == image["positions"] * plan["bytes_per_token"]
     assert "vision" not in trunk
     assert json.dumps(plan)
+
+
+# ---- the engine ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(seeing, tmp_path_factory):
+    from kvstack import LLM
+
+    directory = tmp_path_factory.mktemp("engine")
+    write_v41_checkpoint(directory, preset("tiny-v41-vision"), seed=SEED, shards=0)
+    return LLM(directory, kv_budget="64MiB", block_tokens=8,
+               cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def greedy_by_hand(model: Model, ids: list[int], spans: list[ImageSpan], n: int) -> list[int]:
+    """The model's own greedy tokens: a whole-prompt prefill, then one token a step."""
+    store = ReferenceStore(model.config, 1, torch.device("cpu"))
+    with torch.no_grad():
+        logits = model.prefill(torch.tensor([ids]), store, images=spans)
+        out = [int(logits.argmax())]
+        for _ in range(n - 1):
+            out.append(int(model.decode(torch.tensor([out[-1]]), store).argmax()))
+    return out
+
+
+def test_the_engine_generates_with_images_as_the_model_does(engine, seeing):
+    from kvstack import SamplingParams
+
+    c = seeing.config
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    picture = png(100, 70, 1)
+    text = list(b"what is this? ")
+    out = engine.generate({"prompt_token_ids": [*text[:5], c.image_token_id, *text[5:]],
+                           "multi_modal_data": {"image": picture}}, greedy)[0]
+    image = image_input(picture, c)
+    ids, spans = expand_images([*text[:5], c.image_token_id, *text[5:]], [image], c)
+    assert out.prompt_token_ids == ids
+    assert out.token_ids == greedy_by_hand(seeing, ids, spans, 6)
+    # no placeholder: the pictures go before the text; images= is the same as the dict
+    first = engine.generate({"prompt_token_ids": text, "multi_modal_data": {"image": [picture]}},
+                            greedy)[0]
+    request = engine.add_request(text, greedy, images=[picture], watch=True)
+    again = engine.wait(request)
+    while not again.finished:
+        again = engine.wait(request)
+    assert first.prompt_token_ids[: image.n_positions] == [c.image_token_id] * image.n_positions
+    assert again.token_ids == first.token_ids == greedy_by_hand(
+        seeing, first.prompt_token_ids, [ImageSpan(0, image)], 6)
+
+
+def test_the_prefix_cache_names_image_blocks_by_the_picture(engine, seeing):
+    from kvstack import SamplingParams
+
+    c = seeing.config
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    text = list(b"and this one, in detail? ")
+
+    def ask(picture: bytes):
+        return engine.generate({"prompt_token_ids": [c.image_token_id, *text],
+                                "multi_modal_data": {"image": picture}}, greedy)[0]
+
+    cold = ask(png(120, 90, 7))
+    hit = ask(png(120, 90, 7))
+    other = ask(png(120, 90, 8))
+    span = image_input(png(120, 90, 7), c).n_positions
+    assert cold.num_cached_tokens == 0
+    assert hit.num_cached_tokens >= span  # the image's blocks were found
+    assert other.num_cached_tokens == 0  # same ids, another picture: nothing found
+    assert hit.token_ids == cold.token_ids
+    ids, spans = expand_images([c.image_token_id, *text], [image_input(png(120, 90, 8), c)], c)
+    assert other.token_ids == greedy_by_hand(seeing, ids, spans, 4)
+
+
+def test_a_prompt_with_images_spread_over_steps_equals_one_prefill(seeing, tmp_path):
+    from kvstack import LLM, SamplingParams
+
+    c = seeing.config
+    pictures = [png(100, 70, 3), png(60, 120, 4)]
+    text = [*b"compare ", c.image_token_id, *b" with ", c.image_token_id]
+    # 16 tokens a step: the prompt (47 positions) is prefilled over three steps, its
+    # spans cut between them, beside another request decoding
+    llm = LLM(_saved(seeing, tmp_path), kv_budget="64MiB",
+              block_tokens=8, max_num_batched_tokens=16, chunk_size=5,
+              cache_dir=tmp_path / "cache", enable_prefix_caching=False)
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    busy = llm.add_request(list(b"meanwhile"), SamplingParams(max_tokens=20, temperature=0))
+    out = llm.generate({"prompt_token_ids": text, "multi_modal_data": {"image": pictures}},
+                       greedy)[0]
+    assert llm.has_request(busy)
+    ids, spans = expand_images(text, [image_input(p, c) for p in pictures], c)
+    assert len(ids) > 32
+    assert out.token_ids == greedy_by_hand(seeing, ids, spans, 5)
+    report = llm.memory_report()["positions"]
+    assert report["image"]["positions"] == 0  # finished: nothing held
+
+
+def _saved(model: Model, tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    write_v41_checkpoint(directory, model.config, seed=SEED, shards=0)
+    return directory
+
+
+def test_bad_image_requests_are_refused_naming_the_problem(engine, seeing, tmp_path):
+    from kvstack import LLM, SamplingParams
+
+    c = seeing.config
+    p = SamplingParams(max_tokens=2)
+    picture = png(50, 50)
+    for prompt, message in [
+        ({"prompt_token_ids": [1, c.image_token_id, c.image_token_id],
+          "multi_modal_data": {"image": picture}}, "2 image placeholders"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": "https://x.org/a.png"}},
+         "fetches nothing"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": b"GIF89a broken"}},
+         "cannot decode"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"video": picture}},
+         "takes 'image' only"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "holds 'prompt'"),
+        ([1, c.image_token_id, 2], "must mark exactly"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            engine.generate(prompt, p)
+    assert not engine.has_unfinished_requests()
+    text_only = LLM("tiny-v41", random_init=True, kv_budget="16MiB",
+                    cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="no vision tower"):
+        text_only.generate({"prompt_token_ids": [1, 2],
+                            "multi_modal_data": {"image": picture}}, p)
+
+
+def test_memory_report_counts_image_positions_apart(engine, seeing):
+    from kvstack import SamplingParams
+
+    c = seeing.config
+    picture = png(100, 70, 9)
+    span = image_input(picture, c).n_positions
+    request = engine.add_request(list(b"keep this: "), SamplingParams(max_tokens=2),
+                                 images=[picture], keep_cache=True, watch=True)
+    out = engine.wait(request)
+    while not out.finished:
+        out = engine.wait(request)
+    report = engine.memory_report()
+    positions = report["positions"]
+    assert positions["image"]["positions"] == span
+    held = len(out.prompt_token_ids) + len(out.token_ids) - 1  # the last token is not fed
+    assert positions["all"]["positions"] == held
+    assert positions["text"]["positions"] == held - span
+    for kind in ("text", "image", "all"):
+        assert positions[kind]["bytes_per_token"] == report["bytes_per_token"]
+    engine.release(request)

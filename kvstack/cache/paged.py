@@ -22,7 +22,7 @@ from kvstack.cache.checkpoints import WindowCheckpoint, WindowCheckpoints, Windo
 from kvstack.cache.disk import DiskTier
 from kvstack.cache.host import HostTier
 from kvstack.cache.layout import CacheLayout
-from kvstack.cache.prefix import block_hashes, salted_seed
+from kvstack.cache.prefix import ImageKey, block_hashes, salted_seed
 from kvstack.cache.rows import PackedRows, PartialGroups, WindowRings
 from kvstack.cache.store import KVStore
 from kvstack.config import ModelConfig
@@ -225,6 +225,7 @@ class PagedSequenceStore(KVStore):
         self._len = {s.layer: 0 for s in pools.layout.streams}
         self.block_hashes: list[bytes] = []  # chain hashes of the full blocks registered
         self.prefix_seed: bytes | None = None  # its chain's seed (salted); None: not cached
+        self.image_keys: tuple[ImageKey, ...] = ()  # its image spans, which name blocks too
         # Set when the streams hold tokens the window rings never saw (a prefix-cache
         # hit): the runner rebuilds the rings by replay before anything else.
         self.needs_replay = False
@@ -579,9 +580,11 @@ class PagedCache:
     def capacity_tokens(self) -> int:
         return self.pools.capacity_tokens
 
-    def open_sequence(self, cache_salt: str | None = None) -> PagedSequenceStore:
+    def open_sequence(self, cache_salt: str | None = None,
+                      image_keys: tuple[ImageKey, ...] = ()) -> PagedSequenceStore:
         """A store for a new sequence; its full blocks are named in the prefix cache under
-        `cache_salt`'s chain (found only by requests of the same salt)."""
+        `cache_salt`'s chain (found only by requests of the same salt), blocks that hold
+        image positions by their images' content too (`image_keys`)."""
         if not self._free_slots:
             raise ValueError("no free window-ring slot: max_num_seqs sequences are running")
         slot = self._free_slots.pop()
@@ -590,6 +593,7 @@ class PagedCache:
                                    self.checkpoints)
         if self.prefix_seed is not None:
             store.prefix_seed = salted_seed(self.prefix_seed, cache_salt)
+        store.image_keys = image_keys
         self.open[id(store)] = (store, slot)
         return store
 
@@ -728,7 +732,8 @@ class PagedCache:
         if store.prefix_seed is None:
             return 0
         usable = token_ids[: len(token_ids) - 1]
-        hashes = block_hashes(store.prefix_seed, usable, self.block_tokens)
+        hashes = block_hashes(store.prefix_seed, usable, self.block_tokens,
+                              images=store.image_keys)
         blocks: list[int] = []
         for chain_hash in hashes:
             if chain_hash in self.manager.cached:
@@ -785,7 +790,7 @@ class PagedCache:
         if store.num_tokens // self.block_tokens <= done:
             return
         store.block_hashes = block_hashes(store.prefix_seed, store.held_ids, self.block_tokens,
-                                          store.block_hashes)
+                                          store.block_hashes, store.image_keys)
         for i in range(done, len(store.block_hashes)):
             self.manager.register(store.block_table[i], store.block_hashes[i])
             # With a disk tier the named block is written through, so that it outlives

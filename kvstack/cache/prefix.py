@@ -5,11 +5,18 @@ causal and a block ends on a group boundary of every stream), so block i is name
 h_i = sha256(h_{i-1} || its token ids), with h_{-1} a seed made of the model's fingerprint
 and the block size: a hit needs the same weights, the same cache formats (part of the
 config the fingerprint covers), the same block size and the same tokens from the start.
+Every position of an image's span holds the same token id, so a block that holds part of
+an image span also hashes the image's content digest and where its span starts: the same
+picture hits, a different one never does.
 """
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
+
+# An image span as the hash chain sees it: (start, stop, the image's content digest).
+ImageKey = tuple[int, int, bytes]
 
 
 def chain_seed(model_fingerprint: str, block_tokens: int) -> bytes:
@@ -26,14 +33,20 @@ def salted_seed(seed: bytes, cache_salt: str | None) -> bytes:
 
 
 def block_hashes(seed: bytes, token_ids: list[int], block_tokens: int,
-                 known: list[bytes] | None = None) -> list[bytes]:
+                 known: list[bytes] | None = None,
+                 images: Sequence[ImageKey] = ()) -> list[bytes]:
     """Chain hashes of every full block of token_ids; `known` (the hashes of the first
-    blocks, already computed) is extended rather than recomputed."""
+    blocks, already computed) is extended rather than recomputed. `images`: the image
+    spans of the sequence."""
     hashes = list(known or [])
     previous = hashes[-1] if hashes else seed
     for start in range(len(hashes) * block_tokens,
                        len(token_ids) - block_tokens + 1, block_tokens):
         block = np.asarray(token_ids[start : start + block_tokens], dtype=np.int64)
-        previous = hashlib.sha256(previous + block.tobytes()).digest()
+        content = block.tobytes() + b"".join(
+            (first - start).to_bytes(8, "little", signed=True) + digest
+            for first, stop, digest in images
+            if first < start + block_tokens and stop > start)
+        previous = hashlib.sha256(previous + content).digest()
         hashes.append(previous)
     return hashes

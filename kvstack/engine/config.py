@@ -116,6 +116,8 @@ class EngineConfig:
     expert_parallel: bool = False
     # How long rank 0 waits on another rank in a collective before the engine fails.
     parallel_timeout_s: float = 120.0
+    # The largest encoded image a request may carry (a model with a vision tower).
+    max_image_bytes: int | str = "20MiB"
 
     def __post_init__(self) -> None:
         def positive(key: str) -> None:
@@ -152,6 +154,8 @@ class EngineConfig:
         if self.speculative != "none" and self.tensor_parallel_size > 1:
             raise ValueError("speculative='dspark' runs in one process: the draft on a "
                              "model split over ranks is not built")
+        if parse_bytes(self.max_image_bytes, "max_image_bytes") <= 0:
+            raise ValueError("engine setting max_image_bytes must be positive")
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got "
                              f"{self.numerics!r}")
@@ -185,6 +189,11 @@ class EngineConfig:
     @property
     def host_budget_bytes(self) -> int:
         return parse_bytes(self.host_budget, "host_budget") if self.host_budget else 0
+
+    @property
+    def image_bytes(self) -> int:
+        """max_image_bytes in bytes."""
+        return parse_bytes(self.max_image_bytes, "max_image_bytes")
 
     @property
     def kept_window_checkpoints(self) -> int:

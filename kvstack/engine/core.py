@@ -36,6 +36,7 @@ from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput, Sequence, Status
 from kvstack.engine.tokenizer import Tokenizer
 from kvstack.model import Model
+from kvstack.model.vision import ImageSpan
 
 log = logging.getLogger("kvstack")
 MAX_FAULTS = 2  # failed steps in a row (no decode between) before a request ends in error
@@ -102,7 +103,8 @@ class EngineCore:
                     request_id: str | None = None, continue_from: str | None = None,
                     keep_cache: bool = False, watch: bool = False,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    cache_salt: str | None = None, hold_kept: bool = False) -> str:
+                    cache_salt: str | None = None, hold_kept: bool = False,
+                    images: list[ImageSpan] | None = None) -> str:
         """Queue a request of token ids; it joins the running batch at the next step. Bad
         input raises ValueError here, before anything is queued. `watch`: route its
         outputs to `wait` (front ends that wait on it say so); `on_output`: hand each of
@@ -113,7 +115,9 @@ class EngineCore:
         conversation's own cache salt. cache_salt: the prefix-cache partition the request
         reads and adds to (None: the shared one); requests of other salts never hit its
         blocks (tenants of one server). hold_kept: with keep_cache, the kept cache is not
-        evicted for room until `end_hold` (or a few seconds): its owner saves it."""
+        evicted for room until `end_hold` (or a few seconds): its owner saves it.
+        images: the images whose spans the ids hold, placed from the ids' first position
+        (`kvstack.engine.images.expand_images` makes both)."""
         if self.failure is not None:
             raise EngineError(self.failure)
         if not isinstance(params, SamplingParams):
@@ -124,6 +128,8 @@ class EngineCore:
             if previous is None or previous.status is not Status.FINISHED:
                 raise ValueError(f"request {continue_from!r} is not a finished request to "
                                  "continue")
+        spans = self._image_spans(ids, images or [], previous)
+        if previous is not None:
             ids = previous.all_ids + ids
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room under "
@@ -150,7 +156,7 @@ class EngineCore:
         grammar = self.grammars.matcher(params) if params.constrained else None
         if previous is not None:  # a conversation stays in its own partition
             cache_salt = previous.cache_salt
-        seq = Sequence(request_id, ids, params, prompt, generator=generator,
+        seq = Sequence(request_id, ids, params, prompt, images=spans, generator=generator,
                        keep_cache=keep_cache, cache_salt=cache_salt, hold_kept=hold_kept,
                        end_ids=end_ids, grammar=grammar,
                        detokenizer=Detokenizer(self.tokenizer, tuple(params.stop)))
@@ -167,6 +173,35 @@ class EngineCore:
             self.router.subscribe(request_id, on_output)
         self.scheduler.add(seq)
         return request_id
+
+    def _image_spans(self, ids: list[int], images: list[ImageSpan],
+                     previous: Sequence | None) -> list[ImageSpan]:
+        """The sequence's image spans (a continued conversation's, then these, placed after
+        its tokens), checked: the image token marks exactly the spans' positions."""
+        c = self.model.config
+        if images and not c.has_vision:
+            raise ValueError("this model has no vision tower (vision_n_layers is 0): it "
+                             "takes text only")
+        if images and self.config.tensor_parallel_size > 1:
+            raise ValueError("images are not taken on a model split over ranks "
+                             "(tensor_parallel_size > 1)")
+        if not c.has_vision:
+            return []
+        covered = [False] * len(ids)
+        for span in images:
+            if not 0 <= span.start < span.stop <= len(ids) or any(
+                    covered[span.start : span.stop]):
+                raise ValueError(f"an image span at {span.start}..{span.stop - 1} lies "
+                                 f"outside the prompt's {len(ids)} tokens or overlaps another")
+            covered[span.start : span.stop] = [True] * (span.stop - span.start)
+        for i, (t, inside) in enumerate(zip(ids, covered, strict=True)):
+            if (t == c.image_token_id) != inside:
+                raise ValueError(f"prompt position {i}: the image token id "
+                                 f"({c.image_token_id}) must mark exactly the positions of "
+                                 "the images' spans (a placeholder per image, expanded)")
+        offset = 0 if previous is None else previous.num_tokens
+        before = [] if previous is None else previous.images
+        return before + [ImageSpan(s.start + offset, s.image) for s in images]
 
     @locked
     def end_hold(self, request_id: str) -> None:

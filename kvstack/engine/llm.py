@@ -22,16 +22,20 @@ from kvstack.cache.paged import PagedCache
 from kvstack.config import ModelConfig
 from kvstack.engine.config import EngineConfig, retain_freed_memory
 from kvstack.engine.core import EngineCore
+from kvstack.engine.images import expand_images, image_input
 from kvstack.engine.loading import bundled_model, load_model
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput
 from kvstack.engine.session import Session, resume_session
+from kvstack.model.vision import ImageInput, ImageSpan
 
 log = logging.getLogger("kvstack")
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or (vLLM's form) a dict of either ("prompt" or
+# "prompt_token_ids") with "multi_modal_data": {"image": one image or a list}.
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -111,7 +115,7 @@ class LLM:
                     request_id: str | None = None, continue_from: str | None = None,
                     keep_cache: bool = False, watch: bool = False,
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, images: list[Any] | None = None) -> str:
         """Queue a request; it joins the running batch at the next step. Bad input raises
         ValueError here, before anything is queued.
 
@@ -121,12 +125,34 @@ class LLM:
         their end say so; step() returns every output either way). on_output: a callback
         each of its outputs is handed to, on the thread of the step that made it.
         cache_salt: the prefix-cache partition (as EngineCore.add_request's).
+        images: pictures (PIL images, encoded bytes, file paths or data: URLs) for the
+        prompt's image placeholders (the image token, one per picture, in order); a prompt
+        without placeholders takes them before its text. A dict prompt may carry them as
+        vLLM's "multi_modal_data".
         """
+        prompt, images = _split_prompt(prompt, images)
         # A continuation may add nothing: the previous turn's last token is still to feed.
         ids = [] if continue_from is not None and not prompt else self.encode(prompt)
+        spans = None
+        if images:
+            ids, spans = self.place_images(ids, images)
         return self.core.add_request(ids, params or SamplingParams(),
                                      prompt if isinstance(prompt, str) else None, request_id,
-                                     continue_from, keep_cache, watch, on_output, cache_salt)
+                                     continue_from, keep_cache, watch, on_output, cache_salt,
+                                     images=spans)
+
+    def place_images(self, ids: list[int], images: list[Any]) -> tuple[list[int],
+                                                                       list[ImageSpan]]:
+        """The prompt's ids with each image's span in place of its placeholder (before the
+        text where it has none) and the spans; refused with `ImageError` naming what is
+        wrong (no tower, an undecodable or too large picture, a URL to fetch)."""
+        inputs = [image if isinstance(image, ImageInput) else
+                  image_input(image, self.config, self.engine_config.image_bytes)
+                  for image in images]
+        marker = self.config.image_token_id
+        if self.config.has_vision and marker not in ids:
+            ids = [marker] * len(inputs) + ids
+        return expand_images(ids, inputs, self.config)
 
     def wait(self, request_id: str) -> RequestOutput:
         """The watched request's newest output, running steps until there is one."""
@@ -208,7 +234,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in the order of the prompts. A request the
         engine failed on ends with finish_reason "error" and its message."""
-        single = isinstance(prompts, str) or (
+        single = isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         if isinstance(sampling_params, list):
@@ -269,6 +295,8 @@ class LLM:
                              "device": str(block.engram.table_codes.device)}
                             for block in self.model.layers if block.engram is not None]
         report["backend"] = self.runner.backend()
+        if self.config.has_vision:
+            report["positions"] = self._positions_by_kind(report["bytes_per_token"])
         if self.runner.speculative:
             # DSpark's draft keeps no cache: it reads each drafting sequence's target
             # states (draft_context), float32 on the host, apart from the KV cache.
@@ -294,6 +322,19 @@ class LLM:
                 "weight_bytes_total": sum(b["weight_bytes"] for b in self.rank_bytes),
                 "cache_bytes_total": sum(b["cache_bytes"] for b in self.rank_bytes)}
         return report
+
+    def _positions_by_kind(self, bytes_per_token: float) -> dict[str, Any]:
+        """The cache positions requests hold, text and image apart: an image position
+        takes a token's record, the bytes per token measured from the pools."""
+        with self.core.lock:
+            held = [(seq.store.num_tokens, seq) for seq in self.core.requests.values()
+                    if seq.store is not None]
+            image = sum(max(0, min(n, s.stop) - s.start) for n, seq in held
+                        for s in seq.images)
+            total = sum(n for n, _ in held)
+        return {kind: {"positions": n, "bytes_per_token": bytes_per_token,
+                       "bytes": n * bytes_per_token}
+                for kind, n in (("text", total - image), ("image", image), ("all", total))}
 
     def close(self) -> None:
         """Stop the worker ranks of a sharded model, which then takes no more requests
@@ -330,3 +371,23 @@ class LLM:
         clear error if it is corrupt or was saved by another model or format version."""
         with self.core.lock:
             return resume_session(self, name, cache_salt)
+
+
+def _split_prompt(prompt: Prompt, images: list[Any] | None) -> tuple[str | list[int],
+                                                                    list[Any] | None]:
+    """(text or ids, images) of a prompt in any of its forms."""
+    if not isinstance(prompt, dict):
+        return prompt, images
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a dict prompt holds 'prompt' (text) or 'prompt_token_ids', and "
+                         f"optionally 'multi_modal_data'; got keys {sorted(prompt)}")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes 'image' only, got {data!r:.80}")
+    given = data.get("image")
+    if given is not None and images:
+        raise ValueError("images given twice: in multi_modal_data and as images=")
+    if given is not None:
+        images = list(given) if isinstance(given, list | tuple) else [given]
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), images

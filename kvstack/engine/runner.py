@@ -20,6 +20,7 @@ from kvstack.engine.sequence import Sequence, Status
 from kvstack.model import Model
 from kvstack.model.model import Compressor, Extension
 from kvstack.model.packed import PackedExperts, PackedLinear
+from kvstack.model.vision import ImageSpan
 
 log = logging.getLogger("kvstack")
 
@@ -89,56 +90,63 @@ class ModelRunner:
         if not self.drafts(seq):
             return sample_batch(self.prefill_logits(seq), [seq])[0]
         out = self._extend(seq.store, seq.all_ids[seq.store.num_tokens :], 1,
-                           self.model.config.window_size)
+                           self.model.config.window_size, seq.images)
         seq.draft_context = out.target_hidden[0]
         return sample_batch(out.logits[:, -1], [seq])[0]
 
     def prefill_logits(self, seq: Sequence) -> torch.Tensor:
         """The prefill's last logits [1, V]."""
-        return self.prefill_store(seq.store, seq.all_ids[seq.store.num_tokens :])
+        return self.prefill_store(seq.store, seq.all_ids[seq.store.num_tokens :],
+                                  images=seq.images)
 
     def prefill_part(self, seq: Sequence, n: int) -> None:
         """Feed the next n of the tokens the sequence's store lacks, a leading part of a
         prompt prefilled over several steps (`Model.prefill_part`): no token comes of it."""
         start = seq.store.num_tokens
-        self.prefill_store(seq.store, seq.all_ids[start : start + n], final=False)
+        self.prefill_store(seq.store, seq.all_ids[start : start + n], final=False,
+                           images=seq.images)
 
     @torch.no_grad()
     def prefill_store(self, store: PagedSequenceStore, fresh: list[int],
-                      final: bool = True) -> torch.Tensor | None:
+                      final: bool = True, images: list[ImageSpan] | None = None
+                      ) -> torch.Tensor | None:
         """Prefill `fresh` ids after what the store holds; the last logits [1, V] (a part
         that is not the prompt's last: None). A store started on cached blocks first
         rebuilds its window rings and partial groups by replay (`bounded` or `exact`), or
-        copies those a replay over the same blocks left (a window checkpoint)."""
+        copies those a replay over the same blocks left (a window checkpoint). `images`:
+        the sequence's image spans (what a replay or the fresh ids hold of them is
+        encoded again)."""
         with native.active(self.cpu_kernels):
-            self._catch_up(store)
+            self._catch_up(store, images)
             ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
             if not final:
-                self.model.prefill_part(ids, store, chunk_size=self.config.chunk_size)
+                self.model.prefill_part(ids, store, chunk_size=self.config.chunk_size,
+                                        images=images)
                 return None
             return self.model.prefill(ids, store, replay=self.config.replay,
-                                      chunk_size=self.config.chunk_size)
+                                      chunk_size=self.config.chunk_size, images=images)
 
-    def _catch_up(self, store: PagedSequenceStore) -> None:
+    def _catch_up(self, store: PagedSequenceStore, images: list[ImageSpan] | None) -> None:
         """Rebuild the window state a store started on cached blocks owes, by replay or
         from a window checkpoint."""
         if store.needs_replay and not store.restore_window():
             self.replayed_tokens += self.model.rebuild_spans(store.num_tokens,
                                                              self.config.replay)[0]
             self.model.rebuild_window(store, replay=self.config.replay,
-                                      chunk_size=self.config.chunk_size, logits=False)
+                                      chunk_size=self.config.chunk_size, logits=False,
+                                      images=images)
             store.needs_replay = False
             store.checkpoint_window()
 
     @torch.no_grad()
     def _extend(self, store: PagedSequenceStore, fresh: list[int], n_logits: int,
-                target_hidden: int) -> Extension:
+                target_hidden: int, images: list[ImageSpan] | None = None) -> Extension:
         """`Model.extend` of `fresh` after what the store holds (caught up first)."""
         with native.active(self.cpu_kernels):
-            self._catch_up(store)
+            self._catch_up(store, images)
             ids = torch.tensor([fresh], dtype=torch.long, device=self.device)
             return self.model.extend(ids, store, self.config.replay, self.config.chunk_size,
-                                     n_logits, target_hidden)
+                                     n_logits, target_hidden, images=images)
 
     # ---- DSpark: draft, verify, keep what the target agrees with -----------------------
     def drafts(self, seq: Sequence) -> bool:
@@ -179,7 +187,7 @@ class ModelRunner:
         else:
             verified = []
             for seq, tokens in zip(seqs, fed, strict=True):
-                one = self._extend(seq.store, tokens, len(tokens), len(tokens))
+                one = self._extend(seq.store, tokens, len(tokens), len(tokens), seq.images)
                 verified.append((one.logits[0], one.target_hidden[0]))
         self.draft_seconds += drafted - started
         self.verify_seconds += time.perf_counter() - drafted

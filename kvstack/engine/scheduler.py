@@ -144,7 +144,7 @@ class Scheduler:
                 pass
             if not self.cache.has_free_slot:
                 return False
-            seq.store = self.cache.open_sequence(seq.cache_salt)
+            seq.store = self.cache.open_sequence(seq.cache_salt, seq.image_keys)
             seq.num_cached_tokens = self.cache.attach_prefix(seq.store, seq.all_ids)
         if self._reserve(seq):
             if fresh:

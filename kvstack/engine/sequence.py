@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstack.cache.paged import PagedSequenceStore
+from kvstack.cache.prefix import ImageKey
 from kvstack.engine.sampling import SamplingParams, TokenLogprobs
+from kvstack.model.vision import ImageSpan
 
 if TYPE_CHECKING:
     from kvstack.engine.grammar import Matcher
@@ -27,6 +29,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    images: list[ImageSpan] = field(default_factory=list)  # the images its prompt holds
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, if asked
     text: str = ""
@@ -64,6 +67,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def image_keys(self) -> tuple[ImageKey, ...]:
+        """Its image spans as the prefix cache names blocks by them."""
+        return tuple((s.start, s.stop, bytes.fromhex(s.image.digest)) for s in self.images)
+
+    @property
+    def image_positions(self) -> int:
+        """Positions of its prompt that image spans take."""
+        return sum(s.image.n_positions for s in self.images)
 
 
 @dataclass(frozen=True)

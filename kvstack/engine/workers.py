@@ -145,7 +145,9 @@ class ParallelRunner(ModelRunner):
                 self._last_call = time.monotonic()
 
     def prefill_store(self, store: PagedSequenceStore, fresh: list[int],
-                      final: bool = True) -> torch.Tensor | None:
+                      final: bool = True, images: list | None = None) -> torch.Tensor | None:
+        if images:  # refused at the request (EngineCore.add_request): no rank sees them
+            raise ValueError("images are not taken on a sharded model")
         return self._run("prefill" if final else "prefill_part", [store], list(fresh),
                          lambda: super(ParallelRunner, self).prefill_store(store, fresh, final))
 
