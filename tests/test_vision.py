@@ -6,6 +6,7 @@ import base64
 import hashlib
 import io
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -502,3 +503,55 @@ def test_memory_report_counts_image_positions_apart(engine, seeing):
     for kind in ("text", "image", "all"):
         assert positions[kind]["bytes_per_token"] == report["bytes_per_token"]
     engine.release(request)
+
+
+def test_the_openai_client_sends_pictures_to_kvstack_serve(tmp_path, seeing):
+    """A chat with a base64 PNG through the official client; the same picture again hits
+    the prefix cache (its cached tokens count the image span), another does not; a URL,
+    a broken picture and a text-only model's server give 400s naming the problem; the
+    cache's image positions reach /metrics."""
+    openai = pytest.importorskip("openai")
+    from tests.test_serve import Server
+
+    model = _saved(seeing, tmp_path)
+    server = Server(tmp_path / "cache", "--model", str(model), "--served-model-name", "v",
+                    "--max-image-bytes", "64KiB")
+    try:
+        c = seeing.config
+
+        def ask(picture: bytes | str, text: str = "What is in this picture? " * 4):
+            url = picture if isinstance(picture, str) else \
+                "data:image/png;base64," + base64.b64encode(picture).decode()
+            return server.client.chat.completions.create(
+                model="v", max_tokens=4, temperature=0,
+                messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": text}]}])
+
+        first, again, other = ask(png(120, 90, 7)), ask(png(120, 90, 7)), ask(png(120, 90, 8))
+        span = image_input(png(120, 90, 7), c).n_positions
+        assert first.choices[0].message.content is not None
+        assert first.usage.prompt_tokens > span
+        cached = lambda r: (r.usage.prompt_tokens_details.cached_tokens  # noqa: E731
+                            if r.usage.prompt_tokens_details else 0)
+        assert cached(first) == 0 and cached(again) >= span and cached(other) == 0
+        assert again.choices[0].message.content == first.choices[0].message.content
+        for picture, message in [("https://example.com/cat.png", "fetches nothing"),
+                                 ("data:image/png;base64,aGVsbG8=", "cannot decode"),
+                                 (png(300, 300) * 3, "over 65,536 bytes")]:
+            with pytest.raises(openai.BadRequestError, match=message):
+                ask(picture)
+        assert server.metric("cache_positions") >= 0
+        text = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        assert 'kvstack:cache_positions{kind="image"' in text
+    finally:
+        assert server.stop() == 0
+    plain = Server(tmp_path / "cache2", "--random-init", "--model", "tiny-v41",
+                   "--served-model-name", "t")
+    try:
+        with pytest.raises(openai.BadRequestError, match="no vision tower"):
+            plain.client.chat.completions.create(model="t", max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {
+                    "url": "data:image/png;base64," + base64.b64encode(png(20, 20)).decode()}}]}])
+    finally:
+        assert plain.stop() == 0

@@ -79,6 +79,9 @@ ENGINE_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--expert-parallel", "expert_parallel",
      dict(action="store_true", help="with --tensor-parallel-size: whole routed experts by "
                                     "rank instead of a slice of every expert")),
+    ("--max-image-bytes", "max_image_bytes",
+     dict(help="the largest encoded picture a request may carry, e.g. 8MiB (a model with a "
+               "vision tower; default: %(default)s)")),
     ("--parallel-timeout", "parallel_timeout_s",
      dict(type=float, metavar="S",
           help="with --tensor-parallel-size: seconds a rank may take to answer before the "

@@ -19,6 +19,7 @@ from kvstack.engine.core import EngineError
 from kvstack.engine.llm import LLM, Prompt
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.sequence import RequestOutput
+from kvstack.model.vision import ImageSpan
 
 
 class AsyncLLM:
@@ -41,13 +42,15 @@ class AsyncLLM:
                        request_id: str | None = None, continue_from: str | None = None,
                        keep_cache: bool = False,
                        cache_salt: str | None = None,
-                       hold_kept: bool = False) -> AsyncIterator[RequestOutput]:
+                       hold_kept: bool = False,
+                       images: list[ImageSpan] | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them, the final one last. A bad prompt
         raises ValueError before anything is queued, a request the engine refuses (too
         long, an unknown conversation) ValueError at the first step; a caller that stops
         iterating early (a closed connection) aborts the request. continue_from /
         keep_cache / cache_salt / hold_kept: as `EngineCore.add_request`'s (a conversation
-        kept in the cache; the prefix-cache partition; kept until saved)."""
+        kept in the cache; the prefix-cache partition; kept until saved); images: the
+        spans of the pictures the ids hold (`LLM.place_images` makes both)."""
         if self._closed:
             raise EngineError("the engine is shut down")
         loop = asyncio.get_running_loop()
@@ -61,7 +64,7 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else f"async-{uuid.uuid4().hex}"
         self._inbox.put(("add", (ids, sampling_params, request_id, continue_from,
                                  keep_cache, prompt if isinstance(prompt, str) else None,
-                                 cache_salt, hold_kept, deliver)))
+                                 cache_salt, hold_kept, images, deliver)))
         finished = False
         try:
             while not finished:
@@ -120,7 +123,7 @@ class AsyncLLM:
             self.core.router.forget(what)
             return
         (ids, params, request_id, continue_from, keep_cache, text, cache_salt, hold_kept,
-         deliver) = what
+         images, deliver) = what
 
         def route(out: RequestOutput) -> None:
             if out.finished:
@@ -130,7 +133,7 @@ class AsyncLLM:
         try:
             self.core.add_request(ids, params or SamplingParams(), text, request_id,
                                   continue_from, keep_cache, on_output=route,
-                                  cache_salt=cache_salt, hold_kept=hold_kept)
+                                  cache_salt=cache_salt, hold_kept=hold_kept, images=images)
         except (ValueError, EngineError) as error:  # refused, or the engine has stopped
             deliver(error)
             return

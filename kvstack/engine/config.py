@@ -117,7 +117,7 @@ class EngineConfig:
     # How long rank 0 waits on another rank in a collective before the engine fails.
     parallel_timeout_s: float = 120.0
     # The largest encoded image a request may carry (a model with a vision tower).
-    max_image_bytes: int | str = "20MiB"
+    max_image_bytes: int | str = "10MiB"
 
     def __post_init__(self) -> None:
         def positive(key: str) -> None:

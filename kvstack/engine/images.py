@@ -23,7 +23,7 @@ from kvstack.image_grid import plan_grid
 from kvstack.model.vision import ImageInput, ImageSpan
 
 # Bytes of one encoded image accepted by default (the server's --max-image-bytes).
-MAX_IMAGE_BYTES = 20 << 20
+MAX_IMAGE_BYTES = 10 << 20
 # Pixels of one decoded image accepted (a decompression bomb is refused before decoding).
 MAX_IMAGE_PIXELS = 64 << 20
 GREY = (127, 127, 127)

@@ -32,6 +32,7 @@ from kvstack.engine.async_llm import AsyncLLM
 from kvstack.engine.chat_template import ChatTemplate
 from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.sequence import RequestOutput
+from kvstack.model.vision import ImageSpan
 from kvstack.serve.guards import RequestGate, guarded_protocol
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.protocol import (
@@ -48,6 +49,9 @@ from kvstack.serve.tool_calls import PARSERS, ToolParser, tool_parser
 
 log = logging.getLogger("kvstack")
 SESSION_HEADER = "x-kvstack-session"
+# What a chat's image part renders as in the template's text (a private-use character
+# pair no tokenizer merges with its neighbours), where its image token goes.
+IMAGE_MARK = "\ue000image\ue001"
 
 
 @dataclass(frozen=True)
@@ -261,9 +265,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
+        urls = [url for m in body.messages for url in m.image_urls()]
+        mark = IMAGE_MARK if urls else None
         # The developer role is OpenAI's newer name for system.
         messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.text(parser)} for m in body.messages]
+                     "content": m.text(parser, mark)} for m in body.messages]
         tools = [{k: f[k] for k in ("name", "description", "parameters") if k in f}
                  for f in body.functions().values()]
         try:
@@ -272,10 +278,25 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             raise APIError(400, str(e), "messages") from None
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        return await serve(body, request, [text], template.stop, "chat.completion")
+        if not urls:
+            return await serve(body, request, [text], template.stop, "chat.completion")
+        if body.session or request.headers.get(SESSION_HEADER):
+            raise APIError(400, "a session's turns are text: send pictures without a session",
+                           "session")
+        # Each picture's part becomes the image token, then its whole span.
+        ids: list[int] = []
+        for i, piece in enumerate(text.split(IMAGE_MARK)):
+            ids += ([llm.config.image_token_id] if i else []) + (
+                llm.tokenizer.encode(piece) if piece else [])
+        try:  # decoding pictures is the request's own work, off the event loop
+            ids, spans = await asyncio.to_thread(llm.place_images, ids, urls)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        return await serve(body, request, [ids], template.stop, "chat.completion", spans)
 
     async def serve(body: _Request, request: Request, prompts: list[str | list[int]],
-                    stop: tuple[str, ...], kind: str) -> Response:
+                    stop: tuple[str, ...], kind: str,
+                    images: list[ImageSpan] | None = None) -> Response:
         body.check()
         if body.model != config.model_name:
             raise APIError(404, f"model {body.model!r} is not served here (this server: "
@@ -320,7 +341,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                           for ids in encoded]
             except ValueError as e:
                 raise APIError(400, str(e), "prompt_logprobs") from None
-        inputs = [PromptInput(ids, p if isinstance(p, str) else None, s)
+        inputs = [PromptInput(ids, p if isinstance(p, str) else None, s, images)
                   for ids, p, s in zip(encoded, prompts, scores, strict=True)]
         # max_tokens 0 scores the prompt and generates nothing (no engine request).
         params = [body.sampling(max(wanted, 1), stop, parser)]
@@ -386,6 +407,7 @@ class PromptInput:
     ids: list[int]
     text: str | None
     scores: list[PromptLogprob | None] | None
+    images: list[ImageSpan] | None = None  # the spans of the pictures its ids hold
 
 
 class Run:
@@ -434,7 +456,8 @@ class Run:
             outputs = self.sessions.turn(self.tenant, self.session, prompt.ids, params,
                                          self.cache_salt, prompt.text)
         else:
-            outputs = self.engine.generate(prompt.ids, params, cache_salt=self.cache_salt)
+            outputs = self.engine.generate(prompt.ids, params, cache_salt=self.cache_salt,
+                                           images=prompt.images)
         warned, seen = False, 0
         totals = self.metrics.totals
         async with contextlib.aclosing(outputs) as stream:

@@ -50,6 +50,18 @@ class EngineCollector(Collector):
                     "allocated pools", report["bytes_per_token"])
         yield gauge("cache_planned_bytes_per_token", "Cache bytes per token the layout plans",
                     report["planned_bytes_per_token"])
+        if "positions" in report:  # a model with a vision tower: image positions apart
+            positions = GaugeMetricFamily("kvstack:cache_positions", "Cache positions the "
+                                          "requests hold, by kind (text, image, all)",
+                                          labels=["model_name", "kind"])
+            held = GaugeMetricFamily("kvstack:cache_position_bytes", "Cache bytes those "
+                                     "positions take, by kind (measured bytes per token)",
+                                     labels=["model_name", "kind"])
+            for kind, figures in report["positions"].items():
+                positions.add_metric([self.model_name, kind], figures["positions"])
+                held.add_metric([self.model_name, kind], figures["bytes"])
+            yield positions
+            yield held
         yield gauge("device_blocks_used", "Device cache blocks in use", report["blocks_in_use"])
         yield gauge("device_blocks_free", "Device cache blocks free",
                     report["blocks_total"] - report["blocks_in_use"])

@@ -180,9 +180,10 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool's answer to that call
 
-    def text(self, parser: ToolParser) -> str:
+    def text(self, parser: ToolParser, image_mark: str | None = None) -> str:
         """The message as the template renders it: its text, or an assistant's tool calls
-        as the model writes them (in `parser`'s syntax)."""
+        as the model writes them (in `parser`'s syntax). Its image parts become
+        `image_mark` where the caller takes images (refused elsewhere)."""
         if self.tool_calls:
             calls = []
             for call in self.tool_calls:
@@ -204,10 +205,35 @@ class ChatMessage(BaseModel):
             return self.content
         parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "kvstack takes text content parts only", "messages")
-            parts.append(part["text"])
+            if part.get("type") == "image_url" and image_mark is not None:
+                parts.append(image_mark)
+            elif part.get("type") == "text" and isinstance(part.get("text"), str):
+                if image_mark is not None and image_mark in part["text"]:
+                    raise APIError(400, "messages: a text part holds the server's image "
+                                   "placeholder", "messages")
+                parts.append(part["text"])
+            else:
+                raise APIError(400, "content parts are {\"type\": \"text\", \"text\": ...} "
+                               "and, in chat completions, {\"type\": \"image_url\", "
+                               "\"image_url\": {\"url\": \"data:...\"}}", "messages")
         return "".join(parts)
+
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        urls = []
+        for part in self.content:
+            if part.get("type") != "image_url":
+                continue
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str):
+                raise APIError(400, "messages: an image part is {\"type\": \"image_url\", "
+                               "\"image_url\": {\"url\": \"data:image/...;base64,...\"}}",
+                               "messages")
+            urls.append(url)
+        return urls
 
 
 class TokenizeRequest(BaseModel):
