@@ -160,7 +160,7 @@ def test_manifest_names_never_become_paths_outside_the_directory(tmp_path):
 
     def row(name: str, key: bytes | None) -> None:
         checksum = _row_checksum(name, *fields, key=key)
-        disk._db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        disk._db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '')",
                          (name, *fields, 0.0, checksum))
 
     row("forged", None)  # a bare SHA-256, as anyone who can write the manifest computes it
@@ -371,7 +371,7 @@ def test_a_deleted_key_refuses_signed_rows_rather_than_accepting_unsigned_ones(t
     save(disk, "real")
     fields = disk._db.execute("SELECT * FROM sessions WHERE name = 'real'").fetchone()[:8]
     forged = ("forged", *fields[1:])
-    disk._db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    disk._db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '')",
                      (*forged, 0.0, _row_checksum(*forged)))  # a bare SHA-256
     key = (tmp_path / "manifest.key").read_bytes()
     (tmp_path / "manifest.key").unlink()

@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvstack._lazy", "kvstack.units"),  # plain-Python helpers
     ("kvstack.formats", "kvstack.corpus"),  # byte codecs; the training and held-out data
     ("kvstack.config",),
-    ("kvstack.native",),
+    ("kvstack.native", "kvstack.image_grid"),  # C kernels; where a picture goes in a prompt
     ("kvstack.cache",),
     ("kvstack.model",),
     ("kvstack.parallel",),

@@ -555,3 +555,105 @@ def test_the_openai_client_sends_pictures_to_kvstack_serve(tmp_path, seeing):
                     "url": "data:image/png;base64," + base64.b64encode(png(20, 20)).decode()}}]}])
     finally:
         assert plain.stop() == 0
+
+
+def test_an_image_position_costs_the_layouts_890_bytes(tmp_path):
+    """At V4.1-Flash's cache layout (its layers, head and index widths, window and formats
+    on a small trunk), the engine's measured bytes per image position are 890."""
+    from kvstack import LLM, SamplingParams
+
+    c = preset("v41-layout-small").replace(
+        vision_n_layers=1, vision_dim=32, vision_n_heads=2, vision_inter_dim=32,
+        vision_max_n_token=64, vision_min_pixels=84 * 84, image_token_id=500)
+    llm = LLM(c, random_init=True, kv_budget="64MiB", cache_dir=tmp_path)
+    picture = png(100, 70)
+    request = llm.add_request([1, 2, 3], SamplingParams(max_tokens=1), images=[picture],
+                              keep_cache=True, watch=True)
+    while not llm.wait(request).finished:
+        pass
+    positions = llm.memory_report()["positions"]
+    assert positions["image"]["positions"] == image_input(picture, c).n_positions
+    assert positions["image"]["bytes_per_token"] == 890
+    assert positions["image"]["bytes"] == 890 * positions["image"]["positions"]
+
+
+def test_a_session_with_pictures_resumes_in_another_process_token_for_token(seeing,
+                                                                            tmp_path):
+    """Saved with its pictures (the last one inside the exact replay's span), resumed in
+    another process: the next turn's tokens are the uninterrupted conversation's."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from kvstack import LLM, SamplingParams
+
+    model = _saved(seeing, tmp_path)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    settings = dict(kv_budget="64MiB", replay="exact", block_tokens=8)
+    llm = LLM(model, cache_dir=tmp_path / "cache", **settings)
+    session = llm.session("look")
+    session.append(list(b"first, this: "), images=[png(100, 70, 11)])
+    session.generate(greedy)
+    session.append(list(b" and now this one"), images=[png(60, 120, 12)])
+    session.save()
+    uninterrupted = session.generate(greedy).token_ids
+    saved = llm.disk.show("look")
+    assert [i["start"] for i in saved.images] == [s.start for s in session.images]
+    assert len(session.images) == 2
+
+    script = textwrap.dedent(f"""
+        import json
+        from kvstack import LLM, SamplingParams
+        llm = LLM({str(model)!r}, cache_dir={str(tmp_path / "cache")!r}, **{settings!r})
+        out = llm.resume("look").generate(SamplingParams(max_tokens=6, temperature=0,
+                                                         ignore_eos=True))
+        print(json.dumps(out.token_ids))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parents[1])
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == uninterrupted
+    # the picture's file is checked: a damaged one fails the resume naming it
+    path = llm.disk.block_path(saved.images[0]["file"])
+    path.write_bytes(b"broken")
+    with pytest.raises(ValueError, match=r"picture file .* is corrupt"):
+        llm.resume("look")
+
+
+def test_keep_last_drops_a_picture_it_would_cut(seeing, tmp_path):
+    from kvstack import LLM
+
+    llm = LLM(_saved(seeing, tmp_path), cache_dir=tmp_path / "cache", kv_budget="64MiB")
+    session = llm.session("cut")
+    session.append(list(b"ab"), images=[png(100, 70)])
+    span = session.images[0]
+    session.keep_last(len(session.token_ids) - span.start - 1)  # inside the span
+    assert session.images == [] and session.token_ids == list(b"ab")
+
+
+def test_the_commands_take_pictures(seeing, tmp_path, monkeypatch, capsys):
+    """`kvstack generate --image` and `kvstack chat`'s /image, saved with the session."""
+    from kvstack.cache.disk import DiskTier
+    from kvstack.cli import main
+
+    model = _saved(seeing, tmp_path)
+    (tmp_path / "a.png").write_bytes(png(100, 70))
+    common = ["--model", str(model), "--kv-budget", "64MiB", "--max-tokens", "3",
+              "--temperature", "0", "--ignore-eos", "--cache-dir", str(tmp_path / "cache")]
+    assert main(["generate", *common, "--prompt", "what is it?", "--image",
+                 str(tmp_path / "a.png"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    span = image_input(png(100, 70), seeing.config).n_positions
+    assert out["prompt_token_ids"][:span] == [seeing.config.image_token_id] * span
+    assert out["memory"]["positions"]["image"]["bytes_per_token"] > 0
+    assert main(["generate", *common, "--prompt", "x", "--image",
+                 str(tmp_path / "none.png")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    lines = iter([f"/image {tmp_path / 'none.png'}", f"/image {tmp_path / 'a.png'}",
+                  "and this?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    assert main(["chat", *common, "--session", "pics"]) == 0
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "picture 1 added" in err
+    saved = DiskTier(tmp_path / "cache", 1 << 30).show("pics")
+    assert [i["start"] for i in saved.images] == [0]
+    assert len(saved.token_ids) == span + len("and this?\n") + 3

@@ -14,7 +14,10 @@ A block file is named by the SHA-256 of its bytes, so its name is its checksum a
 blocks are stored once. A session row holds the model's fingerprint, the format version,
 the token ids and the names of its blocks, plus an HMAC-SHA-256 of all of those under the
 directory's key (`manifest.key`): a flipped byte
-in the manifest fails that session alone. Window rings are never saved: a resumed session
+in the manifest fails that session alone. A conversation with pictures also lists them
+(`images`: where each span starts, its patch grid, and the file of its patches, stored as
+a block file is), which the signature covers: a replay over an image span encodes the
+picture again. Window rings are never saved: a resumed session
 rebuilds them by replay.
 
 Saving is atomic at every instant: block files are written to a temporary name, fsynced
@@ -57,7 +60,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +81,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     blocks TEXT NOT NULL,
     window_ring_bytes INTEGER NOT NULL,
     saved_at REAL NOT NULL,
-    checksum TEXT NOT NULL
+    checksum TEXT NOT NULL,
+    images TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS blocks (
     hash TEXT PRIMARY KEY,
@@ -138,6 +142,9 @@ class SavedSession:
     window_ring_bytes: int  # what saving the window rings too would have added
     saved_at: float
     disk_bytes: int  # of its block files (a block shared with another session counted)
+    # Its pictures: {"start", "n_vit_h", "n_vit_w", "ratio", "file"} each, the file holding
+    # the patches (bf16 [n_vit_h n_vit_w, 3, p, p]).
+    images: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _token_blob(token_ids: list[int]) -> bytes:
@@ -150,14 +157,49 @@ def _tokens_of(blob: bytes) -> list[int]:
 
 def _row_checksum(name: str, fingerprint: str, version: int, block_tokens: int, held: int,
                   token_blob: bytes, blocks_json: str, ring_bytes: int,
-                  key: bytes | None = None) -> str:
-    """SHA-256 of a session row's fields; with `key`, HMAC-SHA-256 under it."""
+                  key: bytes | None = None, images_json: str = "") -> str:
+    """SHA-256 of a session row's fields; with `key`, HMAC-SHA-256 under it. The images
+    field counts where it is not empty (rows without pictures sign as before it)."""
     digest = hmac.new(key, digestmod=hashlib.sha256) if key is not None else hashlib.sha256()
     for part in (name, fingerprint, str(version), str(block_tokens), str(held), blocks_json,
                  str(ring_bytes)):
         digest.update(part.encode() + b"\0")
     digest.update(token_blob)
+    if images_json:
+        digest.update(b"\0images\0" + images_json.encode())
     return digest.hexdigest()
+
+
+def _files_of(blocks_json: Any, images_json: Any) -> list[str]:
+    """Every file a session row names, its blocks and its pictures (as far as a damaged
+    row can be read)."""
+    files: list[str] = []
+    with contextlib.suppress(ValueError, TypeError):
+        files += [b for b in json.loads(blocks_json) if isinstance(b, str)]
+    with contextlib.suppress(ValueError, TypeError):
+        if images_json:
+            files += [i["file"] for i in json.loads(images_json)
+                      if isinstance(i, dict) and isinstance(i.get("file"), str)]
+    return files
+
+
+_IMAGE_KEYS = {"start": int, "n_vit_h": int, "n_vit_w": int, "ratio": int, "file": str}
+
+
+def _images_of(images_json: str) -> list[dict[str, Any]] | None:
+    """A row's picture list (None: damaged)."""
+    if not images_json:
+        return []
+    try:
+        images = json.loads(images_json)
+    except ValueError:
+        return None
+    if not isinstance(images, list) or not all(
+            isinstance(i, dict) and set(i) == set(_IMAGE_KEYS)
+            and all(isinstance(i[k], t) for k, t in _IMAGE_KEYS.items())
+            and BLOCK_NAME.fullmatch(i["file"]) for i in images):
+        return None
+    return images
 
 
 @dataclass(frozen=True)
@@ -201,16 +243,20 @@ class DiskTier:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(prefix_blocks)")}
         if "checksum" not in columns:  # a manifest from before prefix rows were signed
             self._db.execute("ALTER TABLE prefix_blocks ADD COLUMN checksum TEXT")
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sessions)")}
+        if "images" not in columns:  # a manifest from before sessions held pictures
+            self._db.execute("ALTER TABLE sessions ADD COLUMN images TEXT NOT NULL "
+                             "DEFAULT ''")
         if self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'session_blocks'"
                             ).fetchone() is None:
             with self._transaction():
                 for statement in SESSION_BLOCKS.split(";")[:-1]:
                     self._db.execute(statement)
-                for name, blocks_json in self._db.execute(
-                        "SELECT name, blocks FROM sessions").fetchall():
+                for name, blocks_json, images_json in self._db.execute(
+                        "SELECT name, blocks, images FROM sessions").fetchall():
                     # A corrupt record names nothing: loading that session says so.
                     with contextlib.suppress(ValueError, TypeError, sqlite3.Error):
-                        self._name_blocks(name, json.loads(blocks_json))
+                        self._name_blocks(name, _files_of(blocks_json, images_json))
         verdict = self._take_key()
         if verdict is not None:
             self._mark_orphaned(verdict)
@@ -283,16 +329,18 @@ class DiskTier:
 
     def _sign_legacy_rows(self, key: bytes) -> None:
         for row in self._db.execute("SELECT rowid, * FROM sessions").fetchall():
-            fields, checksum = row[1:9], row[10]
+            fields, checksum, images = row[1:9], row[10], row[11]
             with contextlib.suppress(TypeError, ValueError, AttributeError):
-                if _row_checksum(*fields) == checksum:
+                if _row_checksum(*fields, images_json=images) == checksum:
                     self._db.execute("UPDATE sessions SET checksum = ? WHERE rowid = ?",
-                                     (_row_checksum(*fields, key=key), row[0]))
+                                     (_row_checksum(*fields, key=key, images_json=images),
+                                      row[0]))
 
     def _any_row_verifies(self, key: bytes) -> bool:
         for row in self._db.execute("SELECT * FROM sessions"):
             with contextlib.suppress(TypeError, ValueError, AttributeError):
-                if hmac.compare_digest(_row_checksum(*row[:8], key=key), row[9]):
+                if hmac.compare_digest(_row_checksum(*row[:8], key=key, images_json=row[10]),
+                                       row[9]):
                     return True
         return False
 
@@ -331,9 +379,8 @@ class DiskTier:
         """Block files no session record, prefix row or pin names."""
         named = {row[0] for row in self._db.execute(
             "SELECT block FROM prefix_blocks UNION SELECT block FROM pins")}
-        for (blocks_json,) in self._db.execute("SELECT blocks FROM sessions").fetchall():
-            with contextlib.suppress(ValueError, TypeError):
-                named.update(b for b in json.loads(blocks_json) if isinstance(b, str))
+        for row in self._db.execute("SELECT blocks, images FROM sessions").fetchall():
+            named.update(_files_of(*row))
         return [p for p in self.blocks_dir.rglob("*.blk") if p.stem not in named]
 
     def _clear_mark_if_whole(self) -> None:
@@ -363,14 +410,13 @@ class DiskTier:
                         "manifest's rows and sign them with the current key")
                 self._resign(self._key)
             restored = 0
-            for (blocks_json,) in self._db.execute("SELECT blocks FROM sessions").fetchall():
-                with contextlib.suppress(ValueError, TypeError):
-                    for block in json.loads(blocks_json):
-                        if (isinstance(block, str) and BLOCK_NAME.fullmatch(block)
-                                and not self._block_bytes(block) and self._intact(block)):
-                            self._db.execute("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
-                                             (block, self.block_path(block).stat().st_size))
-                            restored += 1
+            for row in self._db.execute("SELECT blocks, images FROM sessions").fetchall():
+                for block in _files_of(*row):
+                    if (BLOCK_NAME.fullmatch(block) and not self._block_bytes(block)
+                            and self._intact(block)):
+                        self._db.execute("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
+                                         (block, self.block_path(block).stat().st_size))
+                        restored += 1
             unnamed = self._unnamed_files()
             if unnamed and not discard:
                 raise ValueError(
@@ -392,7 +438,8 @@ class DiskTier:
         for row in self._db.execute("SELECT rowid, * FROM sessions").fetchall():
             with contextlib.suppress(TypeError, ValueError, AttributeError):
                 self._db.execute("UPDATE sessions SET checksum = ? WHERE rowid = ?",
-                                 (_row_checksum(*row[1:9], key=key), row[0]))
+                                 (_row_checksum(*row[1:9], key=key, images_json=row[11]),
+                                  row[0]))
         self._db.execute("DELETE FROM prefix_blocks")  # a cache: nothing to vouch for
 
     @property
@@ -437,13 +484,19 @@ class DiskTier:
 
     # ---- save --------------------------------------------------------------------------
     def save(self, name: str, model_fingerprint: str, block_tokens: int, held_tokens: int,
-             token_ids: list[int], payloads: list[bytes], window_ring_bytes: int) -> None:
+             token_ids: list[int], payloads: list[bytes], window_ring_bytes: int,
+             images: list[tuple[dict[str, Any], bytes]] = ()) -> None:
         """Write (or replace) session `name`; refused before anything is written when the
-        new blocks would not fit the budget."""
+        new blocks would not fit the budget. `images`: each picture's place and grid, and
+        its patches' bytes."""
         check_session_name(name)
-        blocks = dict(zip((hashlib.sha256(p).hexdigest() for p in payloads), payloads,
+        pictures = [(meta | {"file": hashlib.sha256(data).hexdigest()}, data)
+                    for meta, data in images]
+        stored = [*payloads, *(data for _, data in pictures)]
+        blocks = dict(zip((hashlib.sha256(p).hexdigest() for p in stored), stored,
                           strict=True))
         names = [hashlib.sha256(p).hexdigest() for p in payloads]
+        images_json = json.dumps([meta for meta, _ in pictures]) if pictures else ""
         with self._pinned(set(blocks)):
             with self._transaction():
                 new = {n: p for n, p in blocks.items() if not self._block_bytes(n)}
@@ -474,16 +527,17 @@ class DiskTier:
             token_blob = _token_blob(token_ids)
             checksum = _row_checksum(name, model_fingerprint, FORMAT_VERSION, block_tokens,
                                      held_tokens, token_blob, blocks_json, window_ring_bytes,
-                                     self._key)
+                                     self._key, images_json)
             with self._transaction():
                 self._db.executemany("INSERT OR IGNORE INTO blocks VALUES (?, ?)",
                                      [(n, len(p)) for n, p in blocks.items()])
                 self._db.execute(
-                    "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (name, model_fingerprint, FORMAT_VERSION, block_tokens, held_tokens,
-                     token_blob, blocks_json, window_ring_bytes, time.time(), checksum))
+                     token_blob, blocks_json, window_ring_bytes, time.time(), checksum,
+                     images_json))
                 self._db.execute("DELETE FROM session_blocks WHERE session = ?", (name,))
-                self._name_blocks(name, names)
+                self._name_blocks(name, list(blocks))
         self._collect_garbage()
 
     @contextmanager
@@ -558,6 +612,23 @@ class DiskTier:
                             "tier holds", name, path, damage)
             payloads.append(payload)
         return saved, payloads
+
+    def load_images(self, saved: SavedSession) -> list[bytes]:
+        """The patches' bytes of each of a saved session's pictures, checked; a clear
+        ValueError naming the file when one is missing or damaged."""
+        out = []
+        for image in saved.images:
+            path = self.block_path(image["file"])
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise ValueError(f"session {saved.name!r}: picture file {path} is missing "
+                                 f"({e.strerror})") from None
+            if hashlib.sha256(data).hexdigest() != image["file"]:
+                raise ValueError(f"session {saved.name!r}: picture file {path} is corrupt "
+                                 "(its checksum does not match)")
+            out.append(data)
+        return out
 
     def _repair(self, saved: SavedSession, index: int,
                 spare: Callable[[SavedSession, int], bytes | None] | None) -> bytes | None:
@@ -662,17 +733,18 @@ class DiskTier:
     def _decode(self, row: tuple, disk_bytes: int) -> "SavedSession | DamagedSession":
         """A session row checked field by field (types, signature, block names)."""
         (name, fingerprint, version, block_tokens, held, token_blob, blocks_json, ring_bytes,
-         saved_at, checksum) = row
+         saved_at, checksum, images_json) = row
         shown = str(name)
         types = ((name, str), (fingerprint, str), (version, int), (block_tokens, int),
                  (held, int), (token_blob, bytes), (blocks_json, str), (ring_bytes, int),
-                 (saved_at, (int, float)), (checksum, str))
+                 (saved_at, (int, float)), (checksum, str), (images_json, str))
         if any(not isinstance(value, kind) for value, kind in types):
             return DamagedSession(shown, f"its record in {self.manifest} is corrupt (a field "
                                          "has the wrong type)")
         try:
             expected = _row_checksum(name, fingerprint, version, block_tokens, held,
-                                     token_blob, blocks_json, ring_bytes, self._key)
+                                     token_blob, blocks_json, ring_bytes, self._key,
+                                     images_json)
         except UnicodeEncodeError:  # a text field that was not UTF-8 when read
             expected = ""
         if not hmac.compare_digest(expected, checksum):
@@ -689,9 +761,13 @@ class DiskTier:
         if bad is not None:
             return DamagedSession(shown, f"its record in {self.manifest} names {str(bad)[:80]!r}"
                                          ": not a block name (64 hex digits)")
+        images = _images_of(images_json)
+        if images is None:
+            return DamagedSession(shown, f"its record in {self.manifest} holds a damaged "
+                                         "image list")
         return SavedSession(name, fingerprint, version, block_tokens, held,
                             _tokens_of(token_blob), blocks, ring_bytes, float(saved_at),
-                            disk_bytes)
+                            disk_bytes, images)
 
     def _block_sizes(self, name: str) -> int:
         if _name_is(name)[0] != "name = ?":

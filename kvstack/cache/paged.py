@@ -680,10 +680,11 @@ class PagedCache:
                 for i, b in enumerate(blocks)]
 
     def restore(self, payloads: list[bytes], token_ids: list[int],
-                cache_salt: str | None = None) -> PagedSequenceStore:
+                cache_salt: str | None = None,
+                image_keys: tuple[ImageKey, ...] = ()) -> PagedSequenceStore:
         """A store holding saved blocks (block_payloads) of token_ids, its window state to
         be rebuilt by replay; the caller has made room (a ring slot and the blocks)."""
-        store = self.open_sequence(cache_salt)
+        store = self.open_sequence(cache_salt, image_keys)
         blocks = self.manager.allocate(len(payloads))
         for block, payload in zip(blocks, payloads, strict=True):
             self.pools.write_block(block, payload)
@@ -691,8 +692,8 @@ class PagedCache:
         self.register_full_blocks(store)
         return store
 
-    def cached_copy(self, token_ids: list[int], index: int,
-                    cache_salt: str | None = None) -> bytes | None:
+    def cached_copy(self, token_ids: list[int], index: int, cache_salt: str | None = None,
+                    image_keys: tuple[ImageKey, ...] = ()) -> bytes | None:
         """The packed rows the prefix cache holds, on the device or in host memory, for
         full block `index` of token_ids (a saved session's own bytes, if it computed them
         alike), or None. What repairs a session's damaged block file."""
@@ -700,7 +701,7 @@ class PagedCache:
             return None
         seed = salted_seed(self.prefix_seed, cache_salt)
         hashes = block_hashes(seed, token_ids[: (index + 1) * self.block_tokens],
-                              self.block_tokens)
+                              self.block_tokens, images=image_keys)
         if index >= len(hashes):
             return None  # a partial last block is never named
         chain_hash = hashes[index]

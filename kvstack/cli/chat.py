@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # the engine pulls in the model; parsing the command does not
     from kvstack.engine.session import Session
 
 
-CHAT_HELP = ("/reset starts a new conversation, /stats shows the cache (/stats --json: all "
+CHAT_HELP = ("/image FILE adds a picture to your next message (a model with a vision tower), "
+             "/reset starts a new conversation, /stats shows the cache (/stats --json: all "
              "of it), /exit or Ctrl-D leaves; Ctrl-C stops a reply")
 
 
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     console.print(f"[dim]kvstack chat · {CHAT_HELP}[/dim]")
     session = _open_session(llm, args.session, console)
+    pictures: list[Any] = []  # for the next message
     while True:
         try:
             line = input("> ")
@@ -76,12 +78,25 @@ def run(args: argparse.Namespace) -> int:
             else:
                 _print_stats(report, console)
             continue
+        if command.startswith("/image "):
+            from kvstack.engine.images import image_input
+
+            path = command.removeprefix("/image ").strip()
+            try:  # decoded now, so that a bad file is said at once
+                pictures.append(image_input(path, llm.config, llm.engine_config.image_bytes))
+            except ValueError as e:
+                console.print(f"[red]{escape(str(e))}[/red]")
+                continue
+            console.print(f"[dim]picture {len(pictures)} added to your next message "
+                          f"({pictures[-1].n_positions} positions)[/dim]")
+            continue
         if command.startswith("/"):
             console.print(f"[red]unknown command {command}[/red]; {CHAT_HELP}")
             continue
         shown, out = "", None
         try:
-            session.append(line + "\n")
+            session.append(line + "\n", images=pictures)
+            pictures = []
             if args.truncate == "left":  # room for the reply under the model's length
                 session.keep_last(max(1, llm.core.max_model_len - params.max_tokens))
             turn = session.stream(params)

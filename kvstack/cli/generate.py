@@ -22,6 +22,10 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     prompt = generate.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="the prompt text")
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a file")
+    generate.add_argument("--image", action="append", default=[], metavar="FILE",
+                          help="a picture for a model with a vision tower (repeatable): at "
+                               "the prompt's image placeholders in order, else before its "
+                               "text")
     generate.add_argument("--json", action="store_true",
                           help="print text, token ids, timings and the memory report as JSON")
     generate.set_defaults(run=run)
@@ -32,7 +36,12 @@ def run(args: argparse.Namespace) -> int:
     llm = load_llm(args)
     params = sampling(args)
     if args.truncate == "left":  # the prompt's last tokens, leaving room for the reply
+        if args.image:
+            raise ValueError("--truncate left cuts token ids, and would cut a picture's span: "
+                             "shorten the prompt instead")
         prompt = llm.encode(prompt)[-max(1, llm.core.max_model_len - params.max_tokens):]
+    if args.image:
+        prompt = {"prompt": prompt, "multi_modal_data": {"image": list(args.image)}}
     start = time.perf_counter()
     if args.json:
         out = llm.generate(prompt, params)[0]

@@ -134,7 +134,9 @@ class LLM:
         # A continuation may add nothing: the previous turn's last token is still to feed.
         ids = [] if continue_from is not None and not prompt else self.encode(prompt)
         spans = None
-        if images:
+        if images and all(isinstance(i, ImageSpan) for i in images):
+            spans = list(images)  # placed already: the ids hold their spans
+        elif images:
             ids, spans = self.place_images(ids, images)
         return self.core.add_request(ids, params or SamplingParams(),
                                      prompt if isinstance(prompt, str) else None, request_id,

@@ -70,13 +70,17 @@ class Sequence:
 
     @property
     def image_keys(self) -> tuple[ImageKey, ...]:
-        """Its image spans as the prefix cache names blocks by them."""
-        return tuple((s.start, s.stop, bytes.fromhex(s.image.digest)) for s in self.images)
+        return image_keys(self.images)
 
     @property
     def image_positions(self) -> int:
         """Positions of its prompt that image spans take."""
         return sum(s.image.n_positions for s in self.images)
+
+
+def image_keys(spans: list[ImageSpan]) -> tuple[ImageKey, ...]:
+    """Image spans as the prefix cache names blocks by them."""
+    return tuple((s.start, s.stop, bytes.fromhex(s.image.digest)) for s in spans)
 
 
 @dataclass(frozen=True)

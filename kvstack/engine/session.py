@@ -5,14 +5,21 @@ a kept request, so a turn prefills only its own tokens. `save()` writes the toke
 the stream blocks to the disk tier, never the window rings; `LLM.resume(name)`, in this
 process or another, loads the blocks back into the pool and the next turn first rebuilds
 the rings by replay (`bounded` or `exact`, as the LLM is configured).
+
+A conversation with pictures keeps them (their patches, bf16) beside its tokens, in memory
+and in the saved record: a replay over part of an image span encodes the picture again,
+and the prefix cache names the image's blocks by its content.
 """
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from kvstack.engine.core import EngineError
 from kvstack.engine.sampling import SamplingParams
-from kvstack.engine.sequence import RequestOutput, Sequence, Status
+from kvstack.engine.sequence import RequestOutput, Sequence, Status, image_keys
+from kvstack.model.vision import ImageInput, ImageSpan
 
 if TYPE_CHECKING:
     from kvstack.cache.paged import PagedSequenceStore
@@ -21,15 +28,26 @@ if TYPE_CHECKING:
 
 class Session:
     def __init__(self, llm: "LLM", name: str, token_ids: list[int] | None = None,
-                 request_id: str | None = None, cache_salt: str | None = None) -> None:
+                 request_id: str | None = None, cache_salt: str | None = None,
+                 images: list[ImageSpan] | None = None) -> None:
         self.llm, self.name, self.cache_salt = llm, name, cache_salt
         self.token_ids: list[int] = list(token_ids or [])  # every token so far
+        self.images: list[ImageSpan] = list(images or [])  # its pictures' spans
         self._pending: list[int] = []  # appended, not yet fed to the model
+        self._pending_images: list[ImageSpan] = []  # theirs, placed from _pending's start
         self._request_id = request_id  # the finished request that keeps the cache
 
-    def append(self, text: str | list[int]) -> None:
-        """Add text (or token ids) to the conversation; the next generate() feeds it."""
-        ids = self.llm.encode(text)
+    def append(self, text: str | list[int], images: list[Any] | None = None) -> None:
+        """Add text (or token ids) to the conversation, and pictures (as
+        `LLM.add_request` takes them: at the text's image placeholders, else before it);
+        the next generate() feeds them."""
+        ids = self.llm.encode(text) if text or not images else []
+        spans: list[ImageSpan] = []
+        if images:
+            ids, spans = self.llm.place_images(ids, images)
+        self._pending_images += [ImageSpan(len(self._pending) + s.start, s.image)
+                                 for s in spans]
+        self.images += [ImageSpan(len(self.token_ids) + s.start, s.image) for s in spans]
         self._pending += ids
         self.token_ids += ids
 
@@ -50,15 +68,18 @@ class Session:
         try:
             if self._request_id is not None and llm.has_request(self._request_id):
                 request_id = llm.add_request(self._pending, params, keep_cache=True,
-                                             continue_from=self._request_id, watch=True)
+                                             continue_from=self._request_id, watch=True,
+                                             images=self._pending_images)
             else:  # a new session, or its cache was dropped: the prefix cache may help
                 request_id = llm.add_request(self.token_ids, params, keep_cache=True,
-                                             watch=True, cache_salt=self.cache_salt)
+                                             watch=True, cache_salt=self.cache_salt,
+                                             images=self.images)
         except ValueError:  # refused (too long, say): the conversation is as it was
             self.token_ids = self.token_ids[: len(self.token_ids) - len(self._pending)]
-            self._pending = []
+            self.images = self.images[: len(self.images) - len(self._pending_images)]
+            self._pending, self._pending_images = [], []
             raise
-        self._request_id, self._pending = request_id, []
+        self._request_id, self._pending, self._pending_images = request_id, [], []
         finished, shown = False, []  # shown: the reply's tokens yielded so far
         try:
             while not finished:
@@ -95,8 +116,15 @@ class Session:
             raise ValueError(f"keep_last needs a positive number of tokens, got {n_tokens}")
         if len(self.token_ids) > n_tokens:
             self.close()
-            self.token_ids = self.token_ids[-n_tokens:]
-            self._pending = []  # with no cache, the next turn feeds every kept token
+            cut = len(self.token_ids) - n_tokens
+            for span in self.images:  # a picture cut in two goes whole
+                if span.start < cut < span.stop:
+                    cut = span.stop
+            self.token_ids = self.token_ids[cut:]
+            self.images = [ImageSpan(s.start - cut, s.image) for s in self.images
+                           if s.start >= cut]
+            # with no cache, the next turn feeds every kept token
+            self._pending, self._pending_images = [], []
 
     def save(self) -> None:
         """Write the session to the disk tier (atomically; a saved session of the same
@@ -110,7 +138,8 @@ class Session:
             payloads = llm.cache.block_payloads(store) if store is not None else []
             held = store.num_tokens if store is not None else 0
         llm.disk.save(self.name, llm.fingerprint, llm.cache.block_tokens, held, self.token_ids,
-                      payloads, llm.cache.layout.window_bytes_per_sequence)
+                      payloads, llm.cache.layout.window_bytes_per_sequence,
+                      [_saved_image(span) for span in self.images])
 
     def _store(self) -> "PagedSequenceStore | None":
         """The cache its kept request holds, if it still does."""
@@ -139,10 +168,42 @@ class Session:
         }
 
 
+def _saved_image(span: ImageSpan) -> tuple[dict[str, Any], bytes]:
+    """A picture as the disk tier keeps it: its place and grid, its patches' bytes."""
+    image = span.image
+    if image.patches.dtype != torch.bfloat16:
+        raise ValueError("a session keeps pictures as the image processor makes them (bf16 "
+                         f"patches), got {image.patches.dtype}")
+    data = image.patches.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return {"start": span.start, "n_vit_h": image.n_vit_h, "n_vit_w": image.n_vit_w,
+            "ratio": image.ratio}, data
+
+
+def _resumed_images(llm: "LLM", name: str) -> list[ImageSpan]:
+    saved = llm.disk.show(name)
+    p = llm.config.vision_patch_size
+    spans = []
+    for meta, data in zip(saved.images, llm.disk.load_images(saved), strict=True):
+        if not llm.config.has_vision:
+            raise ValueError(f"session {name!r} holds pictures and this model has no vision "
+                             "tower")
+        patches = torch.frombuffer(bytearray(data), dtype=torch.bfloat16)
+        n = meta["n_vit_h"] * meta["n_vit_w"]
+        if patches.numel() != n * 3 * p * p:
+            raise ValueError(f"session {name!r}: a picture's file holds {patches.numel()} "
+                             f"values, its {meta['n_vit_h']} x {meta['n_vit_w']} grid of "
+                             f"{p}-pixel patches needs {n * 3 * p * p}")
+        spans.append(ImageSpan(meta["start"], ImageInput(
+            patches.view(n, 3, p, p), meta["n_vit_h"], meta["n_vit_w"], meta["ratio"])))
+    return spans
+
+
 def resume_session(llm: "LLM", name: str, cache_salt: str | None = None) -> Session:
     """`LLM.resume`: the saved blocks back into the pool as a kept request."""
+    images = _resumed_images(llm, name)
+    keys = image_keys(images)
     saved, payloads = llm.disk.load(name, llm.fingerprint, spare=lambda saved, index: (
-        llm.cache.cached_copy(saved.token_ids[: saved.held_tokens], index, cache_salt)
+        llm.cache.cached_copy(saved.token_ids[: saved.held_tokens], index, cache_salt, keys)
         if saved.block_tokens == llm.cache.block_tokens else None))
     core = llm.core
     if payloads and saved.block_tokens != llm.cache.block_tokens:
@@ -152,15 +213,15 @@ def resume_session(llm: "LLM", name: str, cache_salt: str | None = None) -> Sess
         raise ValueError(f"session {name!r} holds {len(saved.token_ids)} tokens, at or "
                          f"over {core.limit_name} {core.max_model_len}")
     seq = Sequence("", saved.token_ids, SamplingParams(max_tokens=1), status=Status.FINISHED,
-                   finish_reason="resumed", cache_salt=cache_salt)
+                   finish_reason="resumed", cache_salt=cache_salt, images=images)
     if payloads:
         if not core.scheduler.reclaim(len(payloads)):
             raise ValueError(f"session {name!r} needs {len(payloads)} blocks and a window "
                              f"slot; the device pool has {llm.cache.free_blocks} free "
                              "blocks with the running requests")
         seq.store = llm.cache.restore(payloads, saved.token_ids[: saved.held_tokens],
-                                      cache_salt)
+                                      cache_salt, seq.image_keys)
     request_id = core.adopt(seq)
     if payloads:
         core.scheduler.keep(seq)
-    return Session(llm, name, saved.token_ids, request_id, cache_salt)
+    return Session(llm, name, saved.token_ids, request_id, cache_salt, images)
