@@ -139,7 +139,7 @@ class ModelConfig:
     # patch_size pixel patches with 2-D RoPE, an aligner that merges downsample_ratio^2
     # patches into one token, and the processor's limits (at most vision_max_n_token
     # positions an image; smaller images are scaled up to vision_min_pixels; a width over
-    # vision_max_wh_ratio times the height is squeezed). Every position of an image span
+    # vision_max_wh_ratio times the height is squeezed). Every position of an image segment
     # carries image_token_id.
     vision_n_layers: int = 0
     vision_dim: int = 1024
@@ -216,7 +216,7 @@ class ModelConfig:
 
     @property
     def has_vision(self) -> bool:
-        """Whether the model holds the vision tower (image spans in prompts)."""
+        """Whether the model holds the vision tower (image segments in prompts)."""
         return self.vision_n_layers > 0
 
     @property

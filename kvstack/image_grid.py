@@ -1,5 +1,5 @@
 """Where an image goes in a prompt, in plain Python (no torch, so the planner reads it):
-the token grid an image of some pixel size takes and the positions its span holds, as
+the token grid an image of some pixel size takes and the positions its segment holds, as
 DeepSeek's V4.1 `inference/image_processor.py` plans them."""
 
 import math
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kvstack.config import ModelConfig
 
 
-def span_length(n_h: int, n_w: int) -> int:
+def segment_length(n_h: int, n_w: int) -> int:
     """Positions an image of n_h x n_w tokens takes in the prompt: a start, each row's
     tokens and its newline, an end."""
     return n_h * (n_w + 1) + 2
@@ -31,7 +31,7 @@ def _token_grid(height: int, width: int, patch: int, ratio: int) -> tuple[int, i
 
 def _largest_fit(height: float, width: float, patch: int, ratio: int,
                  max_tokens: int) -> tuple[int, int]:
-    """The largest pixel size of the image's aspect whose span fits max_tokens: the
+    """The largest pixel size of the image's aspect whose segment fits max_tokens: the
     token grid's width w solves h (w + 1) + 2 = max_tokens with h = w * height / width."""
     aspect = height / width
     w_max = math.sqrt((max_tokens - 2) / aspect + 0.25) - 0.5
@@ -58,7 +58,7 @@ def plan_grid(width: int, height: int, config: ModelConfig) -> GridPlan:
         w, h = int(w * scale), int(h * scale)
     best_w, best_h = math.ceil(w / p) * p, math.ceil(h / p) * p
     n_h, n_w = _token_grid(best_h, best_w, p, r)
-    if span_length(n_h, n_w) > c.vision_max_n_token:
+    if segment_length(n_h, n_w) > c.vision_max_n_token:
         best_h, best_w = _largest_fit(h, w, p, r, c.vision_max_n_token)
         n_h, n_w = _token_grid(best_h, best_w, p, r)
     return GridPlan(n_h, n_w, best_h, best_w)

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvstack.cache.layout import CacheLayout
 from kvstack.config import ModelConfig, dense_control
-from kvstack.image_grid import plan_grid, span_length
+from kvstack.image_grid import plan_grid, segment_length
 from kvstack.model.params import (
     count_parameters,
     draft_parameter_shapes,
@@ -269,7 +269,7 @@ def vision_plan(config: ModelConfig, layout: CacheLayout,
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive pixels, got {width} x {height}")
     grid = plan_grid(width, height, config)
-    positions = span_length(grid.n_h, grid.n_w)
+    positions = segment_length(grid.n_h, grid.n_w)
     return {
         "layers": config.vision_n_layers,
         "params": count_parameters(config).vision,

@@ -1,4 +1,4 @@
-"""V4.1's vision tower: the image processor's grid and patches, the tower and its span in
+"""V4.1's vision tower: the image processor's grid and patches, the tower and its segment in
 the prompt, the router's image bias, Engram skipping image positions, the checkpoint's
 vision tensors, and the plan's figures for a picture."""
 
@@ -22,11 +22,11 @@ from kvstack.engine.images import (
     image_input,
     read_image_bytes,
 )
-from kvstack.image_grid import plan_grid, span_length
+from kvstack.image_grid import plan_grid, segment_length
 from kvstack.model import Model
 from kvstack.model.checkpoint import export_v41
 from kvstack.model.params import count_parameters, vision_parameter_shapes
-from kvstack.model.vision import IMAGE, ImageInput, ImageSpan, span_rows, span_types
+from kvstack.model.vision import IMAGE, ImageInput, ImageSegment, segment_rows, segment_types
 from kvstack.plan import make_plan
 from tests.v41_checkpoint import hf_config, inference_config, write_v41_checkpoint
 
@@ -54,7 +54,7 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
 
 
 def prompt_with(model: Model, images: list[ImageInput], text: int = 6,
-                seed: int = 1) -> tuple[torch.Tensor, list[ImageSpan]]:
+                seed: int = 1) -> tuple[torch.Tensor, list[ImageSegment]]:
     """text tokens, then each image's placeholder followed by text tokens."""
     c = model.config
     g = torch.Generator().manual_seed(seed)
@@ -62,8 +62,8 @@ def prompt_with(model: Model, images: list[ImageInput], text: int = 6,
     for _ in images:
         ids += [*torch.randint(0, 500, (text,), generator=g).tolist(), c.image_token_id]
     ids += torch.randint(0, 500, (text,), generator=g).tolist()
-    expanded, spans = expand_images(ids, images, c)
-    return torch.tensor([expanded]), spans
+    expanded, segments = expand_images(ids, images, c)
+    return torch.tensor([expanded]), segments
 
 
 def reference() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -80,19 +80,19 @@ def test_with_images_the_logits_equal_deepseeks_within_its_own_noise_floor(seein
     ref, _ = reference()
     model, c = seeing, seeing.config
     images = [image_input(png(100, 70, 1), c), image_input(png(60, 120, 2), c)]
-    spans = [ImageSpan(int(ref[f"image_start_{i}"]), image) for i, image in enumerate(images)]
+    segments = [ImageSegment(int(ref[f"image_start_{i}"]), image) for i, image in enumerate(images)]
     ids = ref["tokens"][None]
     assert ids[0].tolist() == expand_images(
         [t for i, t in enumerate(ids[0].tolist())
-         if t != c.image_token_id or i in {s.start for s in spans}], images, c)[0]
+         if t != c.image_token_id or i in {s.start for s in segments}], images, c)[0]
     with torch.no_grad():
         for i, image in enumerate(images):
-            rows = span_rows(model, image)[span_types(*image.grid) == IMAGE]
+            rows = segment_rows(model, image)[segment_types(*image.grid) == IMAGE]
             floor = ref["floor_image_embeds"][i]
             assert (rows - ref[f"image_embeds_{i}"]).abs().max() <= 2 * floor
-        prefill = model(ids, images=spans).logits[0]  # [n, V]
+        prefill = model(ids, images=segments).logits[0]  # [n, V]
         store = ReferenceStore(c, 1, ids.device)
-        model.prefill(ids, store, replay="exact", images=spans)
+        model.prefill(ids, store, replay="exact", images=segments)
         decoded = torch.stack([model.decode(torch.tensor([t]), store)[0]
                                for t in ref["decode_tokens"].tolist()])
     got = torch.cat([prefill, decoded])
@@ -127,8 +127,8 @@ def test_the_image_processor_equals_deepseeks():
 
 
 def test_the_span_is_start_rows_of_tokens_and_newlines_then_end():
-    assert span_length(2, 3) == 10
-    assert span_types(2, 3).tolist() == [0, 1, 1, 1, 2, 1, 1, 1, 2, 3]
+    assert segment_length(2, 3) == 10
+    assert segment_types(2, 3).tolist() == [0, 1, 1, 1, 2, 1, 1, 1, 2, 3]
 
 
 def test_the_image_grid_fits_the_token_budget_and_keeps_small_images_whole():
@@ -136,7 +136,7 @@ def test_the_image_grid_fits_the_token_budget_and_keeps_small_images_whole():
     for width, height in [(1, 1), (544, 544), (4000, 3000), (3000, 4000), (20000, 20),
                           (20, 20000), (1024, 768), (14, 14 * 500)]:
         grid = plan_grid(width, height, c)
-        assert span_length(grid.n_h, grid.n_w) <= c.vision_max_n_token
+        assert segment_length(grid.n_h, grid.n_w) <= c.vision_max_n_token
         assert grid.height % 14 == 0 and grid.width % 14 == 0
     small = plan_grid(100, 100, c)  # scaled up to the minimum area: 544 x 544
     assert (small.height, small.width) == (546, 546) and (small.n_h, small.n_w) == (13, 13)
@@ -187,8 +187,8 @@ def test_images_come_as_bytes_paths_and_data_urls_and_nothing_is_fetched(tmp_pat
 def test_placeholders_become_spans_and_must_match_the_images():
     c = preset("tiny-v41-vision")
     image = image_input(png(90, 60), c)
-    ids, spans = expand_images([5, c.image_token_id, 7], [image], c)
-    assert spans == [ImageSpan(1, image)]
+    ids, segments = expand_images([5, c.image_token_id, 7], [image], c)
+    assert segments == [ImageSegment(1, image)]
     assert ids == [5] + [c.image_token_id] * image.n_positions + [7]
     with pytest.raises(ImageError, match=r"1 image placeholders .* and 2 images"):
         expand_images([5, c.image_token_id], [image, image], c)
@@ -197,8 +197,8 @@ def test_placeholders_become_spans_and_must_match_the_images():
 def test_the_tower_fills_the_span_with_the_delimiters_and_the_aligner_rows(seeing):
     model, c = seeing, seeing.config
     image = image_input(png(100, 70), c)
-    rows = span_rows(model, image)
-    types = span_types(*image.grid)
+    rows = segment_rows(model, image)
+    types = segment_types(*image.grid)
     assert torch.equal(rows[0], model.image_start.float())
     assert torch.equal(rows[-1], model.image_end.float())
     assert torch.equal(rows[image.grid[1] + 1], model.image_newline.float())
@@ -254,25 +254,25 @@ def test_engram_skips_image_positions(seeing):
 def test_a_prompt_with_images_prefills_alike_in_any_chunks(seeing):
     model, c = seeing, seeing.config
     images = [image_input(png(100, 70), c), image_input(png(60, 120, seed=2), c)]
-    ids, spans = prompt_with(model, images)
+    ids, segments = prompt_with(model, images)
     with torch.no_grad():
-        whole = model(ids, images=spans).logits[:, -1]
+        whole = model(ids, images=segments).logits[:, -1]
         outputs = []
         for chunk in (512, 7, 3):
             store = ReferenceStore(c, 1, ids.device)
             outputs.append(model.prefill(ids, store, replay="exact", chunk_size=chunk,
-                                         images=spans))
-        # a prompt spread over calls, a span cut between them
+                                         images=segments))
+        # a prompt spread over calls, a segment cut between them
         store = ReferenceStore(c, 1, ids.device)
-        cut = spans[0].start + 3
-        model.prefill_part(ids[:, :cut], store, chunk_size=5, images=spans)
-        outputs.append(model.prefill(ids[:, cut:], store, replay="exact", images=spans))
+        cut = segments[0].start + 3
+        model.prefill_part(ids[:, :cut], store, chunk_size=5, images=segments)
+        outputs.append(model.prefill(ids[:, cut:], store, replay="exact", images=segments))
     for out in outputs:
         assert torch.allclose(out, whole, atol=1e-4), (out - whole).abs().max()
     # the image changes the answer
     other = [image_input(png(100, 70, seed=5), c), images[1]]
     with torch.no_grad():
-        changed = model(ids, images=[ImageSpan(s.start, i) for s, i in zip(spans, other,
+        changed = model(ids, images=[ImageSegment(s.start, i) for s, i in zip(segments, other,
                                                                           strict=True)])
     assert not torch.allclose(changed.logits[:, -1], whole, atol=1e-3)
 
@@ -280,17 +280,17 @@ def test_a_prompt_with_images_prefills_alike_in_any_chunks(seeing):
 def test_image_positions_must_be_exactly_the_spans(seeing):
     model, c = seeing, seeing.config
     image = image_input(png(100, 70), c)
-    ids, spans = prompt_with(model, [image])
-    with pytest.raises(ValueError, match=f"position {spans[0].start} holds the image token"):
+    ids, segments = prompt_with(model, [image])
+    with pytest.raises(ValueError, match=f"position {segments[0].start} holds the image token"):
         model(ids)
-    moved = [ImageSpan(spans[0].start + 1, image)]
+    moved = [ImageSegment(segments[0].start + 1, image)]
     with pytest.raises(ValueError, match="must mark exactly the positions"):
         model(ids, images=moved)
     with pytest.raises(ValueError, match="runs one sequence"):
-        model(ids.repeat(2, 1), images=spans)
+        model(ids.repeat(2, 1), images=segments)
     text_only = Model(preset("tiny-v41"))
     with pytest.raises(ValueError, match="no vision tower"):
-        text_only(ids[:, :5], images=spans)
+        text_only(ids[:, :5], images=segments)
 
 
 def test_vision_tensors_load_and_export_byte_for_byte(tmp_path, seeing):
@@ -348,7 +348,7 @@ def test_the_plan_counts_the_tower_apart_and_prices_a_picture(seeing):
     image = plan["vision"]["image"]
     grid = image_input(png(100, 70), c).grid
     assert image["grid"] == list(grid)
-    assert image["positions"] == span_length(*grid)
+    assert image["positions"] == segment_length(*grid)
     assert image["cache_bytes"] == image["positions"] * plan["bytes_per_token"]
     assert "vision" not in trunk
     assert json.dumps(plan)
@@ -367,11 +367,11 @@ def engine(seeing, tmp_path_factory):
                cache_dir=tmp_path_factory.mktemp("cache"))
 
 
-def greedy_by_hand(model: Model, ids: list[int], spans: list[ImageSpan], n: int) -> list[int]:
+def greedy_by_hand(model: Model, ids: list[int], segments: list[ImageSegment], n: int) -> list[int]:
     """The model's own greedy tokens: a whole-prompt prefill, then one token a step."""
     store = ReferenceStore(model.config, 1, torch.device("cpu"))
     with torch.no_grad():
-        logits = model.prefill(torch.tensor([ids]), store, images=spans)
+        logits = model.prefill(torch.tensor([ids]), store, images=segments)
         out = [int(logits.argmax())]
         for _ in range(n - 1):
             out.append(int(model.decode(torch.tensor([out[-1]]), store).argmax()))
@@ -388,9 +388,9 @@ def test_the_engine_generates_with_images_as_the_model_does(engine, seeing):
     out = engine.generate({"prompt_token_ids": [*text[:5], c.image_token_id, *text[5:]],
                            "multi_modal_data": {"image": picture}}, greedy)[0]
     image = image_input(picture, c)
-    ids, spans = expand_images([*text[:5], c.image_token_id, *text[5:]], [image], c)
+    ids, segments = expand_images([*text[:5], c.image_token_id, *text[5:]], [image], c)
     assert out.prompt_token_ids == ids
-    assert out.token_ids == greedy_by_hand(seeing, ids, spans, 6)
+    assert out.token_ids == greedy_by_hand(seeing, ids, segments, 6)
     # no placeholder: the pictures go before the text; images= is the same as the dict
     first = engine.generate({"prompt_token_ids": text, "multi_modal_data": {"image": [picture]}},
                             greedy)[0]
@@ -400,7 +400,7 @@ def test_the_engine_generates_with_images_as_the_model_does(engine, seeing):
         again = engine.wait(request)
     assert first.prompt_token_ids[: image.n_positions] == [c.image_token_id] * image.n_positions
     assert again.token_ids == first.token_ids == greedy_by_hand(
-        seeing, first.prompt_token_ids, [ImageSpan(0, image)], 6)
+        seeing, first.prompt_token_ids, [ImageSegment(0, image)], 6)
 
 
 def test_the_prefix_cache_names_image_blocks_by_the_picture(engine, seeing):
@@ -417,13 +417,13 @@ def test_the_prefix_cache_names_image_blocks_by_the_picture(engine, seeing):
     cold = ask(png(120, 90, 7))
     hit = ask(png(120, 90, 7))
     other = ask(png(120, 90, 8))
-    span = image_input(png(120, 90, 7), c).n_positions
+    segment = image_input(png(120, 90, 7), c).n_positions
     assert cold.num_cached_tokens == 0
-    assert hit.num_cached_tokens >= span  # the image's blocks were found
+    assert hit.num_cached_tokens >= segment  # the image's blocks were found
     assert other.num_cached_tokens == 0  # same ids, another picture: nothing found
     assert hit.token_ids == cold.token_ids
-    ids, spans = expand_images([c.image_token_id, *text], [image_input(png(120, 90, 8), c)], c)
-    assert other.token_ids == greedy_by_hand(seeing, ids, spans, 4)
+    ids, segments = expand_images([c.image_token_id, *text], [image_input(png(120, 90, 8), c)], c)
+    assert other.token_ids == greedy_by_hand(seeing, ids, segments, 4)
 
 
 def test_a_prompt_with_images_spread_over_steps_equals_one_prefill(seeing, tmp_path):
@@ -433,7 +433,7 @@ def test_a_prompt_with_images_spread_over_steps_equals_one_prefill(seeing, tmp_p
     pictures = [png(100, 70, 3), png(60, 120, 4)]
     text = [*b"compare ", c.image_token_id, *b" with ", c.image_token_id]
     # 16 tokens a step: the prompt (47 positions) is prefilled over three steps, its
-    # spans cut between them, beside another request decoding
+    # segments cut between them, beside another request decoding
     llm = LLM(_saved(seeing, tmp_path), kv_budget="64MiB",
               block_tokens=8, max_num_batched_tokens=16, chunk_size=5,
               cache_dir=tmp_path / "cache", enable_prefix_caching=False)
@@ -442,9 +442,9 @@ def test_a_prompt_with_images_spread_over_steps_equals_one_prefill(seeing, tmp_p
     out = llm.generate({"prompt_token_ids": text, "multi_modal_data": {"image": pictures}},
                        greedy)[0]
     assert llm.has_request(busy)
-    ids, spans = expand_images(text, [image_input(p, c) for p in pictures], c)
+    ids, segments = expand_images(text, [image_input(p, c) for p in pictures], c)
     assert len(ids) > 32
-    assert out.token_ids == greedy_by_hand(seeing, ids, spans, 5)
+    assert out.token_ids == greedy_by_hand(seeing, ids, segments, 5)
     report = llm.memory_report()["positions"]
     assert report["image"]["positions"] == 0  # finished: nothing held
 
@@ -488,7 +488,7 @@ def test_memory_report_counts_image_positions_apart(engine, seeing):
 
     c = seeing.config
     picture = png(100, 70, 9)
-    span = image_input(picture, c).n_positions
+    segment = image_input(picture, c).n_positions
     request = engine.add_request(list(b"keep this: "), SamplingParams(max_tokens=2),
                                  images=[picture], keep_cache=True, watch=True)
     out = engine.wait(request)
@@ -496,10 +496,10 @@ def test_memory_report_counts_image_positions_apart(engine, seeing):
         out = engine.wait(request)
     report = engine.memory_report()
     positions = report["positions"]
-    assert positions["image"]["positions"] == span
+    assert positions["image"]["positions"] == segment
     held = len(out.prompt_token_ids) + len(out.token_ids) - 1  # the last token is not fed
     assert positions["all"]["positions"] == held
-    assert positions["text"]["positions"] == held - span
+    assert positions["text"]["positions"] == held - segment
     for kind in ("text", "image", "all"):
         assert positions[kind]["bytes_per_token"] == report["bytes_per_token"]
     engine.release(request)
@@ -507,7 +507,7 @@ def test_memory_report_counts_image_positions_apart(engine, seeing):
 
 def test_the_openai_client_sends_pictures_to_kvstack_serve(tmp_path, seeing):
     """A chat with a base64 PNG through the official client; the same picture again hits
-    the prefix cache (its cached tokens count the image span), another does not; a URL,
+    the prefix cache (its cached tokens count the image segment), another does not; a URL,
     a broken picture and a text-only model's server give 400s naming the problem; the
     cache's image positions reach /metrics."""
     openai = pytest.importorskip("openai")
@@ -529,12 +529,12 @@ def test_the_openai_client_sends_pictures_to_kvstack_serve(tmp_path, seeing):
                     {"type": "text", "text": text}]}])
 
         first, again, other = ask(png(120, 90, 7)), ask(png(120, 90, 7)), ask(png(120, 90, 8))
-        span = image_input(png(120, 90, 7), c).n_positions
+        segment = image_input(png(120, 90, 7), c).n_positions
         assert first.choices[0].message.content is not None
-        assert first.usage.prompt_tokens > span
+        assert first.usage.prompt_tokens > segment
         cached = lambda r: (r.usage.prompt_tokens_details.cached_tokens  # noqa: E731
                             if r.usage.prompt_tokens_details else 0)
-        assert cached(first) == 0 and cached(again) >= span and cached(other) == 0
+        assert cached(first) == 0 and cached(again) >= segment and cached(other) == 0
         assert again.choices[0].message.content == first.choices[0].message.content
         for picture, message in [("https://example.com/cat.png", "fetches nothing"),
                                  ("data:image/png;base64,aGVsbG8=", "cannot decode"),
@@ -579,7 +579,7 @@ def test_an_image_position_costs_the_layouts_890_bytes(tmp_path):
 
 def test_a_session_with_pictures_resumes_in_another_process_token_for_token(seeing,
                                                                             tmp_path):
-    """Saved with its pictures (the last one inside the exact replay's span), resumed in
+    """Saved with its pictures (the last one inside what the exact replay re-runs), resumed in
     another process: the next turn's tokens are the uninterrupted conversation's."""
     import subprocess
     import sys
@@ -625,8 +625,8 @@ def test_keep_last_drops_a_picture_it_would_cut(seeing, tmp_path):
     llm = LLM(_saved(seeing, tmp_path), cache_dir=tmp_path / "cache", kv_budget="64MiB")
     session = llm.session("cut")
     session.append(list(b"ab"), images=[png(100, 70)])
-    span = session.images[0]
-    session.keep_last(len(session.token_ids) - span.start - 1)  # inside the span
+    segment = session.images[0]
+    session.keep_last(len(session.token_ids) - segment.start - 1)  # inside the segment
     assert session.images == [] and session.token_ids == list(b"ab")
 
 
@@ -642,8 +642,8 @@ def test_the_commands_take_pictures(seeing, tmp_path, monkeypatch, capsys):
     assert main(["generate", *common, "--prompt", "what is it?", "--image",
                  str(tmp_path / "a.png"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    span = image_input(png(100, 70), seeing.config).n_positions
-    assert out["prompt_token_ids"][:span] == [seeing.config.image_token_id] * span
+    segment = image_input(png(100, 70), seeing.config).n_positions
+    assert out["prompt_token_ids"][:segment] == [seeing.config.image_token_id] * segment
     assert out["memory"]["positions"]["image"]["bytes_per_token"] > 0
     assert main(["generate", *common, "--prompt", "x", "--image",
                  str(tmp_path / "none.png")]) == 2
@@ -656,4 +656,4 @@ def test_the_commands_take_pictures(seeing, tmp_path, monkeypatch, capsys):
     assert "cannot read" in err and "picture 1 added" in err
     saved = DiskTier(tmp_path / "cache", 1 << 30).show("pics")
     assert [i["start"] for i in saved.images] == [0]
-    assert len(saved.token_ids) == span + len("and this?\n") + 3
+    assert len(saved.token_ids) == segment + len("and this?\n") + 3

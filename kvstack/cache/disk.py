@@ -15,8 +15,8 @@ blocks are stored once. A session row holds the model's fingerprint, the format 
 the token ids and the names of its blocks, plus an HMAC-SHA-256 of all of those under the
 directory's key (`manifest.key`): a flipped byte
 in the manifest fails that session alone. A conversation with pictures also lists them
-(`images`: where each span starts, its patch grid, and the file of its patches, stored as
-a block file is), which the signature covers: a replay over an image span encodes the
+(`images`: where each segment starts, its patch grid, and the file of its patches, stored as
+a block file is), which the signature covers: a replay over an image segment encodes the
 picture again. Window rings are never saved: a resumed session
 rebuilds them by replay.
 

@@ -225,7 +225,7 @@ class PagedSequenceStore(KVStore):
         self._len = {s.layer: 0 for s in pools.layout.streams}
         self.block_hashes: list[bytes] = []  # chain hashes of the full blocks registered
         self.prefix_seed: bytes | None = None  # its chain's seed (salted); None: not cached
-        self.image_keys: tuple[ImageKey, ...] = ()  # its image spans, which name blocks too
+        self.image_keys: tuple[ImageKey, ...] = ()  # its image segments, which name blocks too
         # Set when the streams hold tokens the window rings never saw (a prefix-cache
         # hit): the runner rebuilds the rings by replay before anything else.
         self.needs_replay = False

@@ -5,8 +5,8 @@ causal and a block ends on a group boundary of every stream), so block i is name
 h_i = sha256(h_{i-1} || its token ids), with h_{-1} a seed made of the model's fingerprint
 and the block size: a hit needs the same weights, the same cache formats (part of the
 config the fingerprint covers), the same block size and the same tokens from the start.
-Every position of an image's span holds the same token id, so a block that holds part of
-an image span also hashes the image's content digest and where its span starts: the same
+Every position of an image's segment holds the same token id, so a block that holds part of
+an image segment also hashes the image's content digest and where its segment starts: the same
 picture hits, a different one never does.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# An image span as the hash chain sees it: (start, stop, the image's content digest).
+# An image segment as the hash chain sees it: (start, stop, the image's content digest).
 ImageKey = tuple[int, int, bytes]
 
 
@@ -37,7 +37,7 @@ def block_hashes(seed: bytes, token_ids: list[int], block_tokens: int,
                  images: Sequence[ImageKey] = ()) -> list[bytes]:
     """Chain hashes of every full block of token_ids; `known` (the hashes of the first
     blocks, already computed) is extended rather than recomputed. `images`: the image
-    spans of the sequence."""
+    segments of the sequence."""
     hashes = list(known or [])
     previous = hashes[-1] if hashes else seed
     for start in range(len(hashes) * block_tokens,

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     params = sampling(args)
     if args.truncate == "left":  # the prompt's last tokens, leaving room for the reply
         if args.image:
-            raise ValueError("--truncate left cuts token ids, and would cut a picture's span: "
+            raise ValueError("--truncate left cuts token ids, and would cut a picture's segment: "
                              "shorten the prompt instead")
         prompt = llm.encode(prompt)[-max(1, llm.core.max_model_len - params.max_tokens):]
     if args.image:

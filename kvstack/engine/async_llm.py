@@ -19,7 +19,7 @@ from kvstack.engine.core import EngineError
 from kvstack.engine.llm import LLM, Prompt
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.sequence import RequestOutput
-from kvstack.model.vision import ImageSpan
+from kvstack.model.vision import ImageSegment
 
 
 class AsyncLLM:
@@ -43,14 +43,14 @@ class AsyncLLM:
                        keep_cache: bool = False,
                        cache_salt: str | None = None,
                        hold_kept: bool = False,
-                       images: list[ImageSpan] | None = None) -> AsyncIterator[RequestOutput]:
+                       images: list[ImageSegment] | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them, the final one last. A bad prompt
         raises ValueError before anything is queued, a request the engine refuses (too
         long, an unknown conversation) ValueError at the first step; a caller that stops
         iterating early (a closed connection) aborts the request. continue_from /
         keep_cache / cache_salt / hold_kept: as `EngineCore.add_request`'s (a conversation
         kept in the cache; the prefix-cache partition; kept until saved); images: the
-        spans of the pictures the ids hold (`LLM.place_images` makes both)."""
+        segments of the pictures the ids hold (`LLM.place_images` makes both)."""
         if self._closed:
             raise EngineError("the engine is shut down")
         loop = asyncio.get_running_loop()

@@ -36,7 +36,7 @@ from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput, Sequence, Status
 from kvstack.engine.tokenizer import Tokenizer
 from kvstack.model import Model
-from kvstack.model.vision import ImageSpan
+from kvstack.model.vision import ImageSegment
 
 log = logging.getLogger("kvstack")
 MAX_FAULTS = 2  # failed steps in a row (no decode between) before a request ends in error
@@ -104,7 +104,7 @@ class EngineCore:
                     keep_cache: bool = False, watch: bool = False,
                     on_output: Callable[[RequestOutput], None] | None = None,
                     cache_salt: str | None = None, hold_kept: bool = False,
-                    images: list[ImageSpan] | None = None) -> str:
+                    images: list[ImageSegment] | None = None) -> str:
         """Queue a request of token ids; it joins the running batch at the next step. Bad
         input raises ValueError here, before anything is queued. `watch`: route its
         outputs to `wait` (front ends that wait on it say so); `on_output`: hand each of
@@ -116,7 +116,7 @@ class EngineCore:
         reads and adds to (None: the shared one); requests of other salts never hit its
         blocks (tenants of one server). hold_kept: with keep_cache, the kept cache is not
         evicted for room until `end_hold` (or a few seconds): its owner saves it.
-        images: the images whose spans the ids hold, placed from the ids' first position
+        images: the images whose segments the ids hold, placed from the ids' first position
         (`kvstack.engine.images.expand_images` makes both)."""
         if self.failure is not None:
             raise EngineError(self.failure)
@@ -128,7 +128,7 @@ class EngineCore:
             if previous is None or previous.status is not Status.FINISHED:
                 raise ValueError(f"request {continue_from!r} is not a finished request to "
                                  "continue")
-        spans = self._image_spans(ids, images or [], previous)
+        segments = self._image_segments(ids, images or [], previous)
         if previous is not None:
             ids = previous.all_ids + ids
         if len(ids) >= self.max_model_len:
@@ -156,7 +156,7 @@ class EngineCore:
         grammar = self.grammars.matcher(params) if params.constrained else None
         if previous is not None:  # a conversation stays in its own partition
             cache_salt = previous.cache_salt
-        seq = Sequence(request_id, ids, params, prompt, images=spans, generator=generator,
+        seq = Sequence(request_id, ids, params, prompt, images=segments, generator=generator,
                        keep_cache=keep_cache, cache_salt=cache_salt, hold_kept=hold_kept,
                        end_ids=end_ids, grammar=grammar,
                        detokenizer=Detokenizer(self.tokenizer, tuple(params.stop)))
@@ -174,10 +174,10 @@ class EngineCore:
         self.scheduler.add(seq)
         return request_id
 
-    def _image_spans(self, ids: list[int], images: list[ImageSpan],
-                     previous: Sequence | None) -> list[ImageSpan]:
-        """The sequence's image spans (a continued conversation's, then these, placed after
-        its tokens), checked: the image token marks exactly the spans' positions."""
+    def _image_segments(self, ids: list[int], images: list[ImageSegment],
+                     previous: Sequence | None) -> list[ImageSegment]:
+        """The sequence's image segments (a continued conversation's, then these, placed after
+        its tokens), checked: the image token marks exactly the segments' positions."""
         c = self.model.config
         if images and not c.has_vision:
             raise ValueError("this model has no vision tower (vision_n_layers is 0): it "
@@ -188,20 +188,20 @@ class EngineCore:
         if not c.has_vision:
             return []
         covered = [False] * len(ids)
-        for span in images:
-            if not 0 <= span.start < span.stop <= len(ids) or any(
-                    covered[span.start : span.stop]):
-                raise ValueError(f"an image span at {span.start}..{span.stop - 1} lies "
+        for segment in images:
+            if not 0 <= segment.start < segment.stop <= len(ids) or any(
+                    covered[segment.start : segment.stop]):
+                raise ValueError(f"an image segment at {segment.start}..{segment.stop - 1} lies "
                                  f"outside the prompt's {len(ids)} tokens or overlaps another")
-            covered[span.start : span.stop] = [True] * (span.stop - span.start)
+            covered[segment.start : segment.stop] = [True] * (segment.stop - segment.start)
         for i, (t, inside) in enumerate(zip(ids, covered, strict=True)):
             if (t == c.image_token_id) != inside:
                 raise ValueError(f"prompt position {i}: the image token id "
                                  f"({c.image_token_id}) must mark exactly the positions of "
-                                 "the images' spans (a placeholder per image, expanded)")
+                                 "the images' segments (a placeholder per image, expanded)")
         offset = 0 if previous is None else previous.num_tokens
         before = [] if previous is None else previous.images
-        return before + [ImageSpan(s.start + offset, s.image) for s in images]
+        return before + [ImageSegment(s.start + offset, s.image) for s in images]
 
     @locked
     def end_hold(self, request_id: str) -> None:

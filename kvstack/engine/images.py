@@ -5,7 +5,7 @@ patches that costs at most vision_max_n_token prompt positions (scaled up first 
 holds fewer than vision_min_pixels pixels), padded with grey to that size keeping its
 aspect (or stretched, when wider than vision_max_wh_ratio times its height), scaled to
 [-1, 1] in bf16 and cut into patches. Each image placeholder (the image token id) in a
-prompt's token ids becomes the image's whole span (`kvstack.model.vision`).
+prompt's token ids becomes the image's whole segment (`kvstack.model.vision`).
 
 Nothing is fetched: an image comes as bytes, a file path, or a `data:` URL.
 """
@@ -20,7 +20,7 @@ import torch
 
 from kvstack.config import ModelConfig
 from kvstack.image_grid import plan_grid
-from kvstack.model.vision import ImageInput, ImageSpan
+from kvstack.model.vision import ImageInput, ImageSegment
 
 # Bytes of one encoded image accepted by default (the server's --max-image-bytes).
 MAX_IMAGE_BYTES = 10 << 20
@@ -118,9 +118,9 @@ def image_input(source: Any, config: ModelConfig,
 
 
 def expand_images(token_ids: list[int], images: list[ImageInput],
-                  config: ModelConfig) -> tuple[list[int], list[ImageSpan]]:
+                  config: ModelConfig) -> tuple[list[int], list[ImageSegment]]:
     """A prompt's ids with each image placeholder (the image token id, one per image, in
-    order) widened to its image's whole span, and the spans' places."""
+    order) widened to its image's whole segment, and the segments' places."""
     marker = config.image_token_id
     slots = [i for i, t in enumerate(token_ids) if t == marker]
     if images and not config.has_vision:
@@ -130,13 +130,13 @@ def expand_images(token_ids: list[int], images: list[ImageInput],
         raise ImageError(f"the prompt holds {len(slots)} image placeholders (token "
                          f"{marker}) and {len(images)} images were given")
     out: list[int] = []
-    spans: list[ImageSpan] = []
+    segments: list[ImageSegment] = []
     images_left = iter(images)
     for t in token_ids:
         if t != marker:
             out.append(t)
             continue
         image = next(images_left)
-        spans.append(ImageSpan(len(out), image))
+        segments.append(ImageSegment(len(out), image))
         out.extend([marker] * image.n_positions)
-    return out, spans
+    return out, segments

@@ -29,7 +29,7 @@ from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput
 from kvstack.engine.session import Session, resume_session
-from kvstack.model.vision import ImageInput, ImageSpan
+from kvstack.model.vision import ImageInput, ImageSegment
 
 log = logging.getLogger("kvstack")
 
@@ -133,20 +133,20 @@ class LLM:
         prompt, images = _split_prompt(prompt, images)
         # A continuation may add nothing: the previous turn's last token is still to feed.
         ids = [] if continue_from is not None and not prompt else self.encode(prompt)
-        spans = None
-        if images and all(isinstance(i, ImageSpan) for i in images):
-            spans = list(images)  # placed already: the ids hold their spans
+        segments = None
+        if images and all(isinstance(i, ImageSegment) for i in images):
+            segments = list(images)  # placed already: the ids hold their segments
         elif images:
-            ids, spans = self.place_images(ids, images)
+            ids, segments = self.place_images(ids, images)
         return self.core.add_request(ids, params or SamplingParams(),
                                      prompt if isinstance(prompt, str) else None, request_id,
                                      continue_from, keep_cache, watch, on_output, cache_salt,
-                                     images=spans)
+                                     images=segments)
 
     def place_images(self, ids: list[int], images: list[Any]) -> tuple[list[int],
-                                                                       list[ImageSpan]]:
-        """The prompt's ids with each image's span in place of its placeholder (before the
-        text where it has none) and the spans; refused with `ImageError` naming what is
+                                                                       list[ImageSegment]]:
+        """The prompt's ids with each image's segment in place of its placeholder (before the
+        text where it has none) and the segments; refused with `ImageError` naming what is
         wrong (no tower, an undecodable or too large picture, a URL to fetch)."""
         inputs = [image if isinstance(image, ImageInput) else
                   image_input(image, self.config, self.engine_config.image_bytes)

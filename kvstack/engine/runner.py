@@ -20,7 +20,7 @@ from kvstack.engine.sequence import Sequence, Status
 from kvstack.model import Model
 from kvstack.model.model import Compressor, Extension
 from kvstack.model.packed import PackedExperts, PackedLinear
-from kvstack.model.vision import ImageSpan
+from kvstack.model.vision import ImageSegment
 
 log = logging.getLogger("kvstack")
 
@@ -108,13 +108,13 @@ class ModelRunner:
 
     @torch.no_grad()
     def prefill_store(self, store: PagedSequenceStore, fresh: list[int],
-                      final: bool = True, images: list[ImageSpan] | None = None
+                      final: bool = True, images: list[ImageSegment] | None = None
                       ) -> torch.Tensor | None:
         """Prefill `fresh` ids after what the store holds; the last logits [1, V] (a part
         that is not the prompt's last: None). A store started on cached blocks first
         rebuilds its window rings and partial groups by replay (`bounded` or `exact`), or
         copies those a replay over the same blocks left (a window checkpoint). `images`:
-        the sequence's image spans (what a replay or the fresh ids hold of them is
+        the sequence's image segments (what a replay or the fresh ids hold of them is
         encoded again)."""
         with native.active(self.cpu_kernels):
             self._catch_up(store, images)
@@ -126,7 +126,7 @@ class ModelRunner:
             return self.model.prefill(ids, store, replay=self.config.replay,
                                       chunk_size=self.config.chunk_size, images=images)
 
-    def _catch_up(self, store: PagedSequenceStore, images: list[ImageSpan] | None) -> None:
+    def _catch_up(self, store: PagedSequenceStore, images: list[ImageSegment] | None) -> None:
         """Rebuild the window state a store started on cached blocks owes, by replay or
         from a window checkpoint."""
         if store.needs_replay and not store.restore_window():
@@ -140,7 +140,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def _extend(self, store: PagedSequenceStore, fresh: list[int], n_logits: int,
-                target_hidden: int, images: list[ImageSpan] | None = None) -> Extension:
+                target_hidden: int, images: list[ImageSegment] | None = None) -> Extension:
         """`Model.extend` of `fresh` after what the store holds (caught up first)."""
         with native.active(self.cpu_kernels):
             self._catch_up(store, images)

@@ -10,7 +10,7 @@ import torch
 from kvstack.cache.paged import PagedSequenceStore
 from kvstack.cache.prefix import ImageKey
 from kvstack.engine.sampling import SamplingParams, TokenLogprobs
-from kvstack.model.vision import ImageSpan
+from kvstack.model.vision import ImageSegment
 
 if TYPE_CHECKING:
     from kvstack.engine.grammar import Matcher
@@ -29,7 +29,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
-    images: list[ImageSpan] = field(default_factory=list)  # the images its prompt holds
+    images: list[ImageSegment] = field(default_factory=list)  # the images its prompt holds
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, if asked
     text: str = ""
@@ -74,13 +74,13 @@ class Sequence:
 
     @property
     def image_positions(self) -> int:
-        """Positions of its prompt that image spans take."""
+        """Positions of its prompt that image segments take."""
         return sum(s.image.n_positions for s in self.images)
 
 
-def image_keys(spans: list[ImageSpan]) -> tuple[ImageKey, ...]:
-    """Image spans as the prefix cache names blocks by them."""
-    return tuple((s.start, s.stop, bytes.fromhex(s.image.digest)) for s in spans)
+def image_keys(segments: list[ImageSegment]) -> tuple[ImageKey, ...]:
+    """Image segments as the prefix cache names blocks by them."""
+    return tuple((s.start, s.stop, bytes.fromhex(s.image.digest)) for s in segments)
 
 
 @dataclass(frozen=True)

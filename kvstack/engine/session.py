@@ -7,7 +7,7 @@ process or another, loads the blocks back into the pool and the next turn first 
 the rings by replay (`bounded` or `exact`, as the LLM is configured).
 
 A conversation with pictures keeps them (their patches, bf16) beside its tokens, in memory
-and in the saved record: a replay over part of an image span encodes the picture again,
+and in the saved record: a replay over part of an image segment encodes the picture again,
 and the prefix cache names the image's blocks by its content.
 """
 
@@ -19,7 +19,7 @@ import torch
 from kvstack.engine.core import EngineError
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.sequence import RequestOutput, Sequence, Status, image_keys
-from kvstack.model.vision import ImageInput, ImageSpan
+from kvstack.model.vision import ImageInput, ImageSegment
 
 if TYPE_CHECKING:
     from kvstack.cache.paged import PagedSequenceStore
@@ -29,12 +29,12 @@ if TYPE_CHECKING:
 class Session:
     def __init__(self, llm: "LLM", name: str, token_ids: list[int] | None = None,
                  request_id: str | None = None, cache_salt: str | None = None,
-                 images: list[ImageSpan] | None = None) -> None:
+                 images: list[ImageSegment] | None = None) -> None:
         self.llm, self.name, self.cache_salt = llm, name, cache_salt
         self.token_ids: list[int] = list(token_ids or [])  # every token so far
-        self.images: list[ImageSpan] = list(images or [])  # its pictures' spans
+        self.images: list[ImageSegment] = list(images or [])  # its pictures' segments
         self._pending: list[int] = []  # appended, not yet fed to the model
-        self._pending_images: list[ImageSpan] = []  # theirs, placed from _pending's start
+        self._pending_images: list[ImageSegment] = []  # theirs, placed from _pending's start
         self._request_id = request_id  # the finished request that keeps the cache
 
     def append(self, text: str | list[int], images: list[Any] | None = None) -> None:
@@ -42,12 +42,12 @@ class Session:
         `LLM.add_request` takes them: at the text's image placeholders, else before it);
         the next generate() feeds them."""
         ids = self.llm.encode(text) if text or not images else []
-        spans: list[ImageSpan] = []
+        segments: list[ImageSegment] = []
         if images:
-            ids, spans = self.llm.place_images(ids, images)
-        self._pending_images += [ImageSpan(len(self._pending) + s.start, s.image)
-                                 for s in spans]
-        self.images += [ImageSpan(len(self.token_ids) + s.start, s.image) for s in spans]
+            ids, segments = self.llm.place_images(ids, images)
+        self._pending_images += [ImageSegment(len(self._pending) + s.start, s.image)
+                                 for s in segments]
+        self.images += [ImageSegment(len(self.token_ids) + s.start, s.image) for s in segments]
         self._pending += ids
         self.token_ids += ids
 
@@ -117,11 +117,11 @@ class Session:
         if len(self.token_ids) > n_tokens:
             self.close()
             cut = len(self.token_ids) - n_tokens
-            for span in self.images:  # a picture cut in two goes whole
-                if span.start < cut < span.stop:
-                    cut = span.stop
+            for segment in self.images:  # a picture cut in two goes whole
+                if segment.start < cut < segment.stop:
+                    cut = segment.stop
             self.token_ids = self.token_ids[cut:]
-            self.images = [ImageSpan(s.start - cut, s.image) for s in self.images
+            self.images = [ImageSegment(s.start - cut, s.image) for s in self.images
                            if s.start >= cut]
             # with no cache, the next turn feeds every kept token
             self._pending, self._pending_images = [], []
@@ -139,7 +139,7 @@ class Session:
             held = store.num_tokens if store is not None else 0
         llm.disk.save(self.name, llm.fingerprint, llm.cache.block_tokens, held, self.token_ids,
                       payloads, llm.cache.layout.window_bytes_per_sequence,
-                      [_saved_image(span) for span in self.images])
+                      [_saved_image(segment) for segment in self.images])
 
     def _store(self) -> "PagedSequenceStore | None":
         """The cache its kept request holds, if it still does."""
@@ -168,21 +168,21 @@ class Session:
         }
 
 
-def _saved_image(span: ImageSpan) -> tuple[dict[str, Any], bytes]:
+def _saved_image(segment: ImageSegment) -> tuple[dict[str, Any], bytes]:
     """A picture as the disk tier keeps it: its place and grid, its patches' bytes."""
-    image = span.image
+    image = segment.image
     if image.patches.dtype != torch.bfloat16:
         raise ValueError("a session keeps pictures as the image processor makes them (bf16 "
                          f"patches), got {image.patches.dtype}")
     data = image.patches.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-    return {"start": span.start, "n_vit_h": image.n_vit_h, "n_vit_w": image.n_vit_w,
+    return {"start": segment.start, "n_vit_h": image.n_vit_h, "n_vit_w": image.n_vit_w,
             "ratio": image.ratio}, data
 
 
-def _resumed_images(llm: "LLM", name: str) -> list[ImageSpan]:
+def _resumed_images(llm: "LLM", name: str) -> list[ImageSegment]:
     saved = llm.disk.show(name)
     p = llm.config.vision_patch_size
-    spans = []
+    segments = []
     for meta, data in zip(saved.images, llm.disk.load_images(saved), strict=True):
         if not llm.config.has_vision:
             raise ValueError(f"session {name!r} holds pictures and this model has no vision "
@@ -193,9 +193,9 @@ def _resumed_images(llm: "LLM", name: str) -> list[ImageSpan]:
             raise ValueError(f"session {name!r}: a picture's file holds {patches.numel()} "
                              f"values, its {meta['n_vit_h']} x {meta['n_vit_w']} grid of "
                              f"{p}-pixel patches needs {n * 3 * p * p}")
-        spans.append(ImageSpan(meta["start"], ImageInput(
+        segments.append(ImageSegment(meta["start"], ImageInput(
             patches.view(n, 3, p, p), meta["n_vit_h"], meta["n_vit_w"], meta["ratio"])))
-    return spans
+    return segments
 
 
 def resume_session(llm: "LLM", name: str, cache_salt: str | None = None) -> Session:

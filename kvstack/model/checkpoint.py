@@ -66,7 +66,7 @@ _NO_VISION = " (this model is built without a vision tower: vision_n_layers 0)"
 SKIPPED_PREFIXES = {
     "vision.": "vision tower" + _NO_VISION,
     "aligner.": "vision aligner" + _NO_VISION,
-    "image_": "image span embeddings" + _NO_VISION,
+    "image_": "image segment embeddings" + _NO_VISION,
 }
 SKIPPED_SUFFIXES = {".ffn.gate.bias_vl": "routing bias of image tokens" + _NO_VISION}
 

@@ -196,7 +196,7 @@ class EngramHash(nn.Module):
     look-back i is the hash of the (i+1)-gram), and each (n-gram size, head) lands in its own
     prime-sized range of the layer's table. Look-back stops at the start of the sequence: a
     slot before position 0 takes the pad token's compressed id. It stops at an image
-    position too (`dead_id`, the image token: an n-gram never spans an image): that slot
+    position too (`dead_id`, the image token: an n-gram never reaches across an image): that slot
     and every one further back take the pad's id.
 
     Everything here is derived from the config and the tokenizer, so the buffers are

@@ -33,7 +33,7 @@ from kvstack.model.engram import Engram, EngramHash
 from kvstack.model.instruments import Instruments
 from kvstack.model.packed import Experts, PackedExperts, PackedLinear
 from kvstack.model.params import check_fits_memory
-from kvstack.model.vision import Aligner, ImageRows, ImageSpan, ViT
+from kvstack.model.vision import Aligner, ImageRows, ImageSegment, ViT
 
 QUERY_TILE = 256  # queries scored at once: bounds the [tile, keys] score matrices
 KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
@@ -1539,7 +1539,7 @@ class Model(nn.Module):
         from kvstack.model.dspark import Draft  # built from this module's layers
 
         self.draft = Draft(c) if c.has_draft else None
-        # The vision tower (`kvstack.model.vision`): image spans' embedding rows.
+        # The vision tower (`kvstack.model.vision`): image segments' embedding rows.
         if c.has_vision:
             self.vision = ViT(c)
             self.aligner = Aligner(c)
@@ -1626,7 +1626,7 @@ class Model(nn.Module):
             first = start + int((marked[0] ^ covered).nonzero()[0, 0])
             raise ValueError(f"position {first}: the image token id "
                              f"({self.config.image_token_id}) must mark exactly the "
-                             "positions of the images' spans")
+                             "positions of the images' segments")
         x[0, covered] = rows[covered]
         return marked if bool(marked.any()) else None
 
@@ -1768,14 +1768,14 @@ class Model(nn.Module):
                 target_rows: torch.Tensor | None = None,
                 instruments: Instruments | None = None,
                 target_hidden: bool = False,
-                images: list[ImageSpan] | None = None) -> ModelOutput:
+                images: list[ImageSegment] | None = None) -> ModelOutput:
         """Every layer over every token. Training asks for more: `dense`, attend to all
         visible compressed entries (the warm-up); `collect`, also return indexer scores
         and targets; `target_rows` [B, R], indexer scores and attention targets over every
         visible entry at these query positions alone, attention staying sparse. Research
         probes go through `instruments`, which records what they ask for. `target_hidden`:
         also return what DSpark's draft reads (`ModelOutput.target_hidden`). `images`: the
-        images whose spans the ids hold (one sequence)."""
+        images whose segments the ids hold (one sequence)."""
         ids = self._check_ids(input_ids)
         if target_rows is not None:
             if collect or dense:
@@ -1849,19 +1849,19 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: KVStore, replay: str = "bounded",
-                chunk_size: int = 512, images: list[ImageSpan] | None = None) -> torch.Tensor:
+                chunk_size: int = 512, images: list[ImageSegment] | None = None) -> torch.Tensor:
         """CED prefill of input_ids [B, n] after what the cache holds; last logits [B, V].
 
         The encoder runs over every token, the decoder's stream is written for every token,
         and the decoder layers run over the last `decoder_span` tokens only. Without CED
-        every layer runs over every token. `images`: the images whose spans the new ids
+        every layer runs over every token. `images`: the images whose segments the new ids
         hold, at positions counted from the sequence's start (one sequence)."""
         return self.extend(input_ids, cache, replay, chunk_size, images=images).logits[:, -1]
 
     @torch.no_grad()
     def extend(self, input_ids: torch.Tensor, cache: KVStore, replay: str = "bounded",
                chunk_size: int = 512, n_logits: int = 1, target_hidden: int = 0,
-               images: list[ImageSpan] | None = None) -> Extension:
+               images: list[ImageSegment] | None = None) -> Extension:
         """`prefill` handing back more: the logits of the last `n_logits` tokens (a
         draft's verify reads one per drafted token), and with `target_hidden`, DSpark's
         target states (`ModelOutput.target_hidden`) of the last `target_hidden` tokens
@@ -1883,7 +1883,7 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def prefill_part(self, input_ids: torch.Tensor, cache: KVStore,
-                     chunk_size: int = 512, images: list[ImageSpan] | None = None) -> None:
+                     chunk_size: int = 512, images: list[ImageSegment] | None = None) -> None:
         """A prompt's leading part, when it is prefilled over several calls (a long prompt
         spread over engine steps): the encoder over input_ids [B, n] and the decoder's
         stream, which is all a later `prefill` needs of these tokens as long as it holds at
@@ -1898,7 +1898,7 @@ class Model(nn.Module):
 
     def _encode(self, input_ids: torch.Tensor, cache: KVStore, chunk_size: int,
                 keep: int, draft: dict[int, list[torch.Tensor]] | None = None,
-                images: list[ImageSpan] | None = None) -> "TokenStates | None":
+                images: list[ImageSegment] | None = None) -> "TokenStates | None":
         """Append input_ids to the cache and run the encoder (every layer without CED) over
         them in chunks, writing the decoder's stream; the token states of the last `keep`
         tokens as the encoder leaves them (without CED: the last chunk's), else None."""
@@ -1966,14 +1966,14 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def rebuild_window(self, cache: KVStore, replay: str = "bounded", chunk_size: int = 512,
-                       logits: bool = True, images: list[ImageSpan] | None = None
+                       logits: bool = True, images: list[ImageSegment] | None = None
                        ) -> torch.Tensor | None:
         """Rebuild every window ring and partial group from the persisted streams by
         re-running the last tokens (nothing new is written to the streams); returns the
         last position's logits [B, V]. Without `logits` (an engine, which prefills the next
         tokens anyway) the last layer only writes its rings and partial groups: nothing
         reads its attention or feed-forward output, and None is returned. `images`: the
-        images of the sequence's spans (a replay over part of a span encodes the image
+        images of the sequence's segments (a replay over part of a segment encodes the image
         again)."""
         c = self.config
         n = cache.num_tokens
@@ -2000,7 +2000,7 @@ class Model(nn.Module):
             self.layers[last].write_window(s[i : i + chunk_size], start + i, cache)
         return None
 
-    def _image_rows(self, images: list[ImageSpan] | None, first: int,
+    def _image_rows(self, images: list[ImageSegment] | None, first: int,
                     n: int) -> ImageRows | None:
         if not images:
             return None

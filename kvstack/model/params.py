@@ -75,7 +75,7 @@ def draft_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def vision_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The vision tower (`kvstack.model.vision`): the ViT under `vision.`, the aligner under
-    `aligner.`, the image span's three learned embeddings; {} without one. (The routers'
+    `aligner.`, the image segment's three learned embeddings; {} without one. (The routers'
     image bias, `bias_vl`, is a trunk parameter.)"""
     c = config
     if not c.has_vision:

@@ -4,7 +4,7 @@ defines them.
 
 An image of n_vit_h x n_vit_w patches (`kvstack.engine.images` makes them) becomes a grid
 of n_h x n_w tokens, the aligner merging each downsample_ratio x downsample_ratio square of
-patches into one (n_h = ceil(n_vit_h / ratio)). The prompt holds the image as a span of
+patches into one (n_h = ceil(n_vit_h / ratio)). The prompt holds the image as a segment of
 n_h (n_w + 1) + 2 positions, every one carrying `image_token_id`:
 
     IMAGE_START, (IMAGE x n_w, IMAGE_NEW_LINE) x n_h, IMAGE_END
@@ -25,16 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstack.config import ModelConfig
-from kvstack.image_grid import span_length
+from kvstack.image_grid import segment_length
 
-# What each position of an image span holds (the reference's token types).
+# What each position of an image segment holds (the reference's token types).
 IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(4)
 # The ViT's norms are the reference's own, not the trunk's norm_eps.
 VISION_NORM_EPS = 1e-6
 
 
-def span_types(n_h: int, n_w: int) -> torch.Tensor:
-    """The span's position types int64 [span_length]: reading order, a newline a row."""
+def segment_types(n_h: int, n_w: int) -> torch.Tensor:
+    """The segment's position types int64 [segment_length]: reading order, a newline a row."""
     row = [IMAGE] * n_w + [IMAGE_NEW_LINE]
     return torch.tensor([IMAGE_START, *(row * n_h), IMAGE_END], dtype=torch.int64)
 
@@ -72,12 +72,12 @@ class ImageInput:
 
     @property
     def n_positions(self) -> int:
-        return span_length(*self.grid)
+        return segment_length(*self.grid)
 
 
 @dataclass(frozen=True)
-class ImageSpan:
-    """An image placed in a sequence: its span starts at position `start`."""
+class ImageSegment:
+    """An image placed in a sequence: its segment starts at position `start`."""
 
     start: int
     image: ImageInput
@@ -204,8 +204,8 @@ class Aligner(nn.Module):
         return self.w2(F.gelu(self.w1(squares)))
 
 
-def span_rows(model: nn.Module, image: ImageInput) -> torch.Tensor:
-    """The embedding rows float32 [span_length, dim] of an image's span: the delimiters'
+def segment_rows(model: nn.Module, image: ImageInput) -> torch.Tensor:
+    """The embedding rows float32 [segment_length, dim] of an image's segment: the delimiters'
     learned embeddings and the aligner's rows in reading order."""
     vision, aligner = model.vision, model.aligner
     weight = aligner.w2.weight
@@ -213,8 +213,8 @@ def span_rows(model: nn.Module, image: ImageInput) -> torch.Tensor:
     tokens = aligner(vision(patches, image.n_vit_h, image.n_vit_w),
                      image.n_vit_h, image.n_vit_w).float()  # [n_h n_w, dim]
     n_h, n_w = image.grid
-    rows = torch.empty(span_length(n_h, n_w), tokens.shape[1], device=tokens.device)
-    types = span_types(n_h, n_w).to(tokens.device)
+    rows = torch.empty(segment_length(n_h, n_w), tokens.shape[1], device=tokens.device)
+    types = segment_types(n_h, n_w).to(tokens.device)
     rows[types == IMAGE_START] = model.image_start.float()
     rows[types == IMAGE_END] = model.image_end.float()
     rows[types == IMAGE_NEW_LINE] = model.image_newline.float()
@@ -232,20 +232,21 @@ class ImageRows:
     covered: torch.Tensor
 
     @staticmethod
-    def of(model: nn.Module, spans: list[ImageSpan], first: int, n: int) -> "ImageRows | None":
-        """Encodes each image whose span meets first..first + n - 1 (whole: the tower sees
-        the whole image even where the call holds part of its span)."""
-        inside = [s for s in spans if s.start < first + n and s.stop > first]
+    def of(model: nn.Module, segments: list[ImageSegment], first: int,
+           n: int) -> "ImageRows | None":
+        """Encodes each image whose segment meets first..first + n - 1 (whole: the tower sees
+        the whole image even where the call holds part of its segment)."""
+        inside = [s for s in segments if s.start < first + n and s.stop > first]
         if not inside:
             return None
         dim = model.config.dim
         device = model.embed.weight.device
         rows = torch.zeros(n, dim, device=device)
         covered = torch.zeros(n, dtype=torch.bool, device=device)
-        for span in inside:
-            lo, hi = max(span.start, first), min(span.stop, first + n)
-            encoded = span_rows(model, span.image)
-            rows[lo - first : hi - first] = encoded[lo - span.start : hi - span.start]
+        for segment in inside:
+            lo, hi = max(segment.start, first), min(segment.stop, first + n)
+            encoded = segment_rows(model, segment.image)
+            rows[lo - first : hi - first] = encoded[lo - segment.start : hi - segment.start]
             covered[lo - first : hi - first] = True
         return ImageRows(first, rows, covered)
 

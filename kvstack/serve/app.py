@@ -32,7 +32,7 @@ from kvstack.engine.async_llm import AsyncLLM
 from kvstack.engine.chat_template import ChatTemplate
 from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.sequence import RequestOutput
-from kvstack.model.vision import ImageSpan
+from kvstack.model.vision import ImageSegment
 from kvstack.serve.guards import RequestGate, guarded_protocol
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.protocol import (
@@ -283,20 +283,20 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         if body.session or request.headers.get(SESSION_HEADER):
             raise APIError(400, "a session's turns are text: send pictures without a session",
                            "session")
-        # Each picture's part becomes the image token, then its whole span.
+        # Each picture's part becomes the image token, then its whole segment.
         ids: list[int] = []
         for i, piece in enumerate(text.split(IMAGE_MARK)):
             ids += ([llm.config.image_token_id] if i else []) + (
                 llm.tokenizer.encode(piece) if piece else [])
         try:  # decoding pictures is the request's own work, off the event loop
-            ids, spans = await asyncio.to_thread(llm.place_images, ids, urls)
+            ids, segments = await asyncio.to_thread(llm.place_images, ids, urls)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        return await serve(body, request, [ids], template.stop, "chat.completion", spans)
+        return await serve(body, request, [ids], template.stop, "chat.completion", segments)
 
     async def serve(body: _Request, request: Request, prompts: list[str | list[int]],
                     stop: tuple[str, ...], kind: str,
-                    images: list[ImageSpan] | None = None) -> Response:
+                    images: list[ImageSegment] | None = None) -> Response:
         body.check()
         if body.model != config.model_name:
             raise APIError(404, f"model {body.model!r} is not served here (this server: "
@@ -407,7 +407,7 @@ class PromptInput:
     ids: list[int]
     text: str | None
     scores: list[PromptLogprob | None] | None
-    images: list[ImageSpan] | None = None  # the spans of the pictures its ids hold
+    images: list[ImageSegment] | None = None  # the segments of the pictures its ids hold
 
 
 class Run:
