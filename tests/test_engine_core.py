@@ -699,7 +699,8 @@ def test_a_prompt_part_keeps_room_for_the_decoder_span():
 def test_a_step_hands_out_each_output_when_its_model_call_returns():
     """A step that decodes a batch and prefills several prompts routes the decode
     batch's tokens before any prefill runs, and each prompt's first token before the next
-    prompt's prefill, the shortest prompt first."""
+    prompt's prefill, the shortest prompt first; a prompt whose rest fits a window runs as
+    rows of the decode call, its first token out with the batch's."""
     llm = tiny(max_num_seqs=4)
     core, events = llm.core, []
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -717,6 +718,63 @@ def test_a_step_hands_out_each_output_when_its_model_call_returns():
     long_, short = (core.add_request(ids, params, on_output=lambda out: events.append(
         ("out", out.request_id))) for ids in (list(range(1, 60)), list(range(1, 9))))
     outputs = core.step()
-    assert events == [("out", running), ("prefill", short), ("out", short),
-                      ("prefill", long_), ("out", long_)]
+    assert core.runner.joins_decode(core.requests[short], 8)
+    assert events == [("out", running), ("out", short), ("prefill", long_), ("out", long_)]
     assert [o.request_id for o in outputs] == [running, short, long_]
+
+
+def test_prompts_joined_to_the_decode_call_equal_a_prefill_each():
+    """Prompts whose rest fits a window run as rows of the decode call, several at once
+    beside running streams, one of them on a cached prefix (replayed first): every greedy
+    output equals the model's own by a prefill of it alone, then decode steps."""
+    from kvstack.cache.reference import ReferenceStore
+
+    llm = tiny(kv_budget="4MiB", block_tokens=8)
+    model, c = llm.model, llm.config
+    g = torch.Generator().manual_seed(11)
+    prefix = torch.randint(0, 256, (16,), generator=g).tolist()
+    texts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 8, 6, 1)]
+    texts[1] = prefix + texts[1]  # 16 cached tokens, 8 to go: replayed, then joined
+    llm.generate([*prefix, 5], GREEDY)  # names the prefix's blocks
+    running = llm.add_request(texts[0], SamplingParams(max_tokens=20, temperature=0,
+                                                       ignore_eos=True))
+    llm.step()
+    joined = []
+    decode = llm.runner.decode_with_prompts
+
+    def recorded(decoding, prompts):
+        joined.append(len(prompts))
+        return decode(decoding, prompts)
+
+    llm.runner.decode_with_prompts = recorded
+    outs = llm.generate(texts[1:], GREEDY)
+    assert joined and max(joined) == 3  # the three prompts in one call with the stream
+    assert outs[0].num_cached_tokens == 16
+    for text, out in zip(texts[1:], outs, strict=True):
+        store = ReferenceStore(c, 1, torch.device("cpu"))
+        with torch.no_grad():
+            logits = model.prefill(torch.tensor([text]), store, replay="exact")
+            expected = [int(logits.argmax())]
+            for _ in range(GREEDY.max_tokens - 1):
+                expected.append(int(model.decode(torch.tensor([expected[-1]]), store).argmax()))
+        assert out.token_ids == expected
+    assert llm.has_request(running)
+
+
+def test_a_prompt_as_rows_of_a_decode_step_gives_a_prefills_logits():
+    from kvstack import native
+    from kvstack.cache.batch import DecodeBatch
+    from kvstack.cache.reference import ReferenceStore
+
+    llm = tiny(kv_budget="4MiB", block_tokens=8)
+    model, c = llm.model, llm.config
+    ids = torch.randint(0, 256, (c.window_size,), generator=torch.Generator().manual_seed(3))
+    store = llm.cache.open_sequence()
+    assert store.reserve(len(ids))
+    with torch.no_grad(), native.active(True):
+        rows = model.decode(ids.tolist(), DecodeBatch([store], counts=[len(ids)]),
+                            logit_rows=[len(ids) - 2, len(ids) - 1])
+        whole = model.extend(ids[None], ReferenceStore(c, 1, torch.device("cpu")),
+                             replay="exact", n_logits=2).logits[0]
+    assert torch.allclose(rows, whole, atol=1e-4), (rows - whole).abs().max()
+    llm.cache.close_sequence(store)

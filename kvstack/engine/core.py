@@ -238,12 +238,14 @@ class EngineCore:
     @locked
     def step(self) -> list[RequestOutput]:
         """One scheduler step: decode the running sequences, then prefill prompts (or
-        parts of long ones) in the rest of the step's token budget. Returns the output of
+        parts of long ones) in the rest of the step's token budget. A prompt whose rest
+        fits a window (`ModelRunner.joins_decode`) runs as rows of the decode call, so
+        that one model call serves the batch and every such prompt. Returns the output of
         every request that moved (and of every one that finished, however); each also goes
         to the front end waiting for it as soon as the model call that moved it returns
-        (the decode batch's, then each prompt's, the shortest parts first), not at the end
-        of the step: a step that prefills several prompts one after another hands out
-        their first tokens, and the running streams' next ones, as they come."""
+        (the decode call's, then each other prompt's, the shortest parts first), not at
+        the end of the step: a step that prefills several prompts one after another hands
+        out their first tokens, and the running streams' next ones, as they come."""
         plan = self.scheduler.schedule()
         unservable = self.scheduler.take_unservable()
         for seq in unservable:
@@ -260,18 +262,27 @@ class EngineCore:
         self._idle_steps = 0
         drafting = [seq for seq in plan.decode if self.runner.drafts(seq)]
         decoding = [seq for seq in plan.decode if not self.runner.drafts(seq)]
-        if decoding:
+        # Prompts whose last part runs as rows of the decode step: one model call for all
+        # (one whose batch failed prefills alone, so that it fails no other again).
+        joining = [seq for seq, n in plan.prefill
+                   if n == seq.num_tokens - seq.store.num_tokens and not seq.suspect
+                   and self.runner.joins_decode(seq, n)]
+        plan.prefill = [(seq, n) for seq, n in plan.prefill if seq not in joining]
+        if decoding or joining:
+            together = decoding + joining
             try:
-                samples = self.runner.decode(decoding)
+                samples = (self.runner.decode_with_prompts(decoding, joining) if joining
+                           else self.runner.decode(decoding))
             except EngineError as e:
                 self._stop(e)
             except Exception as e:
-                self._fault(decoding, e)
+                self._fault(together, e)
             else:
-                for seq, sampled in zip(decoding, samples, strict=True):
+                for seq, sampled in zip(together, samples, strict=True):
                     seq.suspect, seq.faults = False, 0  # it steps again: start over
+                    seq.prefilling = False
                     self._advance(seq, sampled)
-            outputs += self._outputs(decoding)
+            outputs += self._outputs(together)
         if drafting:
             self._speculate(drafting)
             outputs += self._outputs(drafting)

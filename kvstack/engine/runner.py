@@ -62,11 +62,15 @@ class ModelRunner:
         # A verify's rows in one decode step (DecodeBatch's counts) where the C kernels
         # run every part of the step that keeps state: the compressors' (float32 weights,
         # float64 RoPE) and the window rings' (a format they write).
-        self.verify_in_c = (
-            self.speculative and self.cpu_kernels and not compile_decode
-            and self.attention == "torch" and native.decodes(model.config.window_format)
+        # Several rows of a sequence in one decode step (DecodeBatch's counts) where the C
+        # kernels run every part of the step that keeps state: the compressors' (float32
+        # weights, float64 RoPE) and the window rings' (a format they write).
+        self.rows_in_c = (
+            self.cpu_kernels and not compile_decode and self.attention == "torch"
+            and model.config.arch == "v41" and native.decodes(model.config.window_format)
             and all(m.c_weights() is not None for m in model.modules()
                     if isinstance(m, Compressor)))
+        self.verify_in_c = self.speculative and self.rows_in_c
         if compile_decode:
             model.compile_decode()
         self.packed_weights = _packed_weights_backend(model, self.device, self.cpu_kernels)
@@ -279,6 +283,37 @@ class ModelRunner:
         positions; their next tokens."""
         return sample_batch(self.decode_logits([s.store for s in seqs],
                                                [s.output_ids[-1] for s in seqs]), seqs)
+
+    def joins_decode(self, seq: Sequence, n: int) -> bool:
+        """Whether a prompt's last part of n tokens can run as rows of the decode step
+        (`decode_with_prompts`): the C kernels run several rows of a sequence, the part is
+        no longer than a window (CED prefill would run every layer over it too, and row by
+        row costs no more there), it holds no picture, and nothing asks for more than its
+        last logits (DSpark's context comes from a prefill)."""
+        c = self.model.config
+        return (self.rows_in_c and n <= c.window_size and not seq.images
+                and not self.drafts(seq))
+
+    @torch.no_grad()
+    def decode_with_prompts(self, decoding: list[Sequence],
+                            prompts: list[Sequence]) -> list[Sample]:
+        """One model call for the decode batch and the prompts' last parts: a
+        `DecodeBatch` with one row per decoding sequence and one per prompt token
+        not yet in cache, each row seeing its sequence's earlier rows as sequential steps
+        would; the head runs on each sequence's last row. The next token of each,
+        decoding sequences first. A prompt that started on cached blocks replays first."""
+        seqs = [*decoding, *prompts]
+        with native.active(self.cpu_kernels):
+            for seq in prompts:
+                self._catch_up(seq.store, seq.images)
+            fresh = [[seq.output_ids[-1]] for seq in decoding] + [
+                seq.all_ids[seq.store.num_tokens :] for seq in prompts]
+            counts = [len(tokens) for tokens in fresh]
+            last = [end - 1 for end in itertools.accumulate(counts)]
+            logits = self.model.decode([t for tokens in fresh for t in tokens],
+                                       DecodeBatch([s.store for s in seqs], counts=counts),
+                                       logit_rows=last)
+        return sample_batch(logits, seqs)
 
     @torch.no_grad()
     def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:

@@ -1926,10 +1926,18 @@ class Model(nn.Module):
         return TokenStates.cat(tail) if tail else None
 
     @torch.no_grad()
-    def decode(self, token_ids: torch.Tensor | list[int], cache: KVStore) -> torch.Tensor:
+    def decode(self, token_ids: torch.Tensor | list[int], cache: KVStore,
+               logit_rows: list[int] | None = None) -> torch.Tensor:
         """One new token per sequence, token_ids [B] (host ints are checked on the host,
-        so the step reads nothing back from the device); logits [B, V]."""
-        return self._logits(self._decode_states(token_ids, cache))[:, 0]
+        so the step reads nothing back from the device); logits [B, V]. A `DecodeBatch`
+        with several rows of a sequence takes one token a row; `logit_rows`: the rows
+        whose logits are wanted (the head runs on those alone), in that order."""
+        s = self._decode_states(token_ids, cache)
+        if logit_rows is not None:
+            rows = torch.tensor(logit_rows, device=s.x.device)
+            s = TokenStates(s.x.index_select(0, rows),
+                            None if s.mix is None else s.mix.index_select(0, rows))
+        return self._logits(s)[:, 0]
 
     @torch.no_grad()
     def verify(self, token_ids: list[int], batch: DecodeBatch) -> Extension:
