@@ -289,10 +289,11 @@ class ModelRunner:
         (`decode_with_prompts`): the C kernels run several rows of a sequence, the part is
         no longer than a window (CED prefill would run every layer over it too, and row by
         row costs no more there), it holds no picture, and nothing asks for more than its
-        last logits (DSpark's context comes from a prefill)."""
+        last logits (DSpark's context comes from a prefill). One process: the ranks of a
+        sharded model mirror a decode step and a prefill, not this joined call."""
         c = self.model.config
         return (self.rows_in_c and n <= c.window_size and not seq.images
-                and not self.drafts(seq))
+                and not self.drafts(seq) and self.config.tensor_parallel_size == 1)
 
     @torch.no_grad()
     def decode_with_prompts(self, decoding: list[Sequence],
