@@ -445,6 +445,7 @@ def test_a_prompt_with_images_spread_over_steps_equals_one_prefill(seeing, tmp_p
     ids, segments = expand_images(text, [image_input(p, c) for p in pictures], c)
     assert len(ids) > 32
     assert out.token_ids == greedy_by_hand(seeing, ids, segments, 5)
+    assert llm.model.encoded_images.encoded == 2  # each picture once, whatever the parts
     report = llm.memory_report()["positions"]
     assert report["image"]["positions"] == 0  # finished: nothing held
 

@@ -33,7 +33,7 @@ from kvstack.model.engram import Engram, EngramHash
 from kvstack.model.instruments import Instruments
 from kvstack.model.packed import Experts, PackedExperts, PackedLinear
 from kvstack.model.params import check_fits_memory
-from kvstack.model.vision import Aligner, ImageRows, ImageSegment, ViT
+from kvstack.model.vision import Aligner, EncodedImages, ImageRows, ImageSegment, ViT
 
 QUERY_TILE = 256  # queries scored at once: bounds the [tile, keys] score matrices
 KEY_CHUNK = 4096  # stream rows dequantised at once: no float copy of a whole stream
@@ -1546,6 +1546,7 @@ class Model(nn.Module):
             self.image_start = nn.Parameter(torch.empty(c.dim))
             self.image_end = nn.Parameter(torch.empty(c.dim))
             self.image_newline = nn.Parameter(torch.empty(c.dim))
+            self.encoded_images = EncodedImages()
         # Sharded: embed and head hold vocabulary rows first_token.. (padded to one length
         # on every rank); embeddings add up over the ranks and logits are gathered.
         self.first_token = 0

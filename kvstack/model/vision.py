@@ -18,6 +18,7 @@ to).
 """
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -242,6 +243,36 @@ def segment_rows(model: nn.Module, image: ImageInput) -> torch.Tensor:
     return rows
 
 
+class EncodedImages:
+    """The segment rows of the pictures encoded last, by content: a prompt prefilled over
+    several engine steps, a replay over part of a segment, or the same picture in another
+    request encodes it once. Held up to `limit_bytes` (least recently used first out); an
+    entry is used only while the tower's weights are as they were when it was made (their
+    in-place version counters) and on the same device."""
+
+    def __init__(self, limit_bytes: int = 256 << 20) -> None:
+        self.limit_bytes = limit_bytes
+        self.entries: OrderedDict[str, tuple[tuple, torch.Tensor]] = OrderedDict()
+        self.encoded = 0  # pictures run through the tower
+
+    def rows(self, model: nn.Module, image: ImageInput) -> torch.Tensor:
+        weights = (str(model.aligner.w2.weight.device),
+                   *(p._version for m in (model.vision, model.aligner) for p in m.parameters()),
+                   *(getattr(model, name)._version
+                     for name in ("image_start", "image_end", "image_newline")))
+        held = self.entries.get(image.digest)
+        if held is not None and held[0] == weights:
+            self.entries.move_to_end(image.digest)
+            return held[1]
+        rows = segment_rows(model, image)
+        self.encoded += 1
+        self.entries[image.digest] = (weights, rows)
+        while sum(r.numel() * r.element_size() for _, r in self.entries.values()) > \
+                self.limit_bytes and len(self.entries) > 1:
+            self.entries.popitem(last=False)
+        return rows
+
+
 @dataclass
 class ImageRows:
     """The image rows a call over positions first..first + n - 1 of one sequence puts in
@@ -265,7 +296,7 @@ class ImageRows:
         covered = torch.zeros(n, dtype=torch.bool, device=device)
         for segment in inside:
             lo, hi = max(segment.start, first), min(segment.stop, first + n)
-            encoded = segment_rows(model, segment.image)
+            encoded = model.encoded_images.rows(model, segment.image)
             rows[lo - first : hi - first] = encoded[lo - segment.start : hi - segment.start]
             covered[lo - first : hi - first] = True
         return ImageRows(first, rows, covered)
