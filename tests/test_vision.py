@@ -503,6 +503,8 @@ def test_memory_report_counts_image_positions_apart(engine, seeing):
     assert positions["text"]["positions"] == held - segment
     for kind in ("text", "image", "all"):
         assert positions[kind]["bytes_per_token"] == report["bytes_per_token"]
+    held = report["encoded_images"]
+    assert held["held"] >= 1 and held["bytes"] >= segment * seeing.config.dim * 4
     engine.release(request)
 
 

@@ -299,6 +299,11 @@ class LLM:
         report["backend"] = self.runner.backend()
         if self.config.has_vision:
             report["positions"] = self._positions_by_kind(report["bytes_per_token"])
+            # The tower's rows of recent pictures, kept by content: memory beside the cache.
+            encoded = self.model.encoded_images
+            report["encoded_images"] = {"held": len(encoded.entries), "bytes": encoded.nbytes,
+                                        "limit_bytes": encoded.limit_bytes,
+                                        "encoded": encoded.encoded}
         if self.runner.speculative:
             # DSpark's draft keeps no cache: it reads each drafting sequence's target
             # states (draft_context), float32 on the host, apart from the KV cache.

@@ -255,6 +255,10 @@ class EncodedImages:
         self.entries: OrderedDict[str, tuple[tuple, torch.Tensor]] = OrderedDict()
         self.encoded = 0  # pictures run through the tower
 
+    @property
+    def nbytes(self) -> int:
+        return sum(rows.numel() * rows.element_size() for _, rows in self.entries.values())
+
     def rows(self, model: nn.Module, image: ImageInput) -> torch.Tensor:
         weights = (str(model.aligner.w2.weight.device),
                    *(p._version for m in (model.vision, model.aligner) for p in m.parameters()),
@@ -267,8 +271,7 @@ class EncodedImages:
         rows = segment_rows(model, image)
         self.encoded += 1
         self.entries[image.digest] = (weights, rows)
-        while sum(r.numel() * r.element_size() for _, r in self.entries.values()) > \
-                self.limit_bytes and len(self.entries) > 1:
+        while self.nbytes > self.limit_bytes and len(self.entries) > 1:
             self.entries.popitem(last=False)
         return rows
 
