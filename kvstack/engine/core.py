@@ -267,7 +267,8 @@ class EngineCore:
         joining = [seq for seq, n in plan.prefill
                    if n == seq.num_tokens - seq.store.num_tokens and not seq.suspect
                    and self.runner.joins_decode(seq, n)]
-        plan.prefill = [(seq, n) for seq, n in plan.prefill if seq not in joining]
+        plan.prefill = [(seq, n) for seq, n in plan.prefill
+                        if not any(seq is other for other in joining)]
         if decoding or joining:
             together = decoding + joining
             try:
