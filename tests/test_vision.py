@@ -512,7 +512,8 @@ def test_the_openai_client_sends_pictures_to_kvstack_serve(tmp_path, seeing):
     """A chat with a base64 PNG through the official client; the same picture again hits
     the prefix cache (its cached tokens count the image segment), another does not; a URL,
     a broken picture and a text-only model's server give 400s naming the problem; the
-    cache's image positions reach /metrics."""
+    cache's image positions reach /metrics; a session's turns with pictures continue its
+    cache and resume after a restart."""
     openai = pytest.importorskip("openai")
     from tests.test_serve import Server
 
@@ -547,6 +548,42 @@ def test_the_openai_client_sends_pictures_to_kvstack_serve(tmp_path, seeing):
         assert server.metric("cache_positions") >= 0
         text = urllib.request.urlopen(server.url + "/metrics").read().decode()
         assert 'kvstack:cache_positions{kind="image"' in text
+    finally:
+        assert server.stop() == 0
+    # A session whose conversation holds pictures: the second turn (a new picture in it)
+    # continues the kept cache; after a restart the third resumes it from disk and
+    # answers as the same conversation sent afresh does (exact replay).
+    def part(picture: bytes) -> dict:
+        return {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(picture).decode()}}
+
+    def talk(s: Server, messages: list, session: str | None = "look"):
+        return s.client.chat.completions.create(
+            model="v", max_tokens=4, temperature=0, messages=messages,
+            extra_headers={"x-kvstack-session": session} if session else None)
+
+    def reply(r) -> dict:
+        return {"role": "assistant", "content": r.choices[0].message.content}
+
+    opening = [{"role": "user", "content": [part(png(90, 90, 3)),
+                                            {"type": "text", "text": "What is it?"}]}]
+    server = Server(tmp_path / "cache3", "--model", str(model), "--served-model-name", "v")
+    try:
+        first = talk(server, opening)
+        follow = [*opening, reply(first), {"role": "user", "content": [
+            {"type": "text", "text": "And this?"}, part(png(60, 80, 4))]}]
+        second = talk(server, follow)
+        assert cached(second) >= first.usage.prompt_tokens
+    finally:
+        assert server.stop() == 0
+    conversation = [*follow, reply(second), {"role": "user", "content": "Compare them."}]
+    server = Server(tmp_path / "cache3", "--model", str(model), "--served-model-name", "v")
+    try:
+        resumed = talk(server, conversation)
+        assert server.metric("sessions_resumed_total") == 1
+        assert cached(resumed) >= second.usage.prompt_tokens
+        afresh = talk(server, conversation, session=None)
+        assert resumed.choices[0].message.content == afresh.choices[0].message.content
     finally:
         assert server.stop() == 0
     plain = Server(tmp_path / "cache2", "--random-init", "--model", "tiny-v41",

@@ -103,11 +103,14 @@ class Session:
         device)."""
         return self._request_id
 
-    def record_turn(self, out: RequestOutput) -> None:
+    def record_turn(self, out: RequestOutput,
+                    images: list[ImageSegment] | None = None) -> None:
         """Take on a finished turn another front end ran on this conversation (the
-        server's): its tokens and its kept cache become the session's."""
+        server's): its tokens, its pictures' segments and its kept cache become the
+        session's."""
         self.token_ids = list(out.prompt_token_ids) + list(out.token_ids)
-        self._request_id, self._pending = out.request_id, []
+        self.images = list(images or [])
+        self._request_id, self._pending, self._pending_images = out.request_id, [], []
 
     def keep_last(self, n_tokens: int) -> None:
         """Keep only the conversation's last n_tokens (its start is forgotten and its

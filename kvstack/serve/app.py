@@ -36,6 +36,7 @@ from kvstack.model.vision import ImageSegment
 from kvstack.serve.guards import RequestGate, guarded_protocol
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.protocol import (
+    IMAGE_MARK,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -44,14 +45,12 @@ from kvstack.serve.protocol import (
     _Request,
 )
 from kvstack.serve.reporting import AccessLog, log_stats
-from kvstack.serve.sessions import HttpSessions
+from kvstack.serve.sessions import HttpSessions, marked_ids
 from kvstack.serve.tool_calls import PARSERS, ToolParser, tool_parser
 
 log = logging.getLogger("kvstack")
 SESSION_HEADER = "x-kvstack-session"
-# What a chat's image part renders as in the template's text (a private-use character
-# pair no tokenizer merges with its neighbours), where its image token goes.
-IMAGE_MARK = "\ue000image\ue001"
+
 
 
 @dataclass(frozen=True)
@@ -280,23 +279,19 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             body.max_tokens = body.max_completion_tokens
         if not urls:
             return await serve(body, request, [text], template.stop, "chat.completion")
-        if body.session or request.headers.get(SESSION_HEADER):
-            raise APIError(400, "a session's turns are text: send pictures without a session",
-                           "session")
         # Each picture's part becomes the image token, then its whole segment.
-        ids: list[int] = []
-        for i, piece in enumerate(text.split(IMAGE_MARK)):
-            ids += ([llm.config.image_token_id] if i else []) + (
-                llm.tokenizer.encode(piece) if piece else [])
+        ids = marked_ids(llm, text)
         try:  # decoding pictures is the request's own work, off the event loop
             ids, segments = await asyncio.to_thread(llm.place_images, ids, urls)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        return await serve(body, request, [ids], template.stop, "chat.completion", segments)
+        return await serve(body, request, [ids], template.stop, "chat.completion",
+                           (segments, text))
 
     async def serve(body: _Request, request: Request, prompts: list[str | list[int]],
                     stop: tuple[str, ...], kind: str,
-                    images: list[ImageSegment] | None = None) -> Response:
+                    pictures: tuple[list[ImageSegment], str] | None = None) -> Response:
+        """pictures: a chat's picture segments and its text with each picture marked."""
         body.check()
         if body.model != config.model_name:
             raise APIError(404, f"model {body.model!r} is not served here (this server: "
@@ -341,7 +336,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                           for ids in encoded]
             except ValueError as e:
                 raise APIError(400, str(e), "prompt_logprobs") from None
-        inputs = [PromptInput(ids, p if isinstance(p, str) else None, s, images)
+        inputs = [PromptInput(ids, p if isinstance(p, str) else None, s, *(pictures or ()))
                   for ids, p, s in zip(encoded, prompts, scores, strict=True)]
         # max_tokens 0 scores the prompt and generates nothing (no engine request).
         params = [body.sampling(max(wanted, 1), stop, parser)]
@@ -408,6 +403,7 @@ class PromptInput:
     text: str | None
     scores: list[PromptLogprob | None] | None
     images: list[ImageSegment] | None = None  # the segments of the pictures its ids hold
+    marked: str | None = None  # with pictures: its text, each picture an IMAGE_MARK
 
 
 class Run:
@@ -454,7 +450,8 @@ class Run:
             return
         if self.session is not None:
             outputs = self.sessions.turn(self.tenant, self.session, prompt.ids, params,
-                                         self.cache_salt, prompt.text)
+                                         self.cache_salt, prompt.text, prompt.images,
+                                         prompt.marked)
         else:
             outputs = self.engine.generate(prompt.ids, params, cache_salt=self.cache_salt,
                                            images=prompt.images)

@@ -172,6 +172,11 @@ class CompletionRequest(_Request):
         return [p]
 
 
+# What a chat's image part renders as in the template's text (a private-use character
+# pair no tokenizer merges with its neighbours), where its image token goes.
+IMAGE_MARK = "\ue000image\ue001"
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]

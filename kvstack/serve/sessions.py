@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvstack.cache.disk import DamagedSession, SavedSession
 from kvstack.engine.async_llm import AsyncLLM
+from kvstack.engine.images import expand_images
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.sequence import RequestOutput
 from kvstack.engine.session import Session
-from kvstack.serve.protocol import APIError
+from kvstack.model.vision import ImageSegment
+from kvstack.serve.protocol import IMAGE_MARK, APIError
 
 if TYPE_CHECKING:
+    from kvstack.engine.llm import LLM
     from kvstack.serve.metrics import ServerMetrics
 
 
@@ -45,9 +48,13 @@ class HttpSessions:
 
     async def turn(self, tenant: str | None, name: str, ids: list[int],
                    params: SamplingParams, cache_salt: str | None = None,
-                   text: str | None = None) -> AsyncIterator[RequestOutput]:
+                   text: str | None = None, images: list[ImageSegment] | None = None,
+                   marked: str | None = None) -> AsyncIterator[RequestOutput]:
         """Run one turn of the session on the conversation `ids` (the tokens of `text`,
-        when the prompt was text); its outputs."""
+        when the prompt was text). A chat with pictures gives the segments of every
+        picture of the conversation (`images`, as a chat resends them all) and its text
+        with each picture marked (`marked`); its outputs."""
+        images = list(images or [])
         key = self.stored(tenant, name)
         if key in self.busy:
             raise APIError(409, f"session {name!r} is running another request", "session",
@@ -58,14 +65,22 @@ class HttpSessions:
             kept = session.kept_request
             new = None
             if kept is not None and self.llm.has_request(kept):
-                new = await asyncio.to_thread(self._extension, session.token_ids, ids, text)
+                new = await asyncio.to_thread(self._extension, session, ids, text, images,
+                                              marked)
+            held = len(session.token_ids)
             if new is not None:
-                outputs = self.engine.generate(new, params, continue_from=kept,
-                                               keep_cache=True, hold_kept=True)
+                new_ids, new_images = new
+                outputs = self.engine.generate(new_ids, params, continue_from=kept,
+                                               keep_cache=True, hold_kept=True,
+                                               images=new_images)
+                # the conversation's pictures, placed in the turn's prompt
+                images = [*session.images, *(ImageSegment(held + s.start, s.image)
+                                             for s in new_images)]
             else:
                 session.close()
                 outputs = self.engine.generate(ids, params, keep_cache=True,
-                                               cache_salt=cache_salt, hold_kept=True)
+                                               cache_salt=cache_salt, hold_kept=True,
+                                               images=images)
             final = None
             async with contextlib.aclosing(outputs) as stream:
                 async for out in stream:
@@ -73,7 +88,7 @@ class HttpSessions:
                         final = out
                     yield out
             if final is not None and final.finish_reason in ("stop", "length"):
-                session.record_turn(final)
+                session.record_turn(final, images)
 
                 def save() -> None:
                     # The turn's kept cache was held for this save (under load it would
@@ -88,19 +103,38 @@ class HttpSessions:
         finally:
             self.busy.discard(key)
 
-    def _extension(self, tokens: list[int], ids: list[int],
-                   text: str | None) -> list[int] | None:
-        """The tokens that follow the session's `tokens` in this prompt, or None when the
-        prompt does not extend them. Token ids match as they are; a text prompt matches
-        when it starts with the text the session's tokens decode to (the replies the
-        client was given come back as text, which need not re-tokenize the same), and its
-        rest is tokenized on its own."""
-        if len(ids) >= len(tokens) and ids[: len(tokens)] == tokens:
-            return ids[len(tokens):]
+    def _extension(self, session: Session, ids: list[int], text: str | None,
+                   images: list[ImageSegment], marked: str | None
+                   ) -> tuple[list[int], list[ImageSegment]] | None:
+        """The tokens that follow the session's in this prompt and the segments of the
+        pictures among them (placed from their start), or None when the prompt does not
+        extend the session. Token ids match as they are; a text prompt matches when it
+        starts with the text the session's tokens decode to (the replies the client was
+        given come back as text, which need not re-tokenize the same), and its rest is
+        tokenized on its own. With pictures, the session's must be the prompt's first ones
+        (by content), their segments in the text its marks."""
+        tokens, held = session.token_ids, len(session.token_ids)
+        kept = [(s.start, s.image.digest) for s in session.images]
+        before = [s for s in images if s.start < held]
+        if ids[:held] == tokens and all(s.stop <= held for s in before) \
+                and [(s.start, s.image.digest) for s in before] == kept:
+            return ids[held:], [ImageSegment(s.start - held, s.image) for s in images
+                                if s.start >= held]
+        if images or session.images:
+            if marked is None or [s.image.digest for s in images[: len(kept)]] != \
+                    [digest for _, digest in kept]:
+                return None
+            seen = _marked_text(self.llm, tokens, session.images)
+            if not marked.startswith(seen):
+                return None
+            rest = marked_ids(self.llm, marked[len(seen):])
+            return expand_images(rest, [s.image for s in images[len(kept):]],
+                                 self.llm.config)
         if text is not None:
             seen = self.llm.tokenizer.decode(tokens)
             if text.startswith(seen):
-                return self.llm.encode(text[len(seen):]) if len(text) > len(seen) else []
+                rest = self.llm.encode(text[len(seen):]) if len(text) > len(seen) else []
+                return rest, []
         return None
 
     async def _session(self, key: str, name: str, cache_salt: str | None) -> Session:
@@ -166,3 +200,22 @@ class HttpSessions:
             await asyncio.to_thread(session.close)
         if on_disk:
             await asyncio.to_thread(self.llm.disk.remove, key)
+
+
+def marked_ids(llm: "LLM", text: str) -> list[int]:
+    """The ids of a chat's text whose pictures are marked (IMAGE_MARK): each piece
+    between marks tokenized on its own, each mark the image token."""
+    ids: list[int] = []
+    for i, piece in enumerate(text.split(IMAGE_MARK)):
+        ids += ([llm.config.image_token_id] if i else []) + (
+            llm.tokenizer.encode(piece) if piece else [])
+    return ids
+
+
+def _marked_text(llm: "LLM", tokens: list[int], images: list[ImageSegment]) -> str:
+    """The text a session's tokens decode to, each picture's segment an IMAGE_MARK."""
+    parts, at = [], 0
+    for segment in images:
+        parts += [llm.tokenizer.decode(tokens[at : segment.start]), IMAGE_MARK]
+        at = segment.stop
+    return "".join([*parts, llm.tokenizer.decode(tokens[at:])])
