@@ -778,3 +778,30 @@ def test_a_prompt_as_rows_of_a_decode_step_gives_a_prefills_logits():
                              replay="exact", n_logits=2).logits[0]
     assert torch.allclose(rows, whole, atol=1e-4), (rows - whole).abs().max()
     llm.cache.close_sequence(store)
+
+
+def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine_thread():
+    """Outputs for a coroutine whose loop has closed (it stopped reading before its abort
+    landed) are dropped; the engine thread goes on serving the others."""
+    import asyncio
+
+    from kvstack import AsyncLLM
+
+    llm = tiny()
+    with AsyncLLM(llm) as engine:
+        loop = asyncio.new_event_loop()
+        outputs = engine.generate(prompts(1)[0], SamplingParams(max_tokens=30, temperature=0,
+                                                                ignore_eos=True))
+        first = loop.run_until_complete(outputs.__anext__())
+        loop.close()  # the generator is left open: its request goes on, undelivered
+        deadline = time.monotonic() + 30
+        while len(llm.core.requests[first.request_id].output_ids) < 5 and \
+                time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine._thread.is_alive()
+
+        async def after() -> list[int]:
+            return [o async for o in engine.generate(prompts(2)[1], GREEDY)][-1].token_ids
+
+        assert asyncio.run(after()) == tiny().generate(prompts(2)[1], GREEDY)[0].token_ids
+        llm.abort(first.request_id)

@@ -563,8 +563,11 @@ def test_a_text_prompt_extends_tokens_that_would_not_re_tokenize_the_same(local)
     text = "x = " + word + "(1)"
     ids = local.encode(text)
     assert ids[: len(tokens)] != tokens  # as ids the prompt does not extend the session
-    assert sessions._extension(tokens, ids, text) == local.encode("(1)")
-    assert sessions._extension(tokens, ids, "y = " + word) is None  # an edited history
+    session = local.session("extend")
+    session.token_ids = tokens
+    assert sessions._extension(session, ids, text, [], None) == (local.encode("(1)"), [])
+    # an edited history
+    assert sessions._extension(session, ids, "y = " + word, [], None) is None
 
 
 def test_metrics_follow_prometheus_conventions(server):

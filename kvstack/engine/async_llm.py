@@ -57,7 +57,10 @@ class AsyncLLM:
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def deliver(item: RequestOutput | BaseException) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            # A caller whose event loop has closed (it stopped reading; its abort is on
+            # the way) takes nothing more: that must not stop the engine thread.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
 
         # A continuation may add nothing: the previous turn's last token is still to feed.
         ids = [] if continue_from is not None and not prompt else self.llm.encode(prompt)
