@@ -355,3 +355,28 @@ def test_an_idle_engine_over_two_ranks_outlives_its_timeout(tmp_path: Path) -> N
             llm.add_request(PROMPTS[1], GREEDY)
     finally:
         llm.close()
+
+
+def test_pictures_over_two_ranks_give_what_one_process_gives(tmp_path: Path) -> None:
+    """A prompt with a picture on a model split over two ranks: every rank encodes the
+    picture with its whole tower and the tokens are one process's; a prefix hit on its
+    blocks (replayed over the picture's segment on every rank) too."""
+    import io
+
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(5)
+    pixels = torch.randint(0, 256, (70, 100, 3), generator=g, dtype=torch.uint8)
+    picture = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(picture, format="PNG")
+    prompt = {"prompt_token_ids": list(range(3, 20)),
+              "multi_modal_data": {"image": picture.getvalue()}}
+    settings = {"kv_budget": "4MiB", "block_tokens": 8, "threads": 1,
+                "parallel_timeout_s": 60.0, "random_init": True, "seed": 0}
+    one = LLM("tiny-v41-vision", cache_dir=tmp_path / "one", **settings)
+    expected = [one.generate(prompt, GREEDY)[0] for _ in range(2)]  # cold, then a hit
+    with LLM("tiny-v41-vision", tensor_parallel_size=2, expert_parallel=True,
+             cache_dir=tmp_path / "two", **settings) as two:
+        outs = [two.generate(prompt, GREEDY)[0] for _ in range(2)]
+    assert outs[1].num_cached_tokens == expected[1].num_cached_tokens > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]

@@ -182,9 +182,6 @@ class EngineCore:
         if images and not c.has_vision:
             raise ValueError("this model has no vision tower (vision_n_layers is 0): it "
                              "takes text only")
-        if images and self.config.tensor_parallel_size > 1:
-            raise ValueError("images are not taken on a model split over ranks "
-                             "(tensor_parallel_size > 1)")
         if not c.has_vision:
             return []
         covered = [False] * len(ids)

@@ -40,6 +40,7 @@ from kvstack.engine.core import EngineError
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.tokenizer import Tokenizer
 from kvstack.model import Model
+from kvstack.model.vision import ImageSegment
 from kvstack.parallel.plan import ShardingPlan
 from kvstack.parallel.shard import (
     TorchShard,
@@ -65,6 +66,7 @@ class Call:
     tokens: list[int] = field(default_factory=list)  # prefill: the new ids; decode: one each
     blocks: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # written outside
     dropped: list[slice] = field(default_factory=list)  # ring slots emptied outside
+    images: list[ImageSegment] = field(default_factory=list)  # prefill: its pictures
 
 
 @dataclass(frozen=True)
@@ -145,23 +147,26 @@ class ParallelRunner(ModelRunner):
                 self._last_call = time.monotonic()
 
     def prefill_store(self, store: PagedSequenceStore, fresh: list[int],
-                      final: bool = True, images: list | None = None) -> torch.Tensor | None:
-        if images:  # refused at the request (EngineCore.add_request): no rank sees them
-            raise ValueError("images are not taken on a sharded model")
+                      final: bool = True, images: list[ImageSegment] | None = None
+                      ) -> torch.Tensor | None:
+        # Every rank encodes the pictures itself (the tower is whole on each).
         return self._run("prefill" if final else "prefill_part", [store], list(fresh),
-                         lambda: super(ParallelRunner, self).prefill_store(store, fresh, final))
+                         lambda: super(ParallelRunner, self).prefill_store(store, fresh, final,
+                                                                           images),
+                         images)
 
     def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:
         return self._run("decode", stores, list(tokens),
                          lambda: super(ParallelRunner, self).decode_logits(stores, tokens))
 
     def _run(self, kind: str, stores: list[PagedSequenceStore], tokens: list[int],
-             local: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+             local: Callable[[], torch.Tensor | None],
+             images: list[ImageSegment] | None = None) -> torch.Tensor | None:
         if self.lost is not None:
             raise WorkerLost(self.lost)
         pools, rings = self.cache.pools, self.cache.rings
         call = Call(kind, [s.state(self._sent.get(s, 0)) for s in stores], tokens,
-                    pools.journal, rings.journal)
+                    pools.journal, rings.journal, list(images or []))
         # The model's own writes happen on every rank alike: not journalled.
         pools.journal = rings.journal = None
         try:
@@ -354,7 +359,8 @@ def serve_worker(rank: int, world_size: int, address: str | None, port: int | No
                 mirrors[state.slot].follow(state)
                 stores.append(mirrors[state.slot])
             if call.kind in ("prefill", "prefill_part"):
-                runner.prefill_store(stores[0], call.tokens, final=call.kind == "prefill")
+                runner.prefill_store(stores[0], call.tokens, final=call.kind == "prefill",
+                                     images=call.images)
             else:
                 runner.decode_logits(stores, call.tokens)
     finally:
