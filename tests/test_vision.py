@@ -545,9 +545,9 @@ def test_the_openai_client_sends_pictures_to_kvstack_serve(tmp_path, seeing):
                                  (png(300, 300) * 3, "over 65,536 bytes")]:
             with pytest.raises(openai.BadRequestError, match=message):
                 ask(picture)
-        assert server.metric("cache_positions") >= 0
         text = urllib.request.urlopen(server.url + "/metrics").read().decode()
-        assert 'kvstack:cache_positions{kind="image"' in text
+        assert 'kvstack:cache_positions{kind="image",model_name="v"}' in text
+        assert 'kvstack:cache_position_bytes{kind="all",model_name="v"}' in text
     finally:
         assert server.stop() == 0
     # A session whose conversation holds pictures: the second turn (a new picture in it)

@@ -72,11 +72,6 @@ class Sequence:
     def image_keys(self) -> tuple[ImageKey, ...]:
         return image_keys(self.images)
 
-    @property
-    def image_positions(self) -> int:
-        """Positions of its prompt that image segments take."""
-        return sum(s.image.n_positions for s in self.images)
-
 
 def image_keys(segments: list[ImageSegment]) -> tuple[ImageKey, ...]:
     """Image segments as the prefix cache names blocks by them."""
