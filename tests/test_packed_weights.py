@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvstack import native
 from kvstack.formats import dequantize, quantize
+from kvstack.formats.quantized import Quantized
 from kvstack.formats.weights import dequantize_fp8_blocks, quantize_fp8_blocks
 from kvstack.model import packed as packed_module
 from kvstack.model.model import swiglu
@@ -18,8 +19,8 @@ from kvstack.model.packed import PackedExpert, PackedExperts, PackedLinear
 pytestmark = pytest.mark.skipif(not native.resolve("auto"), reason="no C compiler here")
 
 PATHS = ["best", "portable"]
-# Token counts that take each way through a tile: one and two tokens decode in registers,
-# more decode a chunk once for up to eight, nine spills into a second group of eight.
+# Token counts that take each way through a tile: one and two tokens meet four rows at a
+# time, three two rows, eight two passes of four, nine spills into a second group of eight.
 BATCHES = [1, 2, 3, 8, 9]
 
 
@@ -119,6 +120,41 @@ def test_fp4_grouped_equals_each_experts_dequantised_product(path_name):
         assert_rounding_close(got[start:end], x[start:end], dequantize(experts[e]))
         start = end
     assert torch.isnan(got[3:6, 10]).all() and torch.isfinite(got[:3]).all()
+
+
+@pytest.mark.parametrize("path_name", PATHS)
+def test_fp4_every_code_under_every_scale_byte_multiplies_exactly(path_name):
+    """Each of the 16 E2M1 codes under each UE8M0 scale byte (32 rows a byte, so that every
+    tile holds one byte: those whose decode table the vectors use, 2^-23 .. 2^3, those
+    outside it, which take the portable path, and the NaN byte): x = I picks out each
+    weight, so the product must equal the dequantised weight exactly."""
+    scale_bytes = torch.tensor([*range(0, 251), 255], dtype=torch.uint8)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(2)  # 32 columns
+    packed = (codes[0::2] | codes[1::2] << 4).repeat(32 * len(scale_bytes), 1)
+    scales = scale_bytes.repeat_interleave(32)[:, None].contiguous()
+    pointers = torch.tensor([[packed.data_ptr(), scales.data_ptr()]])
+    with path(path_name):
+        got = native.fp4_grouped(torch.eye(32), pointers, torch.tensor([0]), torch.tensor([32]),
+                                 packed.shape[0])
+    want = dequantize(Quantized("fp4_ue8m0_32", packed, scales)).T
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.isnan(got[:, -32:]).all()
+
+
+@pytest.mark.parametrize("path_name", PATHS)
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_fp4_tiles_with_far_scales_equal_dequantise_then_matmul(path_name, n):
+    """Scale bytes beyond the vectors' decode tables (2^-120, 2^108) in some tiles of an
+    expert whose other tiles take the vectors."""
+    g = torch.Generator().manual_seed(n)
+    q = quantize(torch.randn(96, 64, generator=g), "fp4_ue8m0_32")
+    q.scales[3, 1], q.scales[70, 0] = 7, 235
+    pointers = torch.tensor([[q.codes.data_ptr(), q.scales.data_ptr()]])
+    x = torch.randn(n, 64, generator=g)
+    with path(path_name):
+        got = native.fp4_grouped(x, pointers, torch.tensor([0]), torch.tensor([n]), 96)
+    assert_rounding_close(got, x, dequantize(q))
 
 
 def make_packed_experts(n: int, dim: int, inter: int, seed: int) -> PackedExperts:

@@ -19,12 +19,14 @@
  *     32-row block, so a weight costs an unpack, a shift, a mask, a conversion and a
  *     multiply-add. The two NaN codes (s1111111) are caught by a running byte maximum and
  *     make their row's outputs NaN, as the NaN weight does in torch.
- *   - an E2M1 nibble s.ee.m becomes the fp16 number with high byte s000eem0 by one byte
- *     shuffle: its value times 2^-14, multiplied by the row's scale times 2^14.
+ *   - an E2M1 nibble becomes, by one byte shuffle through a table made for its block's
+ *     scale byte, the high byte of the fp16 number equal to its value times the scale
+ *     times 2^10 (a normal fp16 number for scales 2^-23 .. 2^3), so the scale costs no
+ *     multiply; each sum is multiplied by 2^-10 once at the end.
  *   - bf16 widens by a 16-bit shift.
- * The power-of-two shortcuts are exact while the scales lie within 2^-100 .. 2^100
- * (checkpoint scales are about 2^-9 .. 2^-12); a tile with a scale outside takes the
- * portable path.
+ * The power-of-two shortcuts are exact while the scales lie within 2^-100 .. 2^100 (FP8)
+ * or 2^-23 .. 2^3 (FP4; checkpoint scales are about 2^-9 .. 2^-12); a tile with a scale
+ * outside takes the portable path.
  *
  * Work: output rows in tiles of at most 32 (an FP8 scale block; never across a group of
  * the block-diagonal wo_a), threads over tiles. Within a tile, one or two tokens meet
@@ -59,6 +61,32 @@ typedef struct {
 } weight_t;
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* E2M1 decode tables, one per UE8M0 scale byte b: entry n is the high byte of the fp16
+ * number nibble n's value times 2^(b - 127) times 2^10 (low byte 0). The value is
+ * s * 2^E * (1 + m/2) with E in -1 .. 2 (0.5 .. 6), so its fp16 exponent field is
+ * E + 15 + d, d = b - 117, normal for d in -13 .. 13; zero stays zero. Byte 255 (a NaN
+ * scale) makes every entry NaN, as torch's product is. Other bytes have no table
+ * (fp4_scale_fits). */
+enum { FP4_FOLD_BIAS = 117, FP4_FOLD_SPAN = 13 };
+static uint8_t fp4_tables[256][16];
+
+static int fp4_scale_fits(uint8_t b) {
+    return b == 255 || (b >= FP4_FOLD_BIAS - FP4_FOLD_SPAN && b <= FP4_FOLD_BIAS + FP4_FOLD_SPAN);
+}
+
+__attribute__((constructor)) static void make_fp4_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        if (!fp4_scale_fits((uint8_t)b)) continue;
+        for (int n = 0; n < 16; n++) {
+            const int sign = (n & 8) << 4, ee = (n >> 1) & 3, m = n & 1;
+            if (b == 255) fp4_tables[b][n] = 0x7E;
+            else if (ee == 0 && !m) fp4_tables[b][n] = (uint8_t)sign;
+            else if (ee == 0) fp4_tables[b][n] = (uint8_t)(sign | (14 + b - FP4_FOLD_BIAS) << 2);
+            else fp4_tables[b][n] = (uint8_t)(sign | (14 + ee + b - FP4_FOLD_BIAS) << 2 | m << 1);
+        }
+    }
+}
 
 /* ---- decoding one row's columns [k0, k0 + n) into float32 ---------------------------- */
 
@@ -112,16 +140,13 @@ static inline void fp8_16(const uint8_t *c, __m128i *seen, int check, __m256 *ou
     out[1] = _mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, b), 1), keep));
 }
 
-/* Thirty-two E2M1 codes (sixteen bytes) -> their values times 2^-14, even columns first:
- * an E2M1 nibble s.ee.m is the fp16 number with high byte s000eem0 and low byte 0. */
-static inline v32 fp4_32(const uint8_t *c) {
-    const __m128i high = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, (char)0x80, (char)0x82,
-                                       (char)0x84, (char)0x86, (char)0x88, (char)0x8A,
-                                       (char)0x8C, (char)0x8E);
+/* Thirty-two E2M1 codes (sixteen bytes) -> their values times the block's scale times
+ * 2^10 (`table`, from fp4_tables), even columns first. */
+static inline v32 fp4_32(const uint8_t *c, __m128i table) {
     const __m128i nibble = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
     const __m128i b = _mm_loadu_si128((const __m128i *)c);
-    const __m128i even = _mm_shuffle_epi8(high, _mm_and_si128(b, nibble));
-    const __m128i odd = _mm_shuffle_epi8(high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+    const __m128i even = _mm_shuffle_epi8(table, _mm_and_si128(b, nibble));
+    const __m128i odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
     return (v32){{_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even)),
                   _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, even)),
                   _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd)),
@@ -134,13 +159,14 @@ static inline __m256 bf16_8(const uint8_t *c) {
 }
 
 /* Weights [k, k + 32) of a row whose codes start at `row` (k a multiple of 32). */
-static inline v32 decode32(int fmt, const uint8_t *row, int64_t k, __m128i *seen, int check) {
+static inline v32 decode32(int fmt, const uint8_t *row, int64_t k, __m128i *seen, int check,
+                           __m128i table) {
     v32 out;
     if (fmt == FMT_FP8) {
         fp8_16(row + k, seen, check, out.v);
         fp8_16(row + k + 16, seen, check, out.v + 2);
     } else if (fmt == FMT_FP4) {
-        out = fp4_32(row + k / 2);
+        out = fp4_32(row + k / 2, table);
     } else {
         for (int j = 0; j < 4; j++) out.v[j] = bf16_8(row + 2 * (k + 8 * j));
     }
@@ -157,20 +183,11 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* sum_j x[j] * v.v[j] over the 32 columns at x. */
-static inline __m256 dot32(const float *x, v32 v) {
-    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(x), v.v[0]);
-    s = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), v.v[1], s);
-    s = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), v.v[2], s);
-    return _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), v.v[3], s);
-}
-
 /* R rows times T tokens (R * T <= 8 accumulators), decoding each 32 weights once in
- * registers for all T tokens, columns [0, kv) with kv a multiple of 32: sums[i][t]. FP4:
- * each 32 columns' products add up apart, then join the row's sum times the row's scale
- * for them (times 2^14): one multiply-add where scaling each weight takes four. FP8 and
- * bf16 multiply-add straight into the sums, a lone token's in two chains; six or more
- * independent chains hide the multiply-adds' latency. */
+ * registers for all T tokens, columns [0, kv) with kv a multiple of 32: sums[i][t]. The
+ * products multiply-add straight into the sums (FP4's scale is in its decoded weights),
+ * a lone token's in two chains: six or more independent chains hide the multiply-adds'
+ * latency. */
 static inline __attribute__((always_inline)) void rows_times_tokens(
     const weight_t *w, int fmt, int check, int R, int T, const int64_t *rows, int64_t kv,
     const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
@@ -185,12 +202,11 @@ static inline __attribute__((always_inline)) void rows_times_tokens(
     }
     for (int64_t k = 0; k < kv; k += 32) {
         for (int i = 0; i < R; i++) {
-            const v32 v = decode32(fmt, codes[i], k, &seen[i], check);
-            if (fmt == FMT_FP4) {
-                const __m256 scale = _mm256_set1_ps(w->scale[scales[i][k / 32]] * 16384.0f);
-                for (int t = 0; t < T; t++)
-                    acc[i][t] = _mm256_fmadd_ps(dot32(x[t] + k, v), scale, acc[i][t]);
-            } else if (T == 1) { /* two chains, so that a row's adds overlap */
+            const __m128i table = fmt == FMT_FP4
+                ? _mm_loadu_si128((const __m128i *)fp4_tables[scales[i][k / 32]])
+                : _mm_setzero_si128();
+            const v32 v = decode32(fmt, codes[i], k, &seen[i], check, table);
+            if (T == 1) { /* two chains, so that a row's adds overlap */
                 const float *x0 = x[0] + k;
                 acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x0), v.v[0], acc[i][0]);
                 acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + 8), v.v[1], acc[i][1]);
@@ -204,9 +220,10 @@ static inline __attribute__((always_inline)) void rows_times_tokens(
             }
         }
     }
+    const float unfold = fmt == FMT_FP4 ? 0x1p-10f : 1.0f;
     for (int i = 0; i < R; i++) {
-        if (T == 1 && fmt != FMT_FP4) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][1]);
-        for (int t = 0; t < T; t++) sums[i][t] += hsum(acc[i][t]);
+        if (T == 1) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][1]);
+        for (int t = 0; t < T; t++) sums[i][t] += hsum(acc[i][t]) * unfold;
         if (fmt == FMT_FP8 && check)
             nan[i] |= _mm_movemask_epi8(_mm_cmpeq_epi8(seen[i], _mm_set1_epi8(0x7F))) != 0;
     }
@@ -214,12 +231,16 @@ static inline __attribute__((always_inline)) void rows_times_tokens(
 
 /* The register kernel specialised by format, by whether NaN codes are looked for (FP8
  * weights whose codes are known to hold none skip the compare) and by shape: four rows
- * for one or two tokens, two rows for three or four. */
+ * for one or two tokens, two rows for three or four. (One row for up to eight tokens,
+ * decoding each weight once for all, measured slower: each row then streams eight
+ * tokens' inputs from the second-level cache.) */
 #define SHAPES(FMT, CHECK)                                                                 \
-    if (T == 1) rows_times_tokens(w, FMT, CHECK, 4, 1, rows, kv, x, sums, nan);            \
-    else if (T == 2) rows_times_tokens(w, FMT, CHECK, 4, 2, rows, kv, x, sums, nan);       \
-    else if (T == 3) rows_times_tokens(w, FMT, CHECK, 2, 3, rows, kv, x, sums, nan);       \
-    else rows_times_tokens(w, FMT, CHECK, 2, 4, rows, kv, x, sums, nan);
+    switch (T) {                                                                           \
+    case 1: rows_times_tokens(w, FMT, CHECK, 4, 1, rows, kv, x, sums, nan); break;         \
+    case 2: rows_times_tokens(w, FMT, CHECK, 4, 2, rows, kv, x, sums, nan); break;         \
+    case 3: rows_times_tokens(w, FMT, CHECK, 2, 3, rows, kv, x, sums, nan); break;         \
+    default: rows_times_tokens(w, FMT, CHECK, 2, 4, rows, kv, x, sums, nan);               \
+    }
 
 static void registers(const weight_t *w, int check, int T, const int64_t *rows, int64_t kv,
                       const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
@@ -238,9 +259,9 @@ static void registers(const weight_t *w, int check, int T, const int64_t *rows, 
 
 /* ---- one tile: rows [r0, r0 + nr) of W times nt token rows of x ----------------------- */
 
-/* Whether the AVX2 path's power-of-two shortcuts are exact for this tile: its scales
- * (NaN aside) within 2^-100 .. 2^100, so folding them into x (FP8) or multiplying them by
- * 2^14 (FP4) neither overflows nor leaves float32's normal range. */
+/* Whether the AVX2 path's power-of-two shortcuts are exact for this tile: FP8 scales
+ * (NaN aside) within 2^-100 .. 2^100, so folding them into x neither overflows nor leaves
+ * float32's normal range; FP4 scales with a decode table (fp4_scale_fits). */
 static int scales_in_range(const weight_t *w, int64_t r0, int64_t nr) {
     const int64_t per_row = (w->K + TILE - 1) / TILE;
     const uint8_t *s;
@@ -248,7 +269,10 @@ static int scales_in_range(const weight_t *w, int64_t r0, int64_t nr) {
     if (w->fmt == FMT_FP8) {
         s = w->scales + (r0 / TILE) * per_row, n = per_row;
     } else if (w->fmt == FMT_FP4) {
+        int ok = 1;
         s = w->scales + r0 * (w->K / 32), n = nr * (w->K / 32);
+        for (int64_t i = 0; i < n; i++) ok &= fp4_scale_fits(s[i]);
+        return ok;
     } else {
         return 1;
     }
@@ -261,11 +285,11 @@ static int scales_in_range(const weight_t *w, int64_t r0, int64_t nr) {
  * (nr <= TILE, one FP8 scale block and one group) and tokens t < nt; `check`: whether
  * the FP8 codes may hold NaNs. scratch: TOKENS * K floats (FP8 only) then QUAD * CHUNK floats. */
 static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t nr,
-                      const float *x, int64_t x_stride, int64_t x_col, int64_t nt, float *y,
-                      int64_t y_stride, float *scratch) {
+                      const float *x, const float *x_split, int64_t x_stride, int64_t x_col,
+                      int64_t nt, float *y, int64_t y_stride, float *scratch) {
     const int64_t K = w->K;
 #if HAVE_AVX2
-    const int vector = isa == ISA_AVX2 && !(w->fmt == FMT_FP4 && K % 32) &&
+    const int vector = isa == ISA_AVX2 && !(w->fmt == FMT_FP4 && !x_split) &&
                        scales_in_range(w, r0, nr);
 #else
     const int vector = 0;
@@ -277,8 +301,8 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
     for (int64_t t0 = 0; t0 < nt; t0 += TOKENS) {
         const int64_t tn = min64(TOKENS, nt - t0);
         /* The tokens' inputs as the vectors take them: for FP8, x times the tile's scale
-         * per 32 columns and 2^8; for FP4, each 32 columns' even ones, then the odd ones;
-         * else (and on the portable path) x as it is. */
+         * per 32 columns and 2^8; for FP4, x_split; else (and on the portable path) x as
+         * it is. */
         const float *xin[TOKENS];
         for (int64_t t = 0; t < tn; t++) {
             const float *xt = x + (t0 + t) * x_stride + x_col;
@@ -293,54 +317,69 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
                 }
                 xin[t] = pt;
             } else if (w->fmt == FMT_FP4 && vector) {
-                for (int64_t k = 0; k < K; k += 32)
-                    for (int j = 0; j < 16; j++) {
-                        pt[k + j] = xt[k + 2 * j];
-                        pt[k + 16 + j] = xt[k + 2 * j + 1];
-                    }
-                xin[t] = pt;
+                xin[t] = x_split + (t0 + t) * x_stride + x_col;
             }
         }
-        for (int64_t q = 0; q < nr; q += QUAD) {
-            const int64_t qn = min64(QUAD, nr - q);
-            int64_t rows[QUAD]; /* a short quad repeats its last row; repeats are not stored */
-            for (int i = 0; i < QUAD; i++) rows[i] = r0 + q + min64(i, qn - 1);
-            int nan[QUAD] = {0, 0, 0, 0};
-            float sums[QUAD][TOKENS] = {{0}};
+        /* The vectors' share, up to four tokens a pass: one or two meet four rows at a
+         * time, three or four two rows. */
+        float sums[TILE][TOKENS] = {{0}};
+        int nan[TILE] = {0};
 #if HAVE_AVX2
-            /* Up to four tokens a pass: one or two meet four rows at a time, three or
-             * four two rows. */
-            for (int64_t t = 0; vector && t < tn;) {
-                const int T = (int)min64(4, tn - t), R = T <= 2 ? QUAD : 2;
+        for (int64_t t = 0; vector && t < tn;) {
+            const int T = (int)min64(4, tn - t), R = T <= 2 ? QUAD : 2;
+            for (int64_t q = 0; q < nr; q += QUAD) {
+                int64_t rows[QUAD]; /* a short quad repeats its last row, not stored */
+                for (int i = 0; i < QUAD; i++) rows[i] = r0 + q + min64(i, nr - q - 1);
                 for (int p = 0; p < QUAD; p += R) {
                     float part[QUAD][TOKENS] = {{0}};
-                    registers(w, check, T, rows + p, kv, xin + t, part, nan + p);
+                    registers(w, check, T, rows + p, kv, xin + t, part, nan + q + p);
                     for (int i = 0; i < R; i++)
-                        for (int u = 0; u < T; u++) sums[p + i][t + u] += part[i][u];
+                        for (int u = 0; u < T; u++) sums[q + p + i][t + u] += part[i][u];
                 }
-                t += T;
             }
+            t += T;
+        }
 #endif
-            /* What the vectors left (all of it on the portable path), a chunk at a time. */
+        /* What the vectors left (all of it on the portable path), a chunk at a time. */
+        for (int64_t q = 0; q < nr && kv < K; q += QUAD) {
+            int64_t rows[QUAD];
+            for (int i = 0; i < QUAD; i++) rows[i] = r0 + q + min64(i, nr - q - 1);
             for (int64_t k0 = kv; k0 < K; k0 += CHUNK) {
                 const int64_t kn = min64(CHUNK, K - k0);
                 for (int i = 0; i < QUAD; i++)
-                    nan[i] |= decode_portable(w, rows[i], k0, kn, fold, decoded + i * CHUNK);
+                    nan[q + i] |= decode_portable(w, rows[i], k0, kn, fold, decoded + i * CHUNK);
                 for (int64_t u = 0; u < tn; u++) {
                     const float *a = xin[u] + k0;
                     for (int i = 0; i < QUAD; i++) {
                         const float *d = decoded + i * CHUNK;
                         float s = 0.0f;
                         for (int64_t k = 0; k < kn; k++) s += a[k] * d[k];
-                        sums[i][u] += s;
+                        sums[q + i][u] += s;
                     }
                 }
             }
-            for (int64_t i = 0; i < qn; i++)
-                for (int64_t u = 0; u < tn; u++)
-                    y[(t0 + u) * y_stride + r0 + q + i] = nan[i] ? NAN : sums[i][u];
         }
+        for (int64_t i = 0; i < nr; i++)
+            for (int64_t u = 0; u < tn; u++)
+                y[(t0 + u) * y_stride + r0 + i] = nan[i] ? NAN : sums[i][u];
     }
+}
+
+/* x [N, width] with each 32 columns' even ones first, then the odd ones: the order FP4's
+ * vectors decode a byte's two nibbles in (fp4_32), made once a call; NULL where no tile
+ * can take the vectors (a width not a multiple of 32, or the portable path). */
+static float *split_columns(const float *x, int64_t N, int64_t width, int isa, int threads) {
+    if (isa != ISA_AVX2 || !HAVE_AVX2 || width % 32) return NULL;
+    float *out = malloc((size_t)(N * width) * sizeof(float));
+    if (!out) return NULL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < N; r++)
+        for (int64_t k = 0; k < width; k += 32)
+            for (int j = 0; j < 16; j++) {
+                out[r * width + k + j] = x[r * width + k + 2 * j];
+                out[r * width + k + 16 + j] = x[r * width + k + 2 * j + 1];
+            }
+    return out;
 }
 
 static size_t scratch_floats(const weight_t *w) {
@@ -425,8 +464,8 @@ void kv_packed_linear(const float *x, int64_t N, int fmt, const uint8_t *codes,
             tile_bounds(b, O, group_rows, starts, &count);
             for (int64_t i = 0; i < count; i++) {
                 const int64_t r0 = starts[i], group = r0 / group_rows;
-                tile_rows(&w, isa, nan_codes, r0, starts[i + 1] - r0, x, groups * K, group * K,
-                          N, y, O, scratch);
+                tile_rows(&w, isa, nan_codes, r0, starts[i + 1] - r0, x, NULL, groups * K,
+                          group * K, N, y, O, scratch);
             }
         }
         free(scratch);
@@ -442,6 +481,7 @@ void kv_fp4_grouped(const float *x, int64_t K, const int64_t *pointers, const in
                     const float *scale, float *y, int isa, int threads) {
     const int64_t blocks = (O + TILE - 1) / TILE;
     const weight_t shape = {FMT_FP4, 0, 0, O, K, elem, scale};
+    float *x_split = split_columns(x, G ? ends[G - 1] : 0, K, isa, threads);
 #pragma omp parallel num_threads(threads)
     {
         float *scratch = malloc(scratch_floats(&shape) * sizeof(float));
@@ -455,10 +495,12 @@ void kv_fp4_grouped(const float *x, int64_t K, const int64_t *pointers, const in
                 w.codes = (const uint8_t *)(intptr_t)p[0];
                 w.scales = (const uint8_t *)(intptr_t)p[1];
                 const int64_t r0 = b * TILE;
-                tile_rows(&w, isa, 0, r0, min64(TILE, O - r0), x + start * K, K, 0, rows,
-                          y + start * O, O, scratch);
+                tile_rows(&w, isa, 0, r0, min64(TILE, O - r0), x + start * K,
+                          x_split ? x_split + start * K : NULL, K, 0, rows, y + start * O, O,
+                          scratch);
             }
         }
         free(scratch);
     }
+    free(x_split);
 }
