@@ -100,6 +100,13 @@ def copy_bandwidth() -> float:
     return src.numel() / best_time(lambda: dst.copy_(src), 5)
 
 
+def multiply_add_rate() -> float:
+    """float32 multiply-adds a second torch's GEMM reaches on these threads (1024-square
+    matrices, best of five): the compute floor's rate."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return 1024**3 / best_time(lambda: a @ b, 5)
+
+
 def best_time(run: Callable[[], object], repeat: int) -> float:
     run()
     times = []
@@ -171,9 +178,18 @@ def projections(model: Model, batch: int, bandwidth: float, repeat: int) -> list
     return rows
 
 
-def moe_block(model: Model, batch: int, bandwidth: float, repeat: int) -> dict:
+def weight_elements(module: torch.nn.Module) -> int:
+    """Weights a token multiplies through the module's packed projections (out x in)."""
+    return sum(m.out_features * m.in_features if isinstance(m, PackedLinear) else
+               sum(codes.shape[0] * codes.shape[1] * 2 for codes in
+                   (m.w1_codes, m.w2_codes, m.w3_codes))  # two E2M1 codes a byte
+               for m in module.modules() if isinstance(m, PackedLinear | PackedExpert))
+
+
+def moe_block(model: Model, batch: int, bandwidth: float, madd_rate: float,
+              repeat: int) -> dict:
     """Layer 0's MoE on [batch, dim]: bytes = the router, the experts the batch picks, and
-    the shared expert."""
+    the shared expert; multiply-adds = each token's routed experts and the shared one."""
     moe = model.layers[0].ffn
     assert isinstance(moe.experts, PackedExperts)
     x = torch.randn(batch, model.config.dim, generator=torch.Generator().manual_seed(2))
@@ -181,8 +197,11 @@ def moe_block(model: Model, batch: int, bandwidth: float, repeat: int) -> dict:
     picked = torch.unique(chosen).tolist()
     nbytes = (tensor_bytes(moe.gate) + tensor_bytes(moe.shared)
               + sum(tensor_bytes(moe.experts[e]) for e in picked))
+    madds = sum(weight_elements(moe.experts[e]) for e in chosen.flatten().tolist()) + \
+        batch * weight_elements(moe.shared)
     what = f"MoE: {len(picked)} routed + shared"
-    return {"what": what, "batch": batch,
+    return {"what": what, "batch": batch, "multiply_adds": madds,
+            "compute_floor_ms": 1e3 * madds / madd_rate,
             **measure(lambda: moe(x), nbytes, bandwidth, repeat, 1, what)}
 
 
@@ -315,6 +334,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
     bandwidth = copy_bandwidth()
+    madd_rate = multiply_add_rate()
     with tempfile.TemporaryDirectory() as tmp:
         config = bench_config(args.experts)
         checkpoint_bytes = write_checkpoint(Path(tmp), config)
@@ -322,13 +342,15 @@ def main() -> None:
         model = Model.from_pretrained(tmp).eval()
         loaded = rss() - before
         result: dict = {"threads": args.threads, "load_average": load,
-                        "copy_bandwidth_gb_s": bandwidth / GB, "isa": native.weights_isa(),
+                        "copy_bandwidth_gb_s": bandwidth / GB,
+                        "gemm_gflop_s": 2 * madd_rate / GB, "isa": native.weights_isa(),
                         "experts": args.experts, "context": args.context,
                         "checkpoint_bytes": checkpoint_bytes, "rss_after_load": loaded}
         with torch.no_grad():
             result["projections"] = [r for batch in (1, 8)
                                      for r in projections(model, batch, bandwidth, args.repeat)]
-            result["moe"] = [moe_block(model, batch, bandwidth, args.repeat) for batch in (1, 8)]
+            result["moe"] = [moe_block(model, batch, bandwidth, madd_rate, args.repeat)
+                             for batch in (1, 8)]
             result["layers"] = [r for batch in (1, 8) for r in
                                 whole_layers(model, batch, args.context, bandwidth, args.repeat)]
             # Two threads against one on whole layers, batch 1, kernels only.
@@ -363,8 +385,12 @@ def main() -> None:
     print_rows("MoE block (layer 0)", result["moe"])
     print_rows(f"Whole layers inside Model.decode, context {args.context}", result["layers"])
     b1, b8 = result["moe"]
-    print(f"\nMoE at batch 8 takes {b8['kernel_ms'] / b1['kernel_ms']:.2f}x batch 1's time; "
-          f"two threads run the whole layers {result['two_threads_speedup']:.2f}x as fast as one")
+    print(f"\nMoE at batch 8 takes {b8['kernel_ms'] / b1['kernel_ms']:.2f}x batch 1's time; its "
+          f"{b8['multiply_adds'] / GB:.2f} G float32 multiply-adds alone take "
+          f"{b8['compute_floor_ms'] / b1['kernel_ms']:.2f}x at torch's GEMM rate here "
+          f"({result['gemm_gflop_s']:.1f} GFLOP/s), so batch 8 runs at "
+          f"{b8['kernel_ms'] / b8['compute_floor_ms']:.2f}x its compute floor")
+    print(f"Two threads run the whole layers {result['two_threads_speedup']:.2f}x as fast as one")
     print(f"Resident memory: checkpoint {checkpoint_bytes / GB:.2f} GB; growth after loading "
           f"{loaded / GB:.2f} GB, after the run {result['rss_after_run'] / GB:.2f} GB "
           f"({result['rss_after_run'] / checkpoint_bytes:.2f}x the checkpoint)")

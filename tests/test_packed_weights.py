@@ -2,7 +2,6 @@
 dequantise-then-matmul: equal within float32 rounding on every path, NaN where torch's
 are NaN, and what the model runs by default on a CPU."""
 
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -18,14 +17,17 @@ from kvstack.model.packed import PackedExpert, PackedExperts, PackedLinear
 
 pytestmark = pytest.mark.skipif(not native.resolve("auto"), reason="no C compiler here")
 
-PATHS = ["best", "portable"]
+PATHS = list(native.ISAS)
 # Token counts that take each way through a tile: one and two tokens meet four rows at a
 # time, three two rows, eight two passes of four, nine spills into a second group of eight.
 BATCHES = [1, 2, 3, 8, 9]
 
 
 def path(name: str):
-    return native.portable() if name == "portable" else nullcontext()
+    """Inside: the kernels on path `name` (a test of a path this CPU lacks is skipped)."""
+    if native.ISAS.index(name) > native.ISAS.index(native.best_weights_isa()):
+        pytest.skip(f"this CPU has no {name} path")
+    return native.weights_path(name)
 
 
 def assert_rounding_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -206,7 +208,19 @@ def test_a_packed_linear_runs_the_kernels_by_default_and_keeps_no_float_copy(mon
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     with native.active(False):
         assert torch.equal(linear(x), want) and calls
-    assert native.weights_isa() in native.ISAS
+    assert native.weights_isa() == native.best_weights_isa() in native.ISAS
+
+
+def test_a_path_the_build_lacks_or_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="unknown packed-weight path 'sse'"), \
+            native.weights_path("sse"):
+        pass
+    with native.weights_path("portable"):
+        assert native.weights_isa() == "portable"
+    assert native.weights_isa() == native.best_weights_isa()
+    if native.best_weights_isa() != "avx512":
+        with pytest.raises(ValueError, match="no avx512 path"), native.weights_path("avx512"):
+            pass
 
 
 @pytest.mark.parametrize("path_name", PATHS)

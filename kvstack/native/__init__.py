@@ -60,10 +60,10 @@ class NativeUnavailable(RuntimeError):
 _library: ctypes.CDLL | None = None
 _why_not: str | None = None
 _on: bool | None = None  # an engine step's choice; None outside one
-# The packed-weight kernels' paths (weights.c's ISA_*): the best one built, or the one
-# `portable()` forces.
-ISAS = ("portable", "avx2")
-_force_portable = False
+# The packed-weight kernels' paths (weights.c's ISA_*), in order: the best one this CPU's
+# build has, or the lower one `weights_path()` forces.
+ISAS = ("portable", "avx2", "avx512")
+_forced_isa: str | None = None
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -296,20 +296,30 @@ def packed_enabled() -> bool:
 
 
 def weights_isa() -> str:
-    """The path the packed-weight kernels take now: "avx2" or "portable" (ISAS)."""
-    return ISAS[0 if _force_portable else _load().kv_weights_isa()]
+    """The path the packed-weight kernels take now: "avx512", "avx2" or "portable"
+    (ISAS): the best this CPU's build has, unless `weights_path` forces a lower one."""
+    return _forced_isa or ISAS[_load().kv_weights_isa()]
+
+
+def best_weights_isa() -> str:
+    """The best packed-weight path this CPU's build has."""
+    return ISAS[_load().kv_weights_isa()]
 
 
 @contextmanager
-def portable() -> Iterator[None]:
-    """The packed-weight kernels on their portable C path inside (what a CPU without
-    AVX2 runs), for tests that check it on a CPU that has more."""
-    global _force_portable
-    before, _force_portable = _force_portable, True
+def weights_path(isa: str) -> Iterator[None]:
+    """The packed-weight kernels on a lower path inside (what a CPU without AVX-512, or
+    without AVX2, runs), for tests that check each path on a CPU that has more."""
+    global _forced_isa
+    if isa not in ISAS:
+        raise ValueError(f"unknown packed-weight path {isa!r}: one of {', '.join(ISAS)}")
+    if ISAS.index(isa) > ISAS.index(best_weights_isa()):
+        raise ValueError(f"this CPU's build has no {isa} path (best: {best_weights_isa()})")
+    before, _forced_isa = _forced_isa, isa
     try:
         yield
     finally:
-        _force_portable = before
+        _forced_isa = before
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -10,9 +10,11 @@
  * x and y are float32 and the products add in float32. A weight value is what the torch
  * codecs give (elem[code] * scale[byte], tables passed in by the caller), so the results
  * equal dequantise-then-matmul within float32 rounding (the sums add in another order).
- * Two paths, chosen per call: ISA_PORTABLE, plain C every compiler builds, and ISA_AVX2
- * (AVX2 + FMA + F16C, compiled in where -march=native provides them), which decodes
- * sixteen weights at a time in registers:
+ * Three paths, chosen per call (the best this build has unless the caller asks for a
+ * lower one): ISA_PORTABLE, plain C every compiler builds; ISA_AVX2 (AVX2 + FMA + F16C,
+ * compiled in where -march=native provides them); and ISA_AVX512 (AVX-512 F/BW/VL as
+ * well), described where it is defined. The AVX2 path decodes sixteen weights at a time
+ * in registers:
  *   - an E4M3 byte b becomes the fp16 number with bits s0eeeemmm0000000, exactly b's value
  *     times 2^-8 (the exponent biases differ by 8; subnormals map to subnormals), converted
  *     by F16C; the 2^8 and the block's power-of-two scale are folded into x once per
@@ -31,9 +33,9 @@
  * Work: output rows in tiles of at most 32 (an FP8 scale block; never across a group of
  * the block-diagonal wo_a), threads over tiles. Within a tile, one or two tokens meet
  * four rows at a time (eight chains of multiply-adds hide their latency while the next
- * codes decode); three or four tokens meet two rows at a time, so each decoded weight
- * serves up to four multiply-adds. Decoding is the cost at batch 1, the multiply-adds at
- * larger batches.
+ * codes decode); three or four tokens meet two rows at a time on the AVX2 path and four
+ * on the AVX-512 path, so each decoded weight serves up to four multiply-adds. Decoding
+ * is the cost at batch 1, the multiply-adds at larger batches.
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,13 +47,18 @@
 #else
 #define HAVE_AVX2 0
 #endif
+#if HAVE_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
 
 enum { FMT_FP8 = 0, FMT_FP4 = 1, FMT_BF16 = 2 };
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1 };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 enum { TILE = 32, QUAD = 4, TOKENS = 8, CHUNK = 256 };
 
 /* The best path this build has. */
-int kv_weights_isa(void) { return HAVE_AVX2 ? ISA_AVX2 : ISA_PORTABLE; }
+int kv_weights_isa(void) { return HAVE_AVX512 ? ISA_AVX512 : HAVE_AVX2 ? ISA_AVX2 : ISA_PORTABLE; }
 
 typedef struct {
     int fmt;
@@ -255,6 +262,112 @@ static void registers(const weight_t *w, int check, int T, const int64_t *rows, 
     }
 }
 #undef SHAPES
+
+#if HAVE_AVX512
+/* The AVX-512 path: thirty-two weights decode into two 16-float vectors, and each
+ * token's products take two multiply-adds.
+ *   - E2M1: the codes' bytes widen to sixteen 32-bit lanes, and one permute each picks
+ *     the low nibbles' values (even columns: the permute reads an index's low four bits)
+ *     and, shifted, the high nibbles' (odd columns) from a sixteen-entry table: the
+ *     codec's values times the block's scale, the very products the portable path makes,
+ *     so every scale byte (NaN included) is exact and no tile needs a range check;
+ *   - E4M3: the fp16 reading of the AVX2 path, thirty-two codes at a time;
+ *   - bf16: a 16-bit shift. */
+typedef struct {
+    __m512 v[2];
+} z32;
+
+static inline z32 decode32_512(const weight_t *w, int fmt, const uint8_t *row,
+                               const uint8_t *scales, int64_t k, __m256i *seen, int check) {
+    z32 out;
+    if (fmt == FMT_FP4) {
+        const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(w->elem),
+                                           _mm512_set1_ps(w->scale[scales[k / 32]]));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k / 2)));
+        out.v[0] = _mm512_permutexvar_ps(bytes, table);
+        out.v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    } else if (fmt == FMT_FP8) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(row + k));
+        if (check) *seen = _mm256_max_epu8(*seen, _mm256_and_si256(b, _mm256_set1_epi8(0x7F)));
+        const __m512i high = _mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8);
+        const __m512i half = _mm512_and_si512(_mm512_srai_epi16(high, 1),
+                                              _mm512_set1_epi16((short)0xBFFF));
+        out.v[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+        out.v[1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+    } else {
+        for (int j = 0; j < 2; j++)
+            out.v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)(row + 2 * (k + 16 * j)))), 16));
+    }
+    return out;
+}
+
+/* rows_times_tokens on the AVX-512 path: four rows for up to four tokens. Its 32 vector
+ * registers hold the four rows' decoded weights while each token's inputs, loaded once,
+ * meet all four: a token's inputs stream from the second-level cache once per four rows
+ * (once per row, the loads, not the multiply-adds, set the pace from three tokens on). */
+static inline __attribute__((always_inline)) void rows_times_tokens_512(
+    const weight_t *w, int fmt, int check, int T, const int64_t *rows, int64_t kv,
+    const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
+    const uint8_t *codes[QUAD], *scales[QUAD];
+    __m256i seen[QUAD];
+    __m512 acc[QUAD][4];
+    for (int i = 0; i < QUAD; i++) {
+        codes[i] = row_codes(w, rows[i]);
+        scales[i] = w->scales + rows[i] * (w->K / 32);
+        seen[i] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) acc[i][t] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < kv; k += 32) {
+        z32 v[QUAD];
+        for (int i = 0; i < QUAD; i++)
+            v[i] = decode32_512(w, fmt, codes[i], scales[i], k, &seen[i], check);
+        for (int t = 0; t < T; t++) {
+            __m512 even = _mm512_loadu_ps(x[t] + k), odd = _mm512_loadu_ps(x[t] + k + 16);
+            /* Held in registers: left alone, the compiler folds the loads into each
+             * row's multiply-adds, loading them four times. */
+            __asm__("" : "+v"(even), "+v"(odd));
+            for (int i = 0; i < QUAD; i++) {
+                if (T == 1) { /* two chains, so that a row's adds overlap */
+                    acc[i][0] = _mm512_fmadd_ps(even, v[i].v[0], acc[i][0]);
+                    acc[i][1] = _mm512_fmadd_ps(odd, v[i].v[1], acc[i][1]);
+                } else {
+                    acc[i][t] = _mm512_fmadd_ps(even, v[i].v[0], acc[i][t]);
+                    acc[i][t] = _mm512_fmadd_ps(odd, v[i].v[1], acc[i][t]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < QUAD; i++) {
+        if (T == 1) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][1]);
+        for (int t = 0; t < T; t++) sums[i][t] += _mm512_reduce_add_ps(acc[i][t]);
+        if (fmt == FMT_FP8 && check)
+            nan[i] |= _mm256_movemask_epi8(_mm256_cmpeq_epi8(seen[i], _mm256_set1_epi8(0x7F))) != 0;
+    }
+}
+
+#define SHAPES(FMT, CHECK)                                                                 \
+    switch (T) {                                                                           \
+    case 1: rows_times_tokens_512(w, FMT, CHECK, 1, rows, kv, x, sums, nan); break;        \
+    case 2: rows_times_tokens_512(w, FMT, CHECK, 2, rows, kv, x, sums, nan); break;        \
+    case 3: rows_times_tokens_512(w, FMT, CHECK, 3, rows, kv, x, sums, nan); break;        \
+    default: rows_times_tokens_512(w, FMT, CHECK, 4, rows, kv, x, sums, nan);              \
+    }
+
+static void registers_512(const weight_t *w, int check, int T, const int64_t *rows, int64_t kv,
+                          const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
+    if (w->fmt == FMT_FP8 && check) {
+        SHAPES(FMT_FP8, 1)
+    } else if (w->fmt == FMT_FP8) {
+        SHAPES(FMT_FP8, 0)
+    } else if (w->fmt == FMT_FP4) {
+        SHAPES(FMT_FP4, 0)
+    } else {
+        SHAPES(FMT_BF16, 0)
+    }
+}
+#undef SHAPES
+#endif
 #endif
 
 /* ---- one tile: rows [r0, r0 + nr) of W times nt token rows of x ----------------------- */
@@ -289,8 +402,9 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
                       int64_t nt, float *y, int64_t y_stride, float *scratch) {
     const int64_t K = w->K;
 #if HAVE_AVX2
-    const int vector = isa == ISA_AVX2 && !(w->fmt == FMT_FP4 && !x_split) &&
-                       scales_in_range(w, r0, nr);
+    /* FP4 on the AVX-512 path decodes every scale exactly: no range to check. */
+    const int vector = isa >= ISA_AVX2 && !(w->fmt == FMT_FP4 && !x_split) &&
+                       ((w->fmt == FMT_FP4 && isa == ISA_AVX512) || scales_in_range(w, r0, nr));
 #else
     const int vector = 0;
     (void)isa, (void)check, (void)scales_in_range;
@@ -326,13 +440,18 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
         int nan[TILE] = {0};
 #if HAVE_AVX2
         for (int64_t t = 0; vector && t < tn;) {
-            const int T = (int)min64(4, tn - t), R = T <= 2 ? QUAD : 2;
+            const int T = (int)min64(4, tn - t), R = T <= 2 || isa == ISA_AVX512 ? QUAD : 2;
             for (int64_t q = 0; q < nr; q += QUAD) {
                 int64_t rows[QUAD]; /* a short quad repeats its last row, not stored */
                 for (int i = 0; i < QUAD; i++) rows[i] = r0 + q + min64(i, nr - q - 1);
                 for (int p = 0; p < QUAD; p += R) {
                     float part[QUAD][TOKENS] = {{0}};
-                    registers(w, check, T, rows + p, kv, xin + t, part, nan + q + p);
+#if HAVE_AVX512
+                    if (isa == ISA_AVX512)
+                        registers_512(w, check, T, rows + p, kv, xin + t, part, nan + q + p);
+                    else
+#endif
+                        registers(w, check, T, rows + p, kv, xin + t, part, nan + q + p);
                     for (int i = 0; i < R; i++)
                         for (int u = 0; u < T; u++) sums[q + p + i][t + u] += part[i][u];
                 }
@@ -369,7 +488,7 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
  * vectors decode a byte's two nibbles in (fp4_32), made once a call; NULL where no tile
  * can take the vectors (a width not a multiple of 32, or the portable path). */
 static float *split_columns(const float *x, int64_t N, int64_t width, int isa, int threads) {
-    if (isa != ISA_AVX2 || !HAVE_AVX2 || width % 32) return NULL;
+    if (isa < ISA_AVX2 || !HAVE_AVX2 || width % 32) return NULL;
     float *out = malloc((size_t)(N * width) * sizeof(float));
     if (!out) return NULL;
 #pragma omp parallel for schedule(static) num_threads(threads)
