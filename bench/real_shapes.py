@@ -15,9 +15,11 @@ measured in the same run): every FP8 projection of layer 0, the MoE block (6 rou
 shared expert), each whole layer inside `Model.decode` after a context of `--context`
 tokens (random cache rows in the stored formats), and the bf16 head; at batch 1 and 8;
 with the C kernels (what runs by default) and with dequantise-then-matmul, their outputs
-compared before either is timed. Then a
-whole layer with two threads, the resident memory after loading, and the 40-layer
-estimate: tokens/s here and per 100 GB/s of bandwidth.
+compared before either is timed. Then the MoE block on each packed-weight path the CPU
+has (AVX-512, AVX2, portable C), its batch-8 compute floor (its float32 multiply-adds at
+torch's GEMM rate measured in the same run), a whole layer with two threads beside what a
+second thread adds to torch's copy and GEMM, the resident memory after loading, and the
+40-layer estimate: tokens/s here and per 100 GB/s of bandwidth.
 """
 
 import argparse
@@ -205,6 +207,20 @@ def moe_block(model: Model, batch: int, bandwidth: float, madd_rate: float,
             **measure(lambda: moe(x), nbytes, bandwidth, repeat, 1, what)}
 
 
+def moe_by_path(model: Model, repeat: int) -> list[dict]:
+    """Layer 0's MoE at batch 1 and 8 on each packed-weight path this CPU has (the best
+    runs by default; the others are what CPUs without its instructions run)."""
+    moe, rows = model.layers[0].ffn, []
+    best = native.ISAS.index(native.best_weights_isa())
+    for isa in native.ISAS[: best + 1]:
+        with native.weights_path(isa), kernels(True):
+            for batch in (1, 8):
+                x = torch.randn(batch, model.config.dim, generator=torch.Generator().manual_seed(2))
+                rows.append({"isa": isa, "batch": batch,
+                             "kernel_ms": 1e3 * best_time(lambda x=x: moe(x), repeat)})
+    return rows
+
+
 def fill_context(model: Model, cache: ContiguousCache, n_tokens: int) -> None:
     """A context of n_tokens as the cache stores it, without running a prefill at these
     widths: random ids, stream rows and window entries written through the store (so
@@ -351,16 +367,22 @@ def main() -> None:
                                      for r in projections(model, batch, bandwidth, args.repeat)]
             result["moe"] = [moe_block(model, batch, bandwidth, madd_rate, args.repeat)
                              for batch in (1, 8)]
+            result["moe_by_path"] = moe_by_path(model, args.repeat)
             result["layers"] = [r for batch in (1, 8) for r in
                                 whole_layers(model, batch, args.context, bandwidth, args.repeat)]
-            # Two threads against one on whole layers, batch 1, kernels only.
-            threads = {}
+            # Two threads against one on whole layers, batch 1, kernels only; beside what
+            # a second thread adds to torch's copy and GEMM here (the ceiling when the two
+            # compute threads share a physical core or a memory channel).
+            threads, copy, gemm = {}, {}, {}
             for n in (1, 2):
                 torch.set_num_threads(n)
+                copy[n], gemm[n] = copy_bandwidth(), multiply_add_rate()
                 rows = whole_layers(model, 1, args.context, bandwidth, args.repeat)
                 threads[n] = sum(r["kernel_ms"] for r in rows if r["what"].startswith("layer"))
             torch.set_num_threads(args.threads)
             result["two_threads_speedup"] = threads[1] / threads[2]
+            result["two_threads_copy_speedup"] = copy[2] / copy[1]
+            result["two_threads_gemm_speedup"] = gemm[2] / gemm[1]
         result["rss_after_run"] = rss() - before
     layers = [r for r in result["layers"] if r["batch"] == 1 and r["what"].startswith("layer")]
     head = next(r for r in result["layers"] if r["batch"] == 1 and r["what"].startswith("head"))
@@ -383,6 +405,8 @@ def main() -> None:
           f"{bandwidth / GB:.2f} GB/s; kernels: {result['isa']}")
     print_rows("FP8 projections (layer 0)", result["projections"])
     print_rows("MoE block (layer 0)", result["moe"])
+    print("\nMoE block by packed-weight path: " + "; ".join(
+        f"{r['isa']} batch {r['batch']} {r['kernel_ms']:.1f} ms" for r in result["moe_by_path"]))
     print_rows(f"Whole layers inside Model.decode, context {args.context}", result["layers"])
     b1, b8 = result["moe"]
     print(f"\nMoE at batch 8 takes {b8['kernel_ms'] / b1['kernel_ms']:.2f}x batch 1's time; its "
@@ -390,7 +414,9 @@ def main() -> None:
           f"{b8['compute_floor_ms'] / b1['kernel_ms']:.2f}x at torch's GEMM rate here "
           f"({result['gemm_gflop_s']:.1f} GFLOP/s), so batch 8 runs at "
           f"{b8['kernel_ms'] / b8['compute_floor_ms']:.2f}x its compute floor")
-    print(f"Two threads run the whole layers {result['two_threads_speedup']:.2f}x as fast as one")
+    print(f"Two threads run the whole layers {result['two_threads_speedup']:.2f}x as fast as one "
+          f"(torch's copy {result['two_threads_copy_speedup']:.2f}x, its GEMM "
+          f"{result['two_threads_gemm_speedup']:.2f}x)")
     print(f"Resident memory: checkpoint {checkpoint_bytes / GB:.2f} GB; growth after loading "
           f"{loaded / GB:.2f} GB, after the run {result['rss_after_run'] / GB:.2f} GB "
           f"({result['rss_after_run'] / checkpoint_bytes:.2f}x the checkpoint)")
