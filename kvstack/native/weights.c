@@ -207,8 +207,12 @@ static inline __attribute__((always_inline)) void rows_times_tokens(
         seen[i] = _mm_setzero_si128();
         for (int t = 0; t < 4; t++) acc[i][t] = _mm256_setzero_ps();
     }
+    /* The rows R below, which the next call reads: fetched while these decode, so that
+     * short rows (wq_b's 1,280 bytes) do not wait on each new stream. */
+    const int64_t row_bytes = row_codes(w, 1) - row_codes(w, 0), ahead = R * row_bytes;
     for (int64_t k = 0; k < kv; k += 32) {
         for (int i = 0; i < R; i++) {
+            _mm_prefetch((const char *)(codes[i] + ahead + k * row_bytes / w->K), _MM_HINT_T0);
             const __m128i table = fmt == FMT_FP4
                 ? _mm_loadu_si128((const __m128i *)fp4_tables[scales[i][k / 32]])
                 : _mm_setzero_si128();
@@ -318,10 +322,15 @@ static inline __attribute__((always_inline)) void rows_times_tokens_512(
         seen[i] = _mm256_setzero_si256();
         for (int t = 0; t < 4; t++) acc[i][t] = _mm512_setzero_ps();
     }
+    /* The rows four below, which the next call reads: fetched while these decode, so
+     * that short rows (wq_b's 1,280 bytes) do not wait on each new stream. */
+    const int64_t row_bytes = row_codes(w, 1) - row_codes(w, 0), ahead = QUAD * row_bytes;
     for (int64_t k = 0; k < kv; k += 32) {
         z32 v[QUAD];
-        for (int i = 0; i < QUAD; i++)
+        for (int i = 0; i < QUAD; i++) {
+            _mm_prefetch((const char *)(codes[i] + ahead + k * row_bytes / w->K), _MM_HINT_T0);
             v[i] = decode32_512(w, fmt, codes[i], scales[i], k, &seen[i], check);
+        }
         for (int t = 0; t < T; t++) {
             __m512 even = _mm512_loadu_ps(x[t] + k), odd = _mm512_loadu_ps(x[t] + k + 16);
             /* Held in registers: left alone, the compiler folds the loads into each
