@@ -18,8 +18,10 @@ with the C kernels (what runs by default) and with dequantise-then-matmul, their
 compared before either is timed. Then the MoE block on each packed-weight path the CPU
 has (AVX-512, AVX2, portable C), its batch-8 compute floor (its float32 multiply-adds at
 torch's GEMM rate measured in the same run), a whole layer with two threads beside what a
-second thread adds to torch's copy and GEMM, the resident memory after loading, and the
-40-layer estimate: tokens/s here and per 100 GB/s of bandwidth.
+second thread adds to torch's copy and GEMM, the rate the batch-1 layers read at beside
+torch's own read rate (a copy writes what it reads, so its floor is the looser one), the
+resident memory after loading, and the 40-layer estimate: tokens/s here and per 100 GB/s
+of bandwidth.
 """
 
 import argparse
@@ -100,6 +102,13 @@ def copy_bandwidth() -> float:
     src = torch.ones(256 << 20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     return src.numel() / best_time(lambda: dst.copy_(src), 5)
+
+
+def read_bandwidth() -> float:
+    """Bytes a second torch reads summing 256 MiB of float32 (best of five): a matmul's
+    stream reads, where a copy also writes, so this is the tighter ceiling."""
+    values = torch.ones(64 << 20, dtype=torch.float32)
+    return values.numel() * 4 / best_time(values.sum, 5)
 
 
 def multiply_add_rate() -> float:
@@ -355,6 +364,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
     bandwidth = copy_bandwidth()
+    read_rate = read_bandwidth()
     madd_rate = multiply_add_rate()
     with tempfile.TemporaryDirectory() as tmp:
         config = bench_config(args.experts)
@@ -364,6 +374,7 @@ def main() -> None:
         loaded = rss() - before
         result: dict = {"threads": args.threads, "load_average": load,
                         "copy_bandwidth_gb_s": bandwidth / GB,
+                        "read_bandwidth_gb_s": read_rate / GB,
                         "gemm_gflop_s": 2 * madd_rate / GB, "isa": native.weights_isa(),
                         "experts": args.experts, "context": args.context,
                         "checkpoint_bytes": checkpoint_bytes, "rss_after_load": loaded}
@@ -424,6 +435,9 @@ def main() -> None:
     print(f"Two threads run the whole layers {result['two_threads_speedup']:.2f}x as fast as one "
           f"(torch's copy {result['two_threads_copy_speedup']:.2f}x, its GEMM "
           f"{result['two_threads_gemm_speedup']:.2f}x)")
+    layer_rate = sum(r["bytes"] for r in layers) / sum(r["kernel_ms"] for r in layers) * 1e3
+    print(f"Batch-1 layers read {layer_rate / GB:.1f} GB/s: {layer_rate / read_rate:.0%} of what "
+          f"torch reads a second summing 256 MiB here ({read_rate / GB:.1f} GB/s)")
     print(f"Resident memory: checkpoint {checkpoint_bytes / GB:.2f} GB; growth after loading "
           f"{loaded / GB:.2f} GB, after the run {result['rss_after_run'] / GB:.2f} GB "
           f"({result['rss_after_run'] / checkpoint_bytes:.2f}x the checkpoint)")
