@@ -864,3 +864,32 @@ def test_the_library_is_built_and_loaded_only_from_a_folder_this_user_owns(tmp_p
     got = native._build()
     assert got.parent not in (target, tmp_path / "linked" / "kvstack" / "native")
     shutil.rmtree(got.parent)
+
+
+def test_an_engine_steps_choice_is_its_own_threads():
+    """A server's engine thread steps inside `active(True)` while other threads may run
+    the same model outside any step: they must keep the torch code (before, the choice was
+    one global, and a model run beside a stepping engine could take the C kernels)."""
+    import threading
+
+    inside, seen = threading.Event(), []
+    release = threading.Event()
+
+    def step() -> None:
+        with native.active(True):
+            inside.set()
+            release.wait(10)
+
+    engine = threading.Thread(target=step)
+    engine.start()
+    try:
+        assert inside.wait(10)
+        seen.append(native.enabled())
+        with native.active(False):
+            seen.append(native.enabled())
+    finally:
+        release.set()
+        engine.join()
+    assert seen == [False, False] and not native.enabled()
+    with native.active(True):
+        assert native.enabled()

@@ -33,6 +33,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ class NativeUnavailable(RuntimeError):
 
 _library: ctypes.CDLL | None = None
 _why_not: str | None = None
-_on: bool | None = None  # an engine step's choice; None outside one
+# An engine step's choice, per thread (None outside one): a server's engine thread steps
+# while other threads may run the same model outside any step, which must not see it.
+_step = threading.local()
 # The packed-weight kernels' paths (weights.c's ISA_*), in order: the best one this CPU's
 # build has, or the lower one `weights_path()` forces.
 ISAS = ("portable", "avx2", "avx512")
@@ -267,24 +270,29 @@ def resolve(choice: str) -> bool:
 @contextmanager
 def active(on: bool) -> Iterator[None]:
     """The C kernels on (or off) for the ops run inside: one engine step."""
-    global _on
-    before, _on = _on, on
+    before = _step_choice()
+    _step.on = on
     try:
         yield
     finally:
-        _on = before
+        _step.on = before
+
+
+def _step_choice() -> bool | None:
+    """This thread's engine-step choice (`active`): None outside a step."""
+    return getattr(_step, "on", None)
 
 
 def enabled() -> bool:
     """Whether the cache ops run in C: inside an engine step that chose them."""
-    return _on is True
+    return _step_choice() is True
 
 
 def packed_enabled() -> bool:
     """Whether packed weights are multiplied by the C kernels: wherever they build (the
     first call builds them, and logs once why not where they don't), unless an engine
     step chose torch."""
-    if _on is False or _why_not is not None:
+    if _step_choice() is False or _why_not is not None:
         return False
     if _library is None:
         try:
@@ -681,7 +689,7 @@ def fp4_grouped(x: torch.Tensor, pointers: torch.Tensor, experts: torch.Tensor,
 # outside a traced graph (a compiled step fuses them itself).
 def fuses(*tensors: torch.Tensor) -> bool:
     """Whether the model's small ops on these tensors run in step.c."""
-    if _on is not True or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if _step_choice() is not True or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
     for t in tensors:  # noqa: SIM110 (a loop: this runs hundreds of times a step)
         if t.dtype is not torch.float32 or not t.is_cpu:
