@@ -18,10 +18,11 @@ headers, so a build takes a few seconds.
 `resolve(choice)` says whether they run for an engine setting (kvstack.config.CPU_KERNELS:
 "auto" where they build, saying in the log when they do not; "c" or raise
 `NativeUnavailable` naming why; "torch" never), and an engine runs each step inside
-`active(on)`. The cache ops ask `enabled()` (on inside an engine's step) and keep their
-torch code beside, which runs everywhere else (GPUs, training, a model used without an
-engine). The packed-weight matmuls ask `packed_enabled()`: on wherever they build, engine
-or not (their torch path is 30-65x slower), unless the engine's step says "torch".
+`active(on)`, a choice of the stepping thread alone. The cache ops ask `enabled()` (on
+inside an engine's step) and keep their torch code beside, which runs everywhere else
+(GPUs, training, a model used without an engine). The packed-weight matmuls ask
+`packed_enabled()`: on wherever they build, engine or not (their torch path is 30-65x
+slower), unless the engine's step says "torch".
 """
 
 import ctypes
