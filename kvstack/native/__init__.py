@@ -307,7 +307,7 @@ def packed_enabled() -> bool:
 def weights_isa() -> str:
     """The path the packed-weight kernels take now: "avx512", "avx2" or "portable"
     (ISAS): the best this CPU's build has, unless `weights_path` forces a lower one."""
-    return _forced_isa or ISAS[_load().kv_weights_isa()]
+    return _forced_isa or best_weights_isa()
 
 
 def best_weights_isa() -> str:

@@ -180,8 +180,13 @@ static inline v32 decode32(int fmt, const uint8_t *row, int64_t k, __m128i *seen
     return out;
 }
 
+/* Bytes a row's codes take for its first k columns (k even for FP4). */
+static inline int64_t column_bytes(int fmt, int64_t k) {
+    return fmt == FMT_FP8 ? k : fmt == FMT_FP4 ? k / 2 : 2 * k;
+}
+
 static inline const uint8_t *row_codes(const weight_t *w, int64_t row) {
-    return w->codes + row * (w->fmt == FMT_FP8 ? w->K : w->fmt == FMT_FP4 ? w->K / 2 : 2 * w->K);
+    return w->codes + row * column_bytes(w->fmt, w->K);
 }
 
 static inline float hsum(__m256 v) {
@@ -209,10 +214,10 @@ static inline __attribute__((always_inline)) void rows_times_tokens(
     }
     /* The rows R below, which the next call reads: fetched while these decode, so that
      * short rows (wq_b's 1,280 bytes) do not wait on each new stream. */
-    const int64_t row_bytes = row_codes(w, 1) - row_codes(w, 0), ahead = R * row_bytes;
+    const int64_t ahead = R * column_bytes(fmt, w->K);
     for (int64_t k = 0; k < kv; k += 32) {
         for (int i = 0; i < R; i++) {
-            _mm_prefetch((const char *)(codes[i] + ahead + k * row_bytes / w->K), _MM_HINT_T0);
+            _mm_prefetch((const char *)(codes[i] + ahead + column_bytes(fmt, k)), _MM_HINT_T0);
             const __m128i table = fmt == FMT_FP4
                 ? _mm_loadu_si128((const __m128i *)fp4_tables[scales[i][k / 32]])
                 : _mm_setzero_si128();
@@ -324,11 +329,11 @@ static inline __attribute__((always_inline)) void rows_times_tokens_512(
     }
     /* The rows four below, which the next call reads: fetched while these decode, so
      * that short rows (wq_b's 1,280 bytes) do not wait on each new stream. */
-    const int64_t row_bytes = row_codes(w, 1) - row_codes(w, 0), ahead = QUAD * row_bytes;
+    const int64_t ahead = QUAD * column_bytes(fmt, w->K);
     for (int64_t k = 0; k < kv; k += 32) {
         z32 v[QUAD];
         for (int i = 0; i < QUAD; i++) {
-            _mm_prefetch((const char *)(codes[i] + ahead + k * row_bytes / w->K), _MM_HINT_T0);
+            _mm_prefetch((const char *)(codes[i] + ahead + column_bytes(fmt, k)), _MM_HINT_T0);
             v[i] = decode32_512(w, fmt, codes[i], scales[i], k, &seen[i], check);
         }
         for (int t = 0; t < T; t++) {
