@@ -52,6 +52,12 @@ def test_a_v41_checkpoint_loads_packed_and_gives_the_logits_of_its_float_weights
     assert block.attn.wq_a.stored.dtype == torch.uint8
     assert isinstance(block.ffn.experts, PackedExperts)
     assert block.engram.table_codes.dtype == torch.uint8
+    # The checkpoint's bf16 matrices stay bf16: the compressor's, the indexer's head
+    # weights, the router's (layer 1 is a Full layer of ratio 2).
+    compressor = block.attn.compressor
+    for m in (compressor.wkv, compressor.wgate, compressor.wk_index, block.attn.indexer.wweights):
+        assert isinstance(m, PackedLinear) and m.stored.dtype == torch.bfloat16
+    assert block.ffn.gate.weight.dtype == torch.bfloat16
     floats = float_state_dict(packed)
     unpacked = Model(packed.config)
     unpacked.load_state_dict(floats)
@@ -116,6 +122,31 @@ def test_a_single_file_v41_checkpoint_loads_like_the_sharded_one(tmp_path, v41_d
     assert one.checkpoint_report.files == ["model.safetensors"]
     ids = tokens(20)
     assert torch.equal(one(ids).logits, Model.from_pretrained(v41_dir)(ids).logits)
+
+
+def test_bf16_matrices_stored_as_float32_load_as_float_weights(tmp_path):
+    """A checkpoint that holds the compressor's, the indexer's and the router's matrices in
+    float32 (a conversion may): they load as float32, never narrowed, and the model gives
+    the logits of the bf16-stored one (the same values)."""
+    write_v41_checkpoint(tmp_path, preset("tiny-v41"), seed=1, shards=0)
+    bf16 = Model.from_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(str(path))
+    widened = [n for n in tensors if n.endswith(("compressor.wkv.weight", "wgate.weight",
+                                                 "indexer.wk.weight", "weights_proj.weight",
+                                                 "gate.weight"))]
+    tensors.update({n: tensors[n].float() for n in widened})
+    save_file(tensors, str(path))
+    wide = Model.from_pretrained(tmp_path)
+    block = wide.layers[1]
+    for m in (block.attn.compressor.wkv, block.attn.compressor.wgate,
+              block.attn.compressor.wk_index, block.attn.indexer.wweights):
+        assert type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+    assert block.ffn.gate.weight.dtype == torch.float32
+    ids = tokens(20)
+    want, got = bf16(ids).logits, wide(ids).logits
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:

@@ -649,10 +649,14 @@ def test_a_layers_attention_half_ends_in_one_call_each_equal_torchs(residual):
             assert torch.allclose(got_out, want_out, rtol=1e-5, atol=1e-5)
 
 
-def test_a_decode_steps_compressor_in_one_call_equals_torchs():
+@pytest.mark.parametrize("stored", ["float32", "bf16"])
+def test_a_decode_steps_compressor_in_one_call_equals_torchs(stored):
     """Ratio 1 and 2 sources, one sequence whose token ends its group and one whose does
-    not: the entries and index keys appended and the partial groups left as torch's."""
+    not: the entries and index keys appended and the partial groups left as torch's. bf16:
+    the projections held as a checkpoint's bf16 (`PackedLinear`), against torch on their
+    values in float32."""
     from kvstack.cache.batch import DecodeBatch
+    from kvstack.model.packed import PackedLinear
 
     config = preset("tiny")
     llm = LLM(config, random_init=True, kv_budget="8MiB", max_num_seqs=2, cpu_kernels="c")
@@ -672,8 +676,17 @@ def test_a_decode_steps_compressor_in_one_call_equals_torchs():
     for ratio, compressor in compressors.items():
         x = torch.randn(2, 1, config.dim, generator=g)
         before = {k: (v.clone(), partials.gates[k].clone()) for k, v in partials.values.items()}
+        projections = ("wkv", "wk_index") + (("wgate",) if ratio > 1 else ())
+        float_modules = {name: getattr(compressor, name) for name in projections}
+        if stored == "bf16":
+            with torch.no_grad():
+                for m in float_modules.values():
+                    m.weight.copy_(m.weight.bfloat16())
         result = {}
         for on in (False, True):
+            for name, m in float_modules.items():
+                setattr(compressor, name, PackedLinear("bf16", m.weight.detach().bfloat16())
+                        if on and stored == "bf16" else m)
             for k, (values, gates) in before.items():
                 partials.values[k].copy_(values)
                 partials.gates[k].copy_(gates)

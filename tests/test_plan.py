@@ -202,7 +202,7 @@ def _published_bytes_by_name(config):
 
     out: dict[str, int] = {}
     for entry in v41_names(config).values():
-        if entry.kind in ("linear", "linear_scale", "head"):
+        if entry.kind in ("linear", "linear_scale", "head", "bf16_linear"):
             name = entry.target + ".weight"
         elif entry.kind in ("expert", "expert_scale"):
             name = f"{entry.target}.{entry.proj}"

@@ -59,12 +59,9 @@ class ModelRunner:
         self.accepted_lengths: Counter[int] = Counter()
         self.draft_seconds = self.verify_seconds = 0.0
         self.cpu_kernels = _cpu_kernels(config.cpu_kernels, self.device)
-        # A verify's rows in one decode step (DecodeBatch's counts) where the C kernels
-        # run every part of the step that keeps state: the compressors' (float32 weights,
-        # float64 RoPE) and the window rings' (a format they write).
         # Several rows of a sequence in one decode step (DecodeBatch's counts) where the C
         # kernels run every part of the step that keeps state: the compressors' (float32
-        # weights, float64 RoPE) and the window rings' (a format they write).
+        # or bf16 weights, float64 RoPE) and the window rings' (a format they write).
         self.rows_in_c = (
             self.cpu_kernels and not compile_decode and self.attention == "torch"
             and model.config.arch == "v41" and native.decodes(model.config.window_format)

@@ -15,8 +15,9 @@ from those names to kvstack's modules.
 Loading builds the model on the meta device and assigns each tensor as safetensors maps
 it from the shard: FP8/FP4 weights stay packed (`kvstack.model.packed`) and stay backed by
 the mapped file (pages the OS can drop and read again, not copies), so resident memory is
-about the checkpoint's size. Only small bf16 tensors (norms, routers, compressors) are
-widened to float32.
+about the checkpoint's size. The bf16 matrices the model multiplies (the compressors',
+the indexers' head weights, the routers') stay bf16, widened in registers by the kernels;
+only vectors (norms) and the vision tower's weights are widened to float32.
 """
 
 import hashlib
@@ -59,6 +60,8 @@ _F8, _E8M0, _I8, _BF16, _F32 = "F8_E4M3", "F8_E8M0", "I8", "BF16", "F32"
 STORED_DTYPES = {_F8: torch.float8_e4m3fn, _E8M0: torch.float8_e8m0fnu, _I8: torch.int8,
                  _BF16: torch.bfloat16, _F32: torch.float32}
 _FLOAT_DTYPES = frozenset({_BF16, _F32, "F16"})
+# Kinds kept bf16 where stored so (any float dtype loads, as "float" kinds do).
+BF16_KINDS = ("bf16_linear", "bf16_matrix")
 
 # Tensors of the published checkpoint a model built without its vision tower
 # (vision_n_layers 0) leaves out, by prefix, with why.
@@ -101,8 +104,8 @@ class V41Tensor:
     """One tensor of the published layout and where it goes in kvstack's model."""
 
     target: str  # a tensor name, or for linear / expert kinds a module path
-    kind: str  # "float" | "embed" | "head" | "linear" | "linear_scale" | "expert" |
-    #            "expert_scale" | "table" | "table_scale"
+    kind: str  # "float" | "embed" | "head" | "bf16_linear" | "bf16_matrix" | "linear" |
+    #            "linear_scale" | "expert" | "expert_scale" | "table" | "table_scale"
     shape: tuple[int, ...]  # as stored (FP4: in/2 bytes)
     dtype: str  # safetensors dtype name
     expert: int = -1  # expert kinds: which expert
@@ -135,6 +138,12 @@ def v41_names(c: ModelConfig) -> dict[str, V41Tensor]:
     def f32(name: str, target: str, *shape: int) -> None:
         add(name, target, "float", shape, _F32)
 
+    # bf16 matrices a projection multiplies (the compressor's, the indexer's head weights):
+    # kept bf16 and widened in registers by the kernels, as DeepSeek's code multiplies
+    # them (in float32, or in bf16 where it keeps them so) from the stored values.
+    def bf16_linear(name: str, target: str, out_f: int, in_f: int) -> None:
+        add(name, target, "bf16_linear", (out_f, in_f), _BF16)
+
     d, h = c.dim, c.hc_mult
     add("embed.weight", "embed.weight", "embed", (c.vocab_size, d), _BF16)
 
@@ -158,18 +167,19 @@ def v41_names(c: ModelConfig) -> dict[str, V41Tensor]:
         fp8(a + "wo_b", ta + "wo_b", d, c.o_groups * c.o_lora_rank)
         if spec.mode is Mode.FULL:
             k, tk = a + "compressor.", ta + "compressor."
-            bf16(k + "wkv.weight", tk + "wkv.weight", c.head_dim, d)
+            bf16_linear(k + "wkv.weight", tk + "wkv", c.head_dim, d)
             if spec.ratio > 1:
-                bf16(k + "wgate.weight", tk + "wgate.weight", c.head_dim, d)
+                bf16_linear(k + "wgate.weight", tk + "wgate", c.head_dim, d)
             bf16(k + "norm.weight", tk + "norm.weight", c.head_dim)
             # V4.1 keeps the index-key projection on the indexer of the layer that owns it.
-            bf16(a + "indexer.wk.weight", tk + "wk_index.weight", c.index_head_dim, c.head_dim)
+            bf16_linear(a + "indexer.wk.weight", tk + "wk_index", c.index_head_dim,
+                        c.head_dim)
             bf16(a + "indexer.k_norm.weight", tk + "index_norm.weight", c.index_head_dim)
         if spec.mode in (Mode.FULL, Mode.REINDEX):
             fp8(a + "indexer.wq_b", ta + "indexer.wq", c.index_n_heads * c.index_head_dim,
                 c.q_lora_rank)
-            bf16(a + "indexer.weights_proj.weight", ta + "indexer.wweights.weight",
-                 c.index_n_heads, d)
+            bf16_linear(a + "indexer.weights_proj.weight", ta + "indexer.wweights",
+                        c.index_n_heads, d)
         if spec.index in c.engram_layer_ids:
             e, te = p + "engram.", t + "engram."
             rows = c.engram_num_embeddings[c.engram_layer_ids.index(spec.index)]
@@ -180,7 +190,8 @@ def v41_names(c: ModelConfig) -> dict[str, V41Tensor]:
             bf16(e + "q_weight", te + "q_weight", h, d)
             bf16(e + "k_weight", te + "k_weight", h, d)
         f, tf = p + "ffn.", t + "ffn."
-        bf16(f + "gate.weight", tf + "gate.weight", c.n_routed_experts, d)
+        # The router's weight stays bf16 too (`Gate` multiplies it as stored).
+        add(f + "gate.weight", tf + "gate.weight", "bf16_matrix", (c.n_routed_experts, d), _BF16)
         f32(f + "gate.bias", tf + "gate.bias", c.n_routed_experts)
         if c.has_vision:
             f32(f + "gate.bias_vl", tf + "gate.bias_vl", c.n_routed_experts)
@@ -421,11 +432,13 @@ class _Assembler:
     def put(self, name: str, entry: V41Tensor, t: torch.Tensor) -> None:
         self.seen.add(name)
         kind = entry.kind
-        if kind == "float":
-            _set_tensor(self.model, entry.target, t.float())
-        elif kind == "embed":
+        # bf16 kinds stored in another float dtype are widened to float32, as "float" is.
+        if kind == "float" or (kind in BF16_KINDS and t.dtype is not torch.bfloat16):
+            target = entry.target + ".weight" if kind == "bf16_linear" else entry.target
+            _set_tensor(self.model, target, t.float())
+        elif kind in ("embed", "bf16_matrix"):
             _set_tensor(self.model, entry.target, t)
-        elif kind == "head":
+        elif kind in ("head", "bf16_linear"):
             _set_module(self.model, entry.target, PackedLinear("bf16", t))
         elif kind in ("table", "table_scale"):
             _set_tensor(self.model, entry.target, t.view(torch.uint8))
@@ -556,7 +569,8 @@ def _tensors(path: Path) -> Iterator[tuple[str, Any]]:
         def read(entry: V41Tensor, index: tuple[slice, ...] | None = None) -> torch.Tensor:
             piece = f.get_slice(name)
             dtype, shape = piece.get_dtype(), tuple(piece.get_shape())
-            ok = (dtype in _FLOAT_DTYPES) if entry.kind == "float" else dtype == entry.dtype
+            ok = ((dtype in _FLOAT_DTYPES) if entry.kind in ("float", *BF16_KINDS)
+                  else dtype == entry.dtype)
             if not ok:
                 raise ValueError(f"checkpoint shard {path}: tensor {name} is {dtype}, the V4.1 "
                                  f"layout stores it as {entry.dtype}")
@@ -639,9 +653,9 @@ def _stored(model: Model, name: str, entry: V41Tensor) -> torch.Tensor:
     floats."""
     kind = entry.kind
     dtype = STORED_DTYPES[entry.dtype]
-    if kind in ("float", "embed"):
+    if kind in ("float", "embed", "bf16_matrix"):
         return model.get_parameter(entry.target).detach().to(dtype)
-    if kind == "head":
+    if kind in ("head", "bf16_linear"):
         return model.get_submodule(entry.target).weight.detach().to(dtype)
     if kind in ("table", "table_scale"):
         return model.get_buffer(entry.target).view(dtype)

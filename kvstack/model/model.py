@@ -31,7 +31,7 @@ from kvstack.config import NUMERICS, REPLAY_MODES, LayerSpec, Mode, ModelConfig
 from kvstack.formats import straight_through
 from kvstack.model.engram import Engram, EngramHash
 from kvstack.model.instruments import Instruments
-from kvstack.model.packed import Experts, PackedExperts, PackedLinear
+from kvstack.model.packed import Experts, PackedExperts, PackedLinear, weight_backend
 from kvstack.model.params import check_fits_memory
 from kvstack.model.vision import Aligner, EncodedImages, ImageRows, ImageSegment, ViT
 
@@ -200,7 +200,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, image: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim]; image [T] bool, True at image positions (None: none)."""
-        logits = F.linear(x.float(), self.weight.float()) / self.config.gate_temp  # [T, E]
+        logits = self._logits(x.float()) / self.config.gate_temp  # [T, E]
         func = self.config.score_func
         if func == "softmax":
             scores = logits.softmax(-1)
@@ -219,6 +219,15 @@ class Gate(nn.Module):
         if self.config.norm_topk_prob and self.config.n_activated_experts > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)  # as V4.1 trains
         return weights * self.config.route_scale, chosen
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] float32 times the weight: a checkpoint's bf16 weight as stored by
+        the C kernels where they run (no float32 copy a call), else in float32."""
+        w = self.weight
+        if (w.dtype is torch.bfloat16 and not (torch.is_grad_enabled() and w.requires_grad)
+                and weight_backend(x, w) == "c"):
+            return native.packed_linear(x, "bf16", w)
+        return F.linear(x, w.float())
 
 
 # Up to this many tokens a float MoE sublayer runs as one C call (`native.moe`); from
@@ -568,29 +577,38 @@ class Compressor(nn.Module):
                                  torch.Tensor] | None:
         """(wkv, wgate or None, norm, wk_index, index_norm), the weights a decode step's
         compression takes as one C call, where it runs so: a decode batch over the
-        engine's pools, float32 weights (`c_weights`), inside a step that chose the C
-        kernels; else None."""
+        engine's pools, weights `c_weights` gives, inside a step that chose the C kernels;
+        else None."""
         if not isinstance(store, DecodeBatch):
             return None
         weights = self.c_weights()
-        if weights is None or not native.fuses(x, *(w for w in weights if w is not None)):
+        if weights is None:
             return None
-        return weights
+        wkv, _, norm, _, index_norm = weights
+        # The projections may be bf16, which `fuses` (float32 tensors) does not take.
+        return weights if wkv.is_cpu and native.fuses(x, norm, index_norm) else None
 
     def c_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
                                  torch.Tensor, torch.Tensor] | None:
-        """The weights `_weights_in_c` hands a C compression step where they are plain
-        float32 linear weights with float64 RoPE (default numerics); else None."""
+        """The weights `_weights_in_c` hands a C compression step where the projections
+        are plain float32 linear weights or all a checkpoint's bf16 ones (`PackedLinear`),
+        the norms float32 and RoPE float64 (default numerics); else None."""
         if self.freqs.dtype is not torch.float64:
             return None
         mods = self._modules  # read from the dicts: see MoE.fused_parts
         parts = [mods["wkv"], mods["wk_index"]] + ([mods["wgate"]] if self.ratio > 1 else [])
-        if not all(type(p) is nn.Linear for p in parts):
+        if all(type(p) is nn.Linear for p in parts):
+            wkv, wk_index, *wgate = (p._parameters["weight"] for p in parts)
+            stored = torch.float32
+        elif all(type(p) is PackedLinear and p.fmt == "bf16" for p in parts):
+            wkv, wk_index, *wgate = (p._buffers["stored"] for p in parts)
+            stored = torch.bfloat16
+        else:
             return None
-        wkv, wk_index, *wgate = (p._parameters["weight"] for p in parts)
         norm = mods["norm"]._parameters["weight"]
         index_norm = mods["index_norm"]._parameters["weight"]
-        if any(w.dtype is not torch.float32 for w in (wkv, wk_index, *wgate, norm, index_norm)):
+        if any(w.dtype is not stored for w in (wkv, wk_index, *wgate)) or any(
+                w.dtype is not torch.float32 for w in (norm, index_norm)):
             return None
         return wkv, (wgate[0] if wgate else None), norm, wk_index, index_norm
 

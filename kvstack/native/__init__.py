@@ -91,7 +91,7 @@ _SIGNATURES = {
     "kv_compress_write": [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, ctypes.c_float, _P,
                           _I, _P, ctypes.c_float, _P, _I, _P, _P, _P, ctypes.c_int,
                           ctypes.c_int, _I, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I, _P,
-                          _P, _I, _P, _P, _P, ctypes.c_int],
+                          _P, _I, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     "kv_prefill_attention": [_P, _P, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I,
                              ctypes.c_float, _P, ctypes.c_int],
     "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
@@ -125,7 +125,8 @@ _SIGNATURES = {
     "kv_attention_out_spread": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P, _P,
                                 _I, _P, _P, _P, ctypes.c_int],
     "kv_compress_step": [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, ctypes.c_float, _P,
-                         _I, _P, ctypes.c_float, _P, _I, _P, _P, _P, ctypes.c_int],
+                         _I, _P, ctypes.c_float, _P, _I, _P, _P, _P, ctypes.c_int,
+                         ctypes.c_int, ctypes.c_int],
     "kv_index_queries": [_P, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, ctypes.c_int,
                          ctypes.c_int, _I, _P, _P, ctypes.c_float, _P, _P, ctypes.c_int],
     "kv_ffn_block": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P,
@@ -960,8 +961,9 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   group_rows: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """`Compressor._compress_step` for one token of each of B sequences, x [B, dim] at
-    positions [B] with float weights (wkv, wgate [D, dim], wk_index [Di, D], the norms'
-    weights, float64 RoPE freqs [R/2]): the rotated entries [B, D] and index keys [B, Di]
+    positions [B] with weights wkv, wgate [D, dim] and wk_index [Di, D] all float32 or all
+    bf16 (a checkpoint's, multiplied as stored), float32 norm weights and float64 RoPE
+    freqs [R/2]: the rotated entries [B, D] and index keys [B, Di]
     of the groups the tokens end, within float rounding of torch's. With ratio > 1,
     partial is the partial groups' values and gate logits [slots, ratio - 1, D]
     (contiguous float32, updated in place at each sequence's slot). write: (the "kv"
@@ -988,11 +990,16 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
         raise ValueError(f"compress_step: weights {list(wkv.shape)} and "
                          f"{list(wk_index.shape)}, ratio {ratio} and {2 * half} rotated dims "
                          f"do not fit x {list(x.shape)}")
+    projections = (wkv, wk_index) if wgate is None else (wkv, wk_index, wgate)
+    stored = wkv.dtype if wkv.dtype in (torch.float32, torch.bfloat16) else None
+    if stored is None or any(w.dtype is not stored for w in projections):
+        raise ValueError("compress_step: wkv, wgate and wk_index must be all float32 or all "
+                         f"bf16, got {', '.join(str(w.dtype) for w in projections)}")
     x = _as(x, torch.float32)
     positions, slots = _as(positions, torch.int64), _as(slots, torch.int64)
-    wkv, norm, wk_index, index_norm = (_as(t, torch.float32)
-                                       for t in (wkv, norm, wk_index, index_norm))
-    wgate = None if wgate is None else _as(wgate, torch.float32)
+    wkv, wk_index = _as(wkv, stored), _as(wk_index, stored)
+    wgate = None if wgate is None else _as(wgate, stored)
+    norm, index_norm = _as(norm, torch.float32), _as(index_norm, torch.float32)
     freqs = _as(freqs, torch.float64)
     kv, keys = x.new_empty(b, d), x.new_empty(b, di)
     values, gates = partial if ratio > 1 else (None, None)
@@ -1000,8 +1007,9 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             0 if wgate is None else _ptr(wgate), d, 0 if values is None else _ptr(values),
             0 if gates is None else _ptr(gates), _ptr(norm), norm_eps, _ptr(wk_index), di,
             _ptr(index_norm), index_eps, _ptr(freqs), half, _ptr(kv), _ptr(keys))
+    how = (int(stored is torch.bfloat16), ISAS.index(weights_isa()), _threads())
     if write is None:
-        _load().kv_compress_step(*args, rows_out, _threads())
+        _load().kv_compress_step(*args, rows_out, *how)
         return kv, keys
     kv_pool, kv_fmt, index_pool, index_fmt, blocks, offsets = write
     targets = []
@@ -1016,7 +1024,7 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     _ptr(elem), _ptr(scale)]
     blocks, offsets = _as(blocks, torch.int64), _as(offsets, torch.int64)
     _load().kv_compress_write(*args, *targets, kv_pool.shape[1], _ptr(blocks), _ptr(offsets),
-                              rows_out, _threads())
+                              rows_out, *how)
     return kv, keys
 
 

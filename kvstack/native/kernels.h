@@ -1,4 +1,4 @@
-/* kernels.c's calls that step.c makes too: declared once, for both files. */
+/* kernels.c's and weights.c's calls that step.c makes too: declared once, for all files. */
 #ifndef KVSTACK_KERNELS_H
 #define KVSTACK_KERNELS_H
 #include <stdint.h>
@@ -26,5 +26,14 @@ void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_
                         int64_t block, int packed, const float *elem, const float *scale_table,
                         int64_t b, int64_t h, int64_t kv_heads, int64_t d, float scale,
                         float *keys, float *values, float *logits, float *out);
+
+/* weights.c's weight formats, and its y [N, O] = x W^T on a weight as stored (step.c's
+ * compressor multiplies a checkpoint's bf16 weights by it). */
+enum { FMT_FP8 = 0, FMT_FP4 = 1, FMT_BF16 = 2 };
+
+void kv_packed_linear(const float *x, int64_t N, int fmt, const uint8_t *codes,
+                      const uint8_t *scales, int64_t O, int64_t K, int64_t groups,
+                      const float *elem, const float *scale, int nan_codes, float *y, int isa,
+                      int threads);
 
 #endif

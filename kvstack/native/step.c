@@ -809,6 +809,16 @@ void kv_dense_attention_block(const float *x, int64_t b, int64_t dim, const floa
     free(y);
 }
 
+/* y [t, out] = x [t, in] W^T for W [out, in] float32, or bf16 where `bf16` says so (a
+ * checkpoint's weights, multiplied as stored: weights.c widens each in registers). */
+static void weight_linear(const float *x, int64_t t, int64_t in, const void *w, int bf16,
+                          int64_t out, float *y, int isa, int threads) {
+    if (bf16)
+        kv_packed_linear(x, t, FMT_BF16, w, NULL, out, in, 1, NULL, NULL, 0, y, isa, threads);
+    else
+        small_linear(x, t, in, w, out, y, threads);
+}
+
 /* A decode step's compressor (kvstack.model.model.Compressor._compress_step) for b
  * sequences x [b, dim] at positions [b], ratio r: values = x wkv^T [b, d]; for r > 1
  * also gates = x wgate^T, and the entry is the per-channel softmax of the gates over the
@@ -818,52 +828,64 @@ void kv_dense_attention_block(const float *x, int64_t b, int64_t dim, const floa
  * completes its group starts empty: where they land does not matter). The entry
  * RMS-normalised (norm_w, norm_eps) is kv [b, d]; its index key index_norm(entry
  * wk_index^T) (index_norm_w, index_eps) is keys [b, di]; both rotated at the group's first
- * position ((position + 1) / r - 1) * r. Rows run in order, so rows of one sequence at
- * consecutive positions pool each other as sequential steps would. group_rows (NULL:
- * not asked for) gets each row's new values and gates [b, 2, d] (r > 1): what a store
- * that may take tokens back rebuilds its partial group from. */
+ * position ((position + 1) / r - 1) * r. Rows pool in order, so rows of one sequence at
+ * consecutive positions pool each other as sequential steps would; the projections, which
+ * no row's pooling changes, run for all rows at once, each weight read once a call.
+ * wkv, wgate and wk_index are float32, or bf16 where weights_bf16 says so (`isa`: the
+ * path weights.c multiplies them by). group_rows (NULL: not asked for) gets each row's new
+ * values and gates [b, 2, d] (r > 1): what a store that may take tokens back rebuilds its
+ * partial group from. */
 void kv_compress_step(const float *x, int64_t b, int64_t dim, const int64_t *positions,
-                      const int64_t *slots, int64_t r, const float *wkv, const float *wgate,
+                      const int64_t *slots, int64_t r, const void *wkv, const void *wgate,
                       int64_t d, float *partial_values, float *partial_gates,
-                      const float *norm_w, float norm_eps, const float *wk_index, int64_t di,
+                      const float *norm_w, float norm_eps, const void *wk_index, int64_t di,
                       const float *index_norm_w, float index_eps, const double *freqs,
-                      int64_t half, float *kv, float *keys, float *group_rows, int threads) {
+                      int64_t half, float *kv, float *keys, float *group_rows,
+                      int weights_bf16, int isa, int threads) {
     float cs[512], sn[512];  /* half <= 512 */
-    float *values = malloc((size_t)(2 * d) * sizeof(float));
-    if (!values) abort();
-    float *gates = values + d;
+    /* r > 1: every row's new values and gate logits, [b, d] each; r = 1: the values are
+     * the entries, made in kv. */
+    float *fresh = r > 1 ? malloc((size_t)(2 * b * d) * sizeof(float)) : NULL;
+    if (r > 1 && !fresh) abort();
+    float *values = r > 1 ? fresh : kv, *gates = r > 1 ? fresh + b * d : NULL;
+    weight_linear(x, b, dim, wkv, weights_bf16, d, values, isa, threads);
+    if (r > 1) weight_linear(x, b, dim, wgate, weights_bf16, d, gates, isa, threads);
     for (int64_t s = 0; s < b; s++) {
-        const float *xs = x + s * dim;
-        float *entry = kv + s * d, *key = keys + s * di;
-        small_linear(xs, 1, dim, wkv, d, r > 1 ? values : entry, threads);
+        float *entry = kv + s * d;
         if (r > 1) {
+            const float *new_values = values + s * d, *new_gates = gates + s * d;
             float *pv = partial_values + slots[s] * (r - 1) * d;
             float *pg = partial_gates + slots[s] * (r - 1) * d;
-            small_linear(xs, 1, dim, wgate, d, gates, threads);
             for (int64_t c = 0; c < d; c++) {
-                float top = gates[c], e[64], total = 0.0f;  /* r <= 64 */
+                float top = new_gates[c], e[64], total = 0.0f;  /* r <= 64 */
                 for (int64_t j = 0; j < r - 1; j++) top = fmaxf(top, pg[j * d + c]);
                 for (int64_t j = 0; j < r - 1; j++) total += (e[j] = expf(pg[j * d + c] - top));
-                total += (e[r - 1] = expf(gates[c] - top));
+                total += (e[r - 1] = expf(new_gates[c] - top));
                 float pooled = pv[c] * (e[0] / total);
                 for (int64_t j = 1; j < r - 1; j++) pooled += pv[j * d + c] * (e[j] / total);
-                entry[c] = pooled + values[c] * (e[r - 1] / total);
+                entry[c] = pooled + new_values[c] * (e[r - 1] / total);
             }
             int64_t fill = positions[s] % r;
             if (fill > r - 2) fill = r - 2;
-            memcpy(pv + fill * d, values, (size_t)d * sizeof(float));
-            memcpy(pg + fill * d, gates, (size_t)d * sizeof(float));
-            if (group_rows) memcpy(group_rows + s * 2 * d, values, (size_t)(2 * d) * sizeof(float));
+            memcpy(pv + fill * d, new_values, (size_t)d * sizeof(float));
+            memcpy(pg + fill * d, new_gates, (size_t)d * sizeof(float));
+            if (group_rows) {
+                memcpy(group_rows + s * 2 * d, new_values, (size_t)d * sizeof(float));
+                memcpy(group_rows + s * 2 * d + d, new_gates, (size_t)d * sizeof(float));
+            }
         }
         kv_rmsnorm(entry, 1, d, norm_w, norm_eps, entry);
-        small_linear(entry, 1, d, wk_index, di, key, threads);
+    }
+    free(fresh);
+    weight_linear(kv, b, d, wk_index, weights_bf16, di, keys, isa, threads);
+    for (int64_t s = 0; s < b; s++) {
+        float *entry = kv + s * d, *key = keys + s * di;
         kv_rmsnorm(key, 1, di, index_norm_w, index_eps, key);
         const int64_t first = ((positions[s] + 1) / r - 1) * r;
         rope_angles(first, freqs, half, 0, cs, sn);
         rope_rows(entry, 1, d, cs, sn, half, entry);
         rope_rows(key, 1, di, cs, sn, half, key);
     }
-    free(values);
 }
 
 /* kv_compress_step, then its entries kv [b, d] and index keys [b, di] quantised straight
@@ -871,19 +893,20 @@ void kv_compress_step(const float *x, int64_t b, int64_t dim, const int64_t *pos
  * and tables; both pools of `per` entries a block) at row offsets[s] of block blocks[s]:
  * a decode step's compressor and its stream appends in one call. */
 void kv_compress_write(const float *x, int64_t b, int64_t dim, const int64_t *positions,
-                       const int64_t *slots, int64_t r, const float *wkv, const float *wgate,
+                       const int64_t *slots, int64_t r, const void *wkv, const void *wgate,
                        int64_t d, float *partial_values, float *partial_gates,
-                       const float *norm_w, float norm_eps, const float *wk_index, int64_t di,
+                       const float *norm_w, float norm_eps, const void *wk_index, int64_t di,
                        const float *index_norm_w, float index_eps, const double *freqs,
                        int64_t half, float *kv, float *keys, uint8_t *kv_pool, int kv_element,
                        int kv_scale_kind, int64_t kv_block, const float *kv_elem,
                        const float *kv_scale, uint8_t *index_pool, int index_element,
                        int index_scale_kind, int64_t index_block, const float *index_elem,
                        const float *index_scale, int64_t per, const int64_t *blocks,
-                       const int64_t *offsets, float *group_rows, int threads) {
+                       const int64_t *offsets, float *group_rows, int weights_bf16, int isa,
+                       int threads) {
     kv_compress_step(x, b, dim, positions, slots, r, wkv, wgate, d, partial_values,
                      partial_gates, norm_w, norm_eps, wk_index, di, index_norm_w, index_eps,
-                     freqs, half, kv, keys, group_rows, threads);
+                     freqs, half, kv, keys, group_rows, weights_bf16, isa, threads);
     kv_stream_write(kv, b, d, kv_element, kv_scale_kind, kv_block, kv_elem, kv_scale, kv_pool,
                     per, blocks, offsets, NULL);
     kv_stream_write(keys, b, di, index_element, index_scale_kind, index_block, index_elem,

@@ -37,6 +37,7 @@
  * on the AVX-512 path, so each decoded weight serves up to four multiply-adds. Decoding
  * is the cost at batch 1, the multiply-adds at larger batches.
  */
+#include "kernels.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,7 +54,6 @@
 #define HAVE_AVX512 0
 #endif
 
-enum { FMT_FP8 = 0, FMT_FP4 = 1, FMT_BF16 = 2 };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 enum { TILE = 32, QUAD = 4, TOKENS = 8, CHUNK = 256 };
 

@@ -204,7 +204,8 @@ class V41RankCut:
                 return None, entry.target
             dim = 1 if entry.proj == "w2" else 0  # the inter dim within one expert
             return Split(dim, c.moe_inter_dim, 1, self.plan.world_size), entry.target
-        name = "head.weight" if kind == "head" else entry.target
+        name = ("head.weight" if kind == "head" else
+                entry.target + ".weight" if kind == "bf16_linear" else entry.target)
         return self.plan.split(name, entry.shape), name
 
     def index(self, entry: V41Tensor) -> tuple[slice, ...] | None:
