@@ -276,14 +276,24 @@ def test_rope_and_rmsnorm_equal_torchs():
         native.hc_collapse(x, x[..., 0, 0])
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Kernels run on this many threads (two spread a lone query's heads), then back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(("ring_fmt", "kv_fmt"), [("fp8_ue8m0_32", "fp4_e4m3_16"),
                                                   ("fp4_ue8m0_32", "fp8_ue8m0_32")])
-def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt):
+def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt, threads):
     """Rings with stale and empty rows, selections with holes and none at all, entries
-    through a block table, a sink that dominates and one that vanishes: the softmax over
-    the torch codecs' dequantised rows."""
+    through a block table, a sink that dominates and one that vanishes, nine heads (runs
+    of four spread over the threads, one short): the softmax over the torch codecs'
+    dequantised rows."""
     g = torch.Generator().manual_seed(1)
-    b, h, d, window, per, n_blocks, k = 4, 3, 64, 8, 4, 6, 5
+    b, h, d, window, per, n_blocks, k = 4, 9, 64, 8, 4, 6, 5
     cpu = torch.device("cpu")
     ring = PackedRows(ring_fmt, d, (5, window), cpu)
     ring.data[:], _ = ring.pack(torch.randn(5, window, d, generator=g) * 3)
@@ -297,7 +307,7 @@ def test_sparse_attention_equals_dequantise_then_attend(ring_fmt, kv_fmt):
     block_table = torch.stack([torch.randperm(n_blocks, generator=g) for _ in range(b)])
     selected = torch.tensor([[0, 5, 9, -1, 22], [-1] * k, [3, -1, 1, 2, 7], [4, 8, -1, -1, 0]])
     q = torch.randn(b, h, d, generator=g) * 2
-    sink = torch.tensor([0.5, 8.0, -40.0])
+    sink = torch.tensor([0.5, 8.0, -40.0] * 3)
     out = native.sparse_attention(q, sink, ring.data, ring_fmt, ring_positions, slots,
                                   positions, pool.data, kv_fmt, block_table, selected, window)
     for i in range(b):
@@ -390,23 +400,28 @@ def test_the_attention_projections_in_and_out_equal_torchs(tokens):
                              config.o_groups + 1, attention.wo_b.weight)
 
 
-def test_prefill_attention_equals_the_masked_softmax_over_window_and_entries():
+def test_prefill_attention_equals_the_masked_softmax_over_window_and_entries(threads):
     """Queries of two sequences (positions shared, then each its own), window keys too old,
     too new and never written, selections with holes and none at all, a sink that
-    dominates and one that vanishes: torch's softmax over what each query sees."""
+    dominates and one that vanishes, nine heads; and one query alone (its heads spread
+    over the threads): torch's softmax over what each query sees."""
     g = torch.Generator().manual_seed(2)
-    b, n, h, d, m, u, k, window = 2, 7, 3, 40, 12, 9, 4, 5
+    b, n, h, d, m, u, k, window = 2, 7, 9, 40, 12, 9, 4, 5
     q = torch.randn(b, n, h, d, generator=g) * 2
     keys, rows = torch.randn(b, m, d, generator=g), torch.randn(b, u, d, generator=g)
     key_positions = torch.stack([torch.arange(m) - 3, torch.randperm(m, generator=g)])
     key_positions[1, 4] = -(1 << 40)  # never written
     columns = torch.randint(-1, u, (b, n, k), generator=g)
     columns[0, 2] = -1
-    sink = torch.tensor([0.5, 8.0, -40.0])
+    sink = torch.tensor([0.5, 8.0, -40.0] * 3)
     shared, own = torch.arange(n)[None] + 2, torch.stack([torch.arange(n), torch.arange(n) + 4])
     for positions in (shared, own):
         out = native.prefill_attention(q, positions, keys, key_positions, window, rows,
                                        columns, sink)
+        alone = native.prefill_attention(q[:1, :1], positions[:1, :1], keys[:1],
+                                         key_positions[:1], window, rows[:1], columns[:1, :1],
+                                         sink)
+        assert torch.equal(alone[0, 0], out[0, 0])
         for s in range(b):
             for i in range(n):
                 t = int(positions[min(s, positions.shape[0] - 1), i])

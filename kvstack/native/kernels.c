@@ -362,6 +362,21 @@ static void attend_rows(const float *q, const float *const *seen, int64_t r, int
     }
 }
 
+/* attend_rows over `threads`, the heads in runs of four (a query's heads are
+ * independent, and four is what its vector path takes at a time): a decode step of one
+ * or a few sequences has too few queries to spread. */
+static void attend_heads(const float *q, const float *const *seen, int64_t r, int64_t h,
+                         int64_t d, const float *sink, float scale, float *probs, float *out,
+                         int threads) {
+    enum { HEADS = 4 };
+    const int64_t runs = (h + HEADS - 1) / HEADS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && runs > 1)
+    for (int64_t c = 0; c < runs; c++) {
+        const int64_t h0 = c * HEADS, hn = h - h0 < HEADS ? h - h0 : HEADS;
+        attend_rows(q + h0 * d, seen, r, hn, d, sink + h0, scale, probs + h0 * r, out + h0 * d);
+    }
+}
+
 /* One decode step's attention of one layer (what kvstack.cache.kernels.sparse_attention
  * computes on a GPU, and the model's own softmax over the window and the selected entries
  * on the rows the store hands back): q [b, h, d] at positions [b] over each sequence's
@@ -381,7 +396,6 @@ void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
                          const float *kv_elem, const float *kv_scale, int64_t b, int64_t h,
                          int64_t d, float scale, float *rows, float *logits, float *out,
                          int threads) {
-    (void)threads;
     const float **seen = malloc((size_t)(w + k + 1) * sizeof *seen);
     for (int64_t s = 0; s < b; s++) {
         const int64_t t = positions[s], slot = slots[s];
@@ -403,7 +417,8 @@ void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
             seen[n] = rows + n * d;
             n++;
         }
-        attend_rows(q + s * h * d, seen, n, h, d, sink, scale, logits, out + s * h * d);
+        attend_heads(q + s * h * d, seen, n, h, d, sink, scale, logits, out + s * h * d,
+                     threads);
     }
     free(seen);
 }
@@ -457,13 +472,48 @@ void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_
  * key_pos [b, m]: those at t - window_size + 1 .. t are seen) and their selected entries
  * (columns [b, n, k] into rows [b, u, d], -1 for none), with the sink's logit [h] in the
  * softmax's denominator; keys are their own values (one shared KV): out [b, n, h, d].
- * Logits are q . row times `scale`, as torch's. Queries run in parallel over `threads`. */
+ * Logits are q . row times `scale`, as torch's. Queries run in parallel over `threads`;
+ * fewer queries than threads (a decode step's) spread their heads instead. */
+/* The rows query bq of kv_prefill_attention sees, into seen: its count. */
+static int64_t prefill_seen(int64_t bq, const int64_t *positions, int64_t pos_stride,
+                            const float *keys, const int64_t *key_pos, int64_t m,
+                            int64_t window_size, const float *rows, int64_t u,
+                            const int64_t *columns, int64_t k, int64_t n, int64_t d,
+                            const float **seen) {
+    const int64_t s = bq / n, i = bq % n, t = positions[s * pos_stride + i];
+    int64_t r = 0;
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t pos = key_pos[s * m + j];
+        if (pos <= t && pos > t - window_size) seen[r++] = keys + (s * m + j) * d;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t c = columns[bq * k + j];
+        if (c >= 0) seen[r++] = rows + (s * u + c) * d;
+    }
+    return r;
+}
+
 void kv_prefill_attention(const float *q, const int64_t *positions, int64_t pos_stride,
                           const float *keys, const int64_t *key_pos, int64_t m,
                           int64_t window_size, const float *rows, int64_t u,
                           const int64_t *columns, int64_t k, const float *sink, int64_t b,
                           int64_t n, int64_t h, int64_t d, float scale, float *out,
                           int threads) {
+    if (b * n < threads) {
+        /* Too few queries to spread: each one's heads spread instead. (Not from inside a
+         * one-thread region: a team nested in another is started anew every call.) */
+        const float **seen = malloc((size_t)(m + k + 1) * sizeof *seen);
+        float *probs = malloc((size_t)(m + k + 1) * (size_t)h * sizeof *probs);
+        for (int64_t bq = 0; bq < b * n; bq++) {
+            const int64_t r = prefill_seen(bq, positions, pos_stride, keys, key_pos, m,
+                                           window_size, rows, u, columns, k, n, d, seen);
+            attend_heads(q + bq * h * d, seen, r, h, d, sink, scale, probs, out + bq * h * d,
+                         threads);
+        }
+        free(seen);
+        free(probs);
+        return;
+    }
 #pragma omp parallel num_threads(threads)
     {
         /* The rows one query reads (at most every key and every entry it selected), and
@@ -472,16 +522,8 @@ void kv_prefill_attention(const float *q, const int64_t *positions, int64_t pos_
         float *probs = malloc((size_t)(m + k + 1) * (size_t)h * sizeof *probs);
 #pragma omp for schedule(static)
         for (int64_t bq = 0; bq < b * n; bq++) {
-            const int64_t s = bq / n, i = bq % n, t = positions[s * pos_stride + i];
-            int64_t r = 0;
-            for (int64_t j = 0; j < m; j++) {
-                const int64_t pos = key_pos[s * m + j];
-                if (pos <= t && pos > t - window_size) seen[r++] = keys + (s * m + j) * d;
-            }
-            for (int64_t j = 0; j < k; j++) {
-                const int64_t c = columns[bq * k + j];
-                if (c >= 0) seen[r++] = rows + (s * u + c) * d;
-            }
+            const int64_t r = prefill_seen(bq, positions, pos_stride, keys, key_pos, m,
+                                           window_size, rows, u, columns, k, n, d, seen);
             attend_rows(q + bq * h * d, seen, r, h, d, sink, scale, probs, out + bq * h * d);
         }
         free(seen);
