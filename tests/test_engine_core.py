@@ -250,6 +250,50 @@ def test_text_a_stop_string_may_still_cut_is_held_back_until_it_cannot():
     assert d.settled() == d.text == "a\nuse it"
 
 
+def test_a_requests_text_is_made_off_the_step_unless_a_stop_string_may_end_it():
+    """The step hands over outputs without text where no stop string can end the request;
+    the front end makes it (`with_text`), equal to decoding the tokens, whatever order its
+    outputs are read in, with an incomplete character kept back until its end; a request
+    with stop strings gets its text from the step, which stops it there."""
+    llm = LLM("tiny", random_init=True, kv_budget="2MiB")
+    core, tok = llm.core, llm.tokenizer
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = core.add_request([1, 2, 3], params)
+    raw = []
+    while core.has_unfinished_requests():
+        raw += [o for o in core.step() if o.request_id == plain]
+    assert all(o.text is None for o in raw) and raw[-1].finished
+    newest_first = [o.with_text().text for o in reversed(raw)]
+    final = tok.decode(raw[-1].token_ids)
+    assert newest_first[0] == final  # ended by its length: nothing held back
+    texts = [o.with_text().text for o in raw]  # asked again, oldest first
+    assert texts == newest_first[::-1]
+    in_order = Detokenizer(tok, ())  # what the step itself made, output by output
+    for o in raw:
+        for token in o.token_ids[len(in_order.ids):]:
+            in_order.add(token)
+        if o.finished:
+            in_order.flush()
+        assert texts[raw.index(o)] == in_order.text
+    assert all(final.startswith(t) for t in texts)
+
+    # "é" is two bytes: after the first, nothing shows; after the second, all of it.
+    d = Detokenizer(tok, ())
+    first, second = tok.encode("é")
+    assert d.text_for([first], final=False, flush=False) == ""
+    assert d.text_for([first, second], final=False, flush=False) == "é"
+    assert d.text_for([first], final=False, flush=False) == ""
+    d = Detokenizer(tok, ())
+    assert d.text_for([first], final=True, flush=True) == "\ufffd"  # ended mid-character
+
+    stop = core.add_request(tok.encode("ab"), SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, stop=["zz"]))
+    while core.has_unfinished_requests():
+        outs = [o for o in core.step() if o.request_id == stop]
+        assert all(isinstance(o.text, str) for o in outs)
+    assert llm.step() == []
+
+
 def test_requests_of_a_failed_batch_decode_alone_until_they_step(monkeypatch, alone):
     # Request 1 fails every batch it is in with others, never alone: without the solo
     # retries its batch-mates would fail with it until they ran out of tries.

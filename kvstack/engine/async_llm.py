@@ -78,7 +78,7 @@ class AsyncLLM:
                     raise EngineError(f"request {request_id}: the engine failed: "
                                       f"{type(item).__name__}: {item}") from item
                 finished = item.finished
-                yield item
+                yield item.with_text()  # made here, on the event loop, off the engine's step
         finally:
             if not finished:
                 self._inbox.put(("abort", request_id))

@@ -33,7 +33,7 @@ from kvstack.engine.output import Detokenizer, OutputRouter
 from kvstack.engine.runner import ModelRunner
 from kvstack.engine.sampling import Sample, SamplingParams
 from kvstack.engine.scheduler import Scheduler
-from kvstack.engine.sequence import RequestOutput, Sequence, Status
+from kvstack.engine.sequence import RequestOutput, Sequence, Status, detokenizes_in_step
 from kvstack.engine.tokenizer import Tokenizer
 from kvstack.model import Model
 from kvstack.model.vision import ImageSegment
@@ -385,8 +385,10 @@ class EngineCore:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         early = len(seq.output_ids) < seq.params.min_tokens  # ends held back (min_tokens)
-        stopped = seq.detokenizer.add(token, check_stop=not early)
-        seq.text = seq.detokenizer.settled()
+        stopped = False
+        if detokenizes_in_step(seq.params):  # else the front end makes the text
+            stopped = seq.detokenizer.add(token, check_stop=not early)
+            seq.text = seq.detokenizer.settled()
         if seq.grammar is not None:
             seq.grammar.accept(token)
             stopped = stopped or seq.grammar.done  # the structure is complete
@@ -397,9 +399,10 @@ class EngineCore:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if reason != "stop":
-            seq.detokenizer.flush()
-        seq.text = seq.detokenizer.text  # all of it: nothing can cut it any more
+        if detokenizes_in_step(seq.params):
+            if reason != "stop":
+                seq.detokenizer.flush()
+            seq.text = seq.detokenizer.text  # all of it: nothing can cut it any more
         keep = seq.keep_cache and reason in ("stop", "length")
         self.scheduler.finish(seq, reason, keep_cache=keep)
         seq.draft_context = None  # nothing drafts for it any more (a next turn starts anew)

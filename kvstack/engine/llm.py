@@ -138,9 +138,10 @@ class LLM:
             segments = list(images)  # placed already: the ids hold their segments
         elif images:
             ids, segments = self.place_images(ids, images)
+        deliver = None if on_output is None else (lambda out: on_output(out.with_text()))
         return self.core.add_request(ids, params or SamplingParams(),
                                      prompt if isinstance(prompt, str) else None, request_id,
-                                     continue_from, keep_cache, watch, on_output, cache_salt,
+                                     continue_from, keep_cache, watch, deliver, cache_salt,
                                      images=segments)
 
     def place_images(self, ids: list[int], images: list[Any]) -> tuple[list[int],
@@ -157,8 +158,9 @@ class LLM:
         return expand_images(ids, inputs, self.config)
 
     def wait(self, request_id: str) -> RequestOutput:
-        """The watched request's newest output, running steps until there is one."""
-        return self.core.wait(request_id)
+        """The watched request's newest output, running steps until there is one; its
+        text is made here, after the step (`RequestOutput.with_text`)."""
+        return self.core.wait(request_id).with_text()
 
     def release(self, request_id: str) -> None:
         """Drop the cache a finished request kept for a follow-up turn."""
@@ -226,7 +228,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """One engine step (EngineCore.step): the outputs of every request that moved;
         each also reaches the front end waiting for it."""
-        return self.core.step()
+        return [out.with_text() for out in self.core.step()]
 
     # ---- the vLLM-style calls ----------------------------------------------------------
     def generate(

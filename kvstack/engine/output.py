@@ -4,8 +4,15 @@ outputs routed to the front end waiting for it.
 The text of a request grows by decoding only its newest tokens (with a few before them
 for context, as vLLM and HF's TextStreamer do), so a token costs the same at any length,
 and a stop string is searched for only where it could have just appeared.
+
+Where the text is made: a request with stop strings is detokenised in the engine's step,
+since a stop string decides where it ends and what its kept cache holds. Any other
+request's text is made off the step, by the front end that reads its outputs
+(`RequestOutput.with_text`, on the reader's thread: the HTTP server's event loop, a
+`LLM.generate` caller), so the step never waits on it.
 """
 
+import threading
 from collections.abc import Callable
 
 from kvstack.engine.sequence import RequestOutput
@@ -25,6 +32,10 @@ class Detokenizer:
         # ids[prefix:read] were decoded into text already; they give the next decode its
         # context (a byte-level or SentencePiece tokenizer decodes a token by its left).
         self.prefix = self.read = 0
+        # text_for's: the text's length after each count of ids (an output read after a
+        # newer one of its request gets its own text), and its readers' turns.
+        self.lengths = [0]
+        self.lock = threading.Lock()
 
     def add(self, token: int, check_stop: bool = True) -> bool:
         """Append a token; True when the text now holds a stop string (cut before it).
@@ -53,6 +64,21 @@ class Detokenizer:
             if any(s.startswith(self.text[-n:]) for s in self.stop):
                 return self.text[:-n]
         return self.text
+
+    def text_for(self, ids: list[int], final: bool, flush: bool) -> str:
+        """The text of a request without stop strings after the output that holds ids (its
+        output ids so far), made by whoever reads it: the ids not seen yet are added, and
+        a final output (flush: ended other than by a stop token) takes what is held back.
+        Any thread may ask, in any order of its request's outputs."""
+        with self.lock:
+            if len(ids) < len(self.ids):  # an older output, read after a newer one
+                return self.text[: self.lengths[len(ids)]]
+            for token in ids[len(self.ids) :]:
+                self.add(token, check_stop=False)
+                self.lengths.append(len(self.text))
+            if final and flush:
+                self.flush()
+            return self.text
 
     def flush(self) -> None:
         """At the end: whatever is still held back (an incomplete character) joins the

@@ -1,7 +1,7 @@
 """A request as the engine tracks it, and what the caller gets back."""
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -83,7 +83,9 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
+    # The output's text; None as the engine's step hands it over, until `with_text` makes
+    # it (the front ends do, on their own thread: kvstack.engine.output).
+    text: str | None
     token_ids: list[int]
     finish_reason: str | None
     finished: bool
@@ -91,6 +93,16 @@ class RequestOutput:
     metrics: dict[str, float]
     num_cached_tokens: int = 0  # prompt tokens whose cache was reused (prefix, kept turn)
     logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked
+    # What makes the text where the step did not (a request without stop strings).
+    detokenizer: "Detokenizer | None" = field(default=None, repr=False, compare=False)
+
+    def with_text(self) -> "RequestOutput":
+        """This output with its text made (itself where it has it)."""
+        if self.text is not None or self.detokenizer is None:
+            return self
+        text = self.detokenizer.text_for(self.token_ids, self.finished,
+                                         flush=self.finish_reason != "stop")
+        return replace(self, text=text, detokenizer=None)
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
@@ -101,7 +113,14 @@ class RequestOutput:
             if len(seq.output_ids) > 1 and end > seq.first_token_time:
                 metrics["decode_tokens_per_s"] = (len(seq.output_ids) - 1) / (
                     end - seq.first_token_time)
-        return cls(seq.request_id, seq.prompt, list(seq.prompt_ids), seq.text,
-                   list(seq.output_ids), seq.finish_reason,
+        in_step = detokenizes_in_step(seq.params)
+        return cls(seq.request_id, seq.prompt, list(seq.prompt_ids),
+                   seq.text if in_step else None, list(seq.output_ids), seq.finish_reason,
                    seq.status is Status.FINISHED, seq.error, metrics, seq.num_cached_tokens,
-                   list(seq.logprobs) if seq.params.logprobs is not None else None)
+                   list(seq.logprobs) if seq.params.logprobs is not None else None,
+                   None if in_step else seq.detokenizer)
+
+
+def detokenizes_in_step(params: SamplingParams) -> bool:
+    """Whether the engine's step makes a request's text: where a stop string may end it."""
+    return bool(params.stop)
