@@ -17,7 +17,8 @@ it from the shard: FP8/FP4 weights stay packed (`kvstack.model.packed`) and stay
 the mapped file (pages the OS can drop and read again, not copies), so resident memory is
 about the checkpoint's size. The bf16 matrices the model multiplies (the compressors',
 the indexers' head weights, the routers') stay bf16, widened in registers by the kernels;
-only vectors (norms) and the vision tower's weights are widened to float32.
+the norms, Engram's small query and key weights and the vision tower's weights are
+widened to float32.
 """
 
 import hashlib
@@ -139,8 +140,8 @@ def v41_names(c: ModelConfig) -> dict[str, V41Tensor]:
         add(name, target, "float", shape, _F32)
 
     # bf16 matrices a projection multiplies (the compressor's, the indexer's head weights):
-    # kept bf16 and widened in registers by the kernels, as DeepSeek's code multiplies
-    # them (in float32, or in bf16 where it keeps them so) from the stored values.
+    # kept bf16 and widened to float32 in registers by the kernels, so the products are
+    # those of the widened weights, with no float32 copy held.
     def bf16_linear(name: str, target: str, out_f: int, in_f: int) -> None:
         add(name, target, "bf16_linear", (out_f, in_f), _BF16)
 

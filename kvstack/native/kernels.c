@@ -466,14 +466,6 @@ void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_
     }
 }
 
-/* A prefill chunk's attention of one layer (the model's own softmax over the window and
- * the selected entries, for many queries at once): queries q [b, n, h, d] at positions
- * (row s at positions + s * pos_stride, [n]) over the window keys (keys [b, m, d] at
- * key_pos [b, m]: those at t - window_size + 1 .. t are seen) and their selected entries
- * (columns [b, n, k] into rows [b, u, d], -1 for none), with the sink's logit [h] in the
- * softmax's denominator; keys are their own values (one shared KV): out [b, n, h, d].
- * Logits are q . row times `scale`, as torch's. Queries run in parallel over `threads`;
- * fewer queries than threads (a decode step's) spread their heads instead. */
 /* The rows query bq of kv_prefill_attention sees, into seen: its count. */
 static int64_t prefill_seen(int64_t bq, const int64_t *positions, int64_t pos_stride,
                             const float *keys, const int64_t *key_pos, int64_t m,
@@ -493,6 +485,14 @@ static int64_t prefill_seen(int64_t bq, const int64_t *positions, int64_t pos_st
     return r;
 }
 
+/* A prefill chunk's attention of one layer (the model's own softmax over the window and
+ * the selected entries, for many queries at once): queries q [b, n, h, d] at positions
+ * (row s at positions + s * pos_stride, [n]) over the window keys (keys [b, m, d] at
+ * key_pos [b, m]: those at t - window_size + 1 .. t are seen) and their selected entries
+ * (columns [b, n, k] into rows [b, u, d], -1 for none), with the sink's logit [h] in the
+ * softmax's denominator; keys are their own values (one shared KV): out [b, n, h, d].
+ * Logits are q . row times `scale`, as torch's. Queries run in parallel over `threads`;
+ * fewer queries than threads (a decode step's) spread their heads instead. */
 void kv_prefill_attention(const float *q, const int64_t *positions, int64_t pos_stride,
                           const float *keys, const int64_t *key_pos, int64_t m,
                           int64_t window_size, const float *rows, int64_t u,
