@@ -9,6 +9,11 @@ active FFN width with its default `DynamicCache` in float32. Beside tokens/s it 
 cache bytes per token: measured from the allocated pools for (a) and (b), from the
 DynamicCache's tensors for (c).
 
+(a) and (b) hold their weight matrices in bf16 (`--dtype`, default bfloat16: what kvstack
+holds a bf16 checkpoint in by default, and 16-bit weights as llama.cpp's f16 GGUF below),
+their activations and the norms, routers and hyper-connections in float32; `--dtype
+float32` runs them as built. (c) is float32.
+
 The contexts are synthetic: each system's cache is filled with random values of the right
 shapes through its own storage (for kvstack, the store's real quantise-and-pack write path;
 for transformers, `DynamicCache.update`), as vLLM's dummy-weight benchmarks do, instead of
@@ -90,6 +95,7 @@ from kvstack.cache.paged import PagedSequenceStore, block_bytes
 from kvstack.config import ModelConfig, dense_control
 from kvstack.engine.sequence import Sequence
 from kvstack.model.model import MoE
+from kvstack.model.packed import PackedLinear
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
 WARMUP_STEPS = 3
@@ -220,6 +226,10 @@ def parse_args() -> argparse.Namespace:
                         help="llama.cpp flash attention settings")
     parser.add_argument("--gguf-type", choices=["f16", "f32"], default="f16",
                         help="llama.cpp's weight type")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="(a) and (b)'s weight matrices (EngineConfig.dtype): bfloat16, "
+                             "16-bit weights as llama.cpp's f16 GGUF and as kvstack holds a "
+                             "bf16 checkpoint by default; activations float32 either way")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (and llama.cpp's); default torch's, or 1 with --peer")
     args = parser.parse_args()
@@ -312,17 +322,18 @@ def count_ops(step: Callable[[], None]) -> OpCount:
 
 
 # ---- (a) and (b): kvstack's engine ---------------------------------------------------------
-def engine(config: ModelConfig, max_tokens: int, batch: int = 1,
+def engine(config: ModelConfig, max_tokens: int, dtype: str, batch: int = 1,
            compile_decode: bool = False, cpu_kernels: str = "auto") -> LLM:
     """An LLM whose budget holds `batch` sequences of max_tokens and nothing more (a
     window-ring slot and the blocks of each, and a compiled step's pad slot; no window
-    checkpoints, as it makes no prefix hits), so the benchmark allocates what it uses."""
+    checkpoints, as it makes no prefix hits), so the benchmark allocates what it uses; its
+    weight matrices in dtype (EngineConfig.dtype)."""
     layout = CacheLayout.from_config(config)
     budget = ((batch + compile_decode) * layout.window_bytes_per_sequence
               + batch * block_bytes(layout, BLOCK_TOKENS) * -(-max_tokens // BLOCK_TOKENS))
     return LLM(config, random_init=True, kv_budget=budget, max_num_seqs=batch,
                block_tokens=BLOCK_TOKENS, compile_decode=compile_decode,
-               cpu_kernels=cpu_kernels, window_checkpoints=0)
+               cpu_kernels=cpu_kernels, window_checkpoints=0, dtype=dtype)
 
 
 def fill(store: PagedSequenceStore, config: ModelConfig, context: int,
@@ -380,7 +391,7 @@ def measure_layers(args: argparse.Namespace) -> list[dict[str, Any]]:
     contexts = args.layer_contexts
     max_tokens = max(contexts) + max(64, 1 + WARMUP_STEPS + args.steps)
     config = bench_config(max_tokens)
-    llm = engine(config, max_tokens)
+    llm = engine(config, max_tokens, args.dtype)
     layers = llm.model.layers
     spent: list[list[float]] = [[] for _ in layers]
     started = [0.0]
@@ -455,9 +466,11 @@ def copy_bandwidth(repeat: int = 5) -> float:
 
 
 def weight_reads(model: torch.nn.Module, embedding: torch.nn.Embedding) -> int:
-    """Parameter bytes one batch-1 decode step reads: every parameter, except that the
-    embedding gives one row and each MoE layer runs only its activated routed experts."""
-    total = sum(p.nbytes for p in model.parameters())
+    """Weight bytes one batch-1 decode step reads, in the dtype they are held in: every
+    parameter and bf16 matrix (a `PackedLinear`'s), except that the embedding gives one
+    row and each MoE layer runs only its activated routed experts."""
+    total = sum(p.nbytes for p in model.parameters()) + sum(
+        m.stored.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     total -= embedding.weight.nbytes - embedding.weight[0].nbytes
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         routed = sum(w.nbytes for w in moe.experts.parameters())
@@ -497,8 +510,9 @@ def render_floor(console: Console, rows: list[Row], bandwidth: float) -> None:
         table.add_row(*cells)
     console.print(table)
     console.print(f"floor ms = MB / {bandwidth / 1e9:.1f} GB/s, the bytes a copy of 256 MiB "
-                  "reads per second on this thread, measured in this run. (a)'s MB: float32 "
-                  "weights used (one embedding row, the activated experts) and the cache "
+                  "reads per second on this thread, measured in this run. (a)'s MB: the "
+                  "weights used, as held (one embedding row, the activated experts) and the "
+                  "cache "
                   "it must read (kvstack.cache.layout.decode_step_reads); (c)'s: its "
                   "weights and its whole float32 KV cache. ×floor = measured ms / floor ms")
 
@@ -681,7 +695,8 @@ def measure_batches(args: argparse.Namespace) -> tuple[list[BatchRow], list[str]
             def engine_batch(c: ModelConfig, compiled: bool = False, kernels: str = "auto",
                              n: int = n) -> Callable[[], None]:
                 return open_steps.enter_context(
-                    engine_step(engine(c, max_tokens, n, compiled, kernels), context, n))
+                    engine_step(engine(c, max_tokens, args.dtype, n, compiled, kernels),
+                                context, n))
 
             systems = {"a": engine_batch(config)}
             if args.compile:
@@ -959,9 +974,12 @@ def main() -> None:
     max_tokens = max(args.contexts) + headroom
     config = bench_config(max_tokens)
     dense = dense_control(config)
-    stack_llm, dense_llm = engine(config, max_tokens), engine(dense, max_tokens)
-    compiled_llm = engine(config, max_tokens, compile_decode=True) if args.compile else None
-    torch_llm = engine(config, max_tokens, cpu_kernels="torch") if args.torch_ops else None
+    stack_llm = engine(config, max_tokens, args.dtype)
+    dense_llm = engine(dense, max_tokens, args.dtype)
+    compiled_llm = (engine(config, max_tokens, args.dtype, compile_decode=True) if args.compile
+                    else None)
+    torch_llm = (engine(config, max_tokens, args.dtype, cpu_kernels="torch") if args.torch_ops
+                 else None)
     llama = hf_model(config, max_tokens) if HAVE_TRANSFORMERS else None
     peer, peer_skipped = start_peer(args, llama)
     specs, peer_notes = peer_specs(args) if peer is not None else ([], [])
@@ -1034,6 +1052,7 @@ def main() -> None:
             "torch": torch.__version__,
             "transformers": transformers_version,
             "threads": torch.get_num_threads(),
+            "dtype": args.dtype,
             "steps": args.steps,
             "repeat": args.repeat,
             "synthetic_context": True,
@@ -1057,7 +1076,8 @@ def main() -> None:
     console = Console(width=max(Console().width, 120))  # the floor table's 11 columns
     caption = (
         f"dim {config.dim}, {config.n_layers} layers, {config.n_heads} heads of "
-        f"{config.head_dim}; (b) and (c) {dense.n_kv_heads} KV head(s); batch 1, best of "
+        f"{config.head_dim}; (b) and (c) {dense.n_kv_heads} KV head(s); (a) and (b)'s "
+        f"weight matrices {args.dtype}, (c)'s float32; batch 1, best of "
         f"{args.repeat} rounds of {args.steps} steps after {WARMUP_STEPS} warm-up, the "
         "systems taking turns in each round; synthetic "
         "context (random cache). (a) ×tok/s = (a)'s tokens/s over the row's; ÷B/token = "

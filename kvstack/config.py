@@ -63,6 +63,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # matmuls (EngineConfig.cpu_kernels, kvstack.native): C kernels built on first use ("c":
 # or fail), torch's ops, or C where a compiler builds them (auto).
 CPU_KERNELS = ("auto", "c", "torch")
+# What an engine holds the weight matrices in (EngineConfig.dtype, Model.narrow_matrices):
+# as the checkpoint stores them (auto: bf16 where it stores them all so, else float32;
+# random weights float32), float32, or bf16 (narrowed at load, as vLLM's --dtype
+# bfloat16). A V4.1 checkpoint's FP8/FP4 weights stay packed under any of them.
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)

@@ -533,7 +533,7 @@ def test_a_compiled_decode_step_decodes_as_the_eager_one(monkeypatch):
     settings = {"kv_budget": "2MiB", "block_tokens": 16, "max_num_seqs": 4}
     eager = LLM(FIVE_LAYERS, random_init=True, **settings)
     assert eager.memory_report()["backend"] == {"decode": "eager", "attention": "torch",
-                                                "cpu_kernels": "c"}
+                                                "cpu_kernels": "c", "matrices": "float32"}
     llm = LLM(FIVE_LAYERS, random_init=True, compile_decode=True, **settings)
     assert llm.memory_report()["backend"]["graphs"] == 0
     outputs = llm.generate(three, params)

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvstack.config import ATTENTION_BACKENDS, CPU_KERNELS, NUMERICS
+from kvstack.config import ATTENTION_BACKENDS, CPU_KERNELS, DTYPES, NUMERICS
 from kvstack.engine.config import SPECULATIVE, EngineConfig
 from kvstack.units import format_bytes, positive_int
 
@@ -70,6 +70,11 @@ ENGINE_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
      dict(choices=NUMERICS, help="reference: round activations to FP8 before FP8/FP4 weights "
                                  "and form RoPE angles in float32, as DeepSeek's code does "
                                  "(parity checks)")),
+    ("--dtype", "dtype",
+     dict(choices=DTYPES, help="the weight matrices: auto holds them as the checkpoint "
+                               "stores them (bf16 where all are bf16), bfloat16 narrows "
+                               "float32 ones at load (half the bytes a step reads; "
+                               "activations stay float32) (default: auto)")),
     ("--cache-dir", "cache_dir",
      dict(help="where the disk tier and saved sessions live (default: %(default)s)")),
     ("--tensor-parallel-size", "tensor_parallel_size",

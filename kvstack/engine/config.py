@@ -12,6 +12,7 @@ from typing import Any
 from kvstack.config import (
     ATTENTION_BACKENDS,
     CPU_KERNELS,
+    DTYPES,
     NUMERICS,
     REPLAY_MODES,
     ModelConfig,
@@ -93,6 +94,7 @@ class EngineConfig:
     max_model_len: int | None = None  # tokens per sequence; None: the model's max_seq_len
     threads: int | None = None  # torch intra-op threads; None: default_threads()
     numerics: str = "default"  # one of kvstack.config.NUMERICS
+    dtype: str = "auto"  # the weight matrices' (kvstack.config.DTYPES)
     # Decode steps through torch.compile, one graph per batch-size bucket: minutes to
     # compile on a bucket's first step on a small CPU, faster steps after (Model.compile_decode).
     compile_decode: bool = False
@@ -159,6 +161,11 @@ class EngineConfig:
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got "
                              f"{self.numerics!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "bfloat16" and self.tensor_parallel_size > 1:
+            raise ValueError("dtype='bfloat16' runs in one process: a model split over ranks "
+                             "holds float32 matrices")
         if self.compile_decode and self.tensor_parallel_size > 1:
             raise ValueError("compile_decode runs in one process: with tensor_parallel_size "
                              "> 1 decode runs eager")

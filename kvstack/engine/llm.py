@@ -65,7 +65,7 @@ class LLM:
                 model, random_init, seed, config)
         else:
             self.model, self.tokenizer = load_model(model, random_init, seed, device,
-                                               config.numerics)
+                                                    config.numerics, config.dtype)
             model_fingerprint = self.model.fingerprint()
         # Where the weights came from (None for random weights): files stored with the
         # model, such as its chat template, are read from there.
@@ -96,6 +96,8 @@ class LLM:
             f"{report['window_bytes_per_sequence']:,}", config.max_num_seqs,
             report["window_checkpoints"]["capacity"],
             f"{report['sequences_fit']:,}", f"{report['context']:,}")
+        log.info("kvstack weights: matrices in %s (dtype=%s)", report["backend"]["matrices"],
+                 config.dtype)
 
     # The core's parts, for tests, benchmarks and tools that look inside.
     @property

@@ -46,9 +46,10 @@ def check_vocab(model: Model, tokenizer: Tokenizer, name: object) -> None:
 
 
 def load_model(model: str | Path | ModelConfig, random_init: bool, seed: int,
-               device: torch.device, numerics: str) -> tuple[Model, Tokenizer]:
+               device: torch.device, numerics: str, dtype: str) -> tuple[Model, Tokenizer]:
     """A model (a directory, `default`, or a preset / config with random weights seeded
-    by `seed`) on `device` in eval mode, and its tokenizer, each checked."""
+    by `seed`) on `device` in eval mode, its matrices in `dtype` (kvstack.config.DTYPES;
+    "auto": bf16 where the checkpoint stores them so), and its tokenizer, each checked."""
     tokenizer = load_tokenizer(model, random_init)
     if random_init:
         torch.manual_seed(seed)
@@ -58,4 +59,7 @@ def load_model(model: str | Path | ModelConfig, random_init: bool, seed: int,
         directory = bundled_model() if str(model) == "default" else Path(model)
         loaded = Model.from_pretrained(directory, numerics=numerics)
     check_vocab(loaded, tokenizer, model)
+    if dtype == "bfloat16" or (dtype == "auto"
+                               and loaded.stored_matrix_dtype is torch.bfloat16):
+        loaded.narrow_matrices()
     return loaded.to(device).eval(), tokenizer

@@ -342,7 +342,8 @@ class ModelRunner:
         """What runs a decode step, and what compiling it has cost so far."""
         cpu_kernels = "c" if self.cpu_kernels else "torch"
         report: dict[str, Any] = {"decode": "eager", "attention": self.attention,
-                                  "cpu_kernels": cpu_kernels}
+                                  "cpu_kernels": cpu_kernels,
+                                  "matrices": str(self.model.matrix_dtype).removeprefix("torch.")}
         if self.packed_weights is not None:
             report["packed_weights"] = self.packed_weights
         if not self.compiled:

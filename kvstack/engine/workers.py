@@ -98,8 +98,9 @@ def load_sharded(source: ModelSource, plan_of: PlanOf, shard: TorchShard,
         model = read(directory, plan, shard)
         model.set_numerics(numerics)
         return model.to(device).eval(), model.fingerprint()
+    # float32: a model split over ranks holds float32 matrices (EngineConfig.dtype).
     model, _ = load_model(source.model, source.random_init, source.seed, torch.device("cpu"),
-                     numerics)
+                          numerics, "float32")
     fingerprint = model.fingerprint()
     shard_model(model, plan_of(model.config), shard)
     return model.to(device).eval(), fingerprint

@@ -351,12 +351,21 @@ def _load_kvstack(directory: Path) -> Model:
     token_map = _token_map(directory, config)
     with torch.device("meta"):
         model = Model(config, token_map)
-    model.load_state_dict(state, assign=True)
+    if all(state[name].dtype is torch.bfloat16 for name in model.matrix_names()):
+        model.stored_matrix_dtype = torch.bfloat16
+    model.load_state_dict(widened(state), assign=True)
     _check_materialised(model, weights)
     model.checkpoint_digest = _file_digest([directory / "config.json", weights])
     model.checkpoint_report = CheckpointReport(directory, "kvstack", [SINGLE_FILE],
                                                weights.stat().st_size)
     return model
+
+
+def widened(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A kvstack checkpoint's tensors as a model is built to hold them: bf16 and f16 ones
+    widened to float32 (exactly); an engine's `dtype` narrows the matrices again."""
+    return {name: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+            for name, t in state.items()}
 
 
 def _check_materialised(model: Model, source: Path) -> None:
@@ -605,15 +614,16 @@ def _log_skipped(skipped: dict[str, str]) -> None:
 
 
 def float_state_dict(model: Model) -> dict[str, torch.Tensor]:
-    """The model's tensors in kvstack's own layout: packed weights dequantised to float32
-    (Engram tables, which kvstack stores packed, stay packed)."""
+    """The model's tensors in kvstack's own layout: FP8/FP4 weights dequantised to float32,
+    bf16 ones kept bf16 (a checkpoint's, or a model's `narrow_matrices`; the loader widens
+    them exactly), Engram tables, which kvstack stores packed, kept packed."""
     state = {}
     for name, t in model.state_dict().items():
         path, _, leaf = name.rpartition(".")
         module = model.get_submodule(path) if path else model
         if isinstance(module, PackedLinear):
             if leaf == "stored":
-                state[path + ".weight"] = module.weight
+                state[path + ".weight"] = t if module.fmt == "bf16" else module.weight
         elif isinstance(module, PackedExpert):
             experts, _, e = path.rpartition(".")
             if e == "0" and leaf.endswith("_codes"):

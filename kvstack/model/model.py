@@ -137,6 +137,32 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 Weights3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # an FFN's (w1, w2, w3)
 
 
+def c_matrix(module: nn.Module) -> torch.Tensor | None:
+    """A projection's weight as the C calls of a step take it: a plain linear's float32
+    weight, or the bf16 weight of a `PackedLinear("bf16")` (a checkpoint's bf16 matrix, or
+    one the engine's `dtype="bfloat16"` narrowed), which they widen in registers; None for
+    anything else (an FP8 weight, which its own kernels multiply). Read from the module
+    dicts: asked several times a layer in every step."""
+    kind = type(module)
+    if kind is nn.Linear:
+        weight = module._parameters["weight"]
+        return weight if weight.dtype is torch.float32 else None
+    if kind is PackedLinear and module.fmt == "bf16":
+        return module._buffers["stored"]
+    return None
+
+
+def c_matrices(*modules: nn.Module) -> tuple[torch.Tensor, ...] | None:
+    """`c_matrix` of each module where every one has one and all share a dtype (a C call
+    takes its matrices all float32 or all bf16); else None."""
+    out = tuple(c_matrix(m) for m in modules)
+    first = out[0]
+    for w in out:  # (not `None in out`: that compares tensors with None, a raised error each)
+        if w is None or w.dtype is not first.dtype:
+            return None
+    return out
+
+
 def swiglu(x: torch.Tensor, w1: Projection, w2: Projection, w3: Projection, limit: float,
            weights: torch.Tensor | None = None) -> torch.Tensor:
     """w2(silu(w1 x) * w3 x), the up branch clamped to +-limit and the gate from above;
@@ -163,20 +189,19 @@ class DenseFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(swiglu(x, self.w1, self.w2, self.w3, self.limit), self.shard)
 
-    def float_weights(self) -> Weights3 | None:
-        """(w1, w2, w3) as the C calls take them: plain float layers, whole on this rank;
-        else None."""
+    def c_weights(self) -> Weights3 | None:
+        """(w1, w2, w3) as the C calls take them (`c_matrices`), whole on this rank; else
+        None."""
         mods = self._modules  # read from the dict: see MoE.fused_parts
-        parts = (mods["w1"], mods["w2"], mods["w3"])
-        if self.shard is not None or not all(type(p) is nn.Linear for p in parts):
+        if self.shard is not None:
             return None
-        return tuple(p._parameters["weight"] for p in parts)
+        return c_matrices(mods["w1"], mods["w2"], mods["w3"])
 
     def fused_parts(self, x: torch.Tensor) -> tuple[None, Weights3] | None:
         """As `MoE.fused_parts`: no router, the dense weights in the shared place."""
-        weights = self.float_weights()
+        weights = self.c_weights()
         if x.numel() // x.shape[-1] > FUSED_MOE_TOKENS or weights is None \
-                or not native.fuses(x, *weights):
+                or not weights[0].is_cpu or not native.fuses(x):
             return None
         return None, weights
 
@@ -316,10 +341,15 @@ class MoE(nn.Module):
             return None
         shared = None
         if mods.get("shared") is not None:
-            shared = mods["shared"].float_weights()
+            shared = mods["shared"].c_weights()
             if shared is None:
                 return None
-        if not native.fuses(x, w["w1"], g["weight"], *(shared or ())):
+        # The experts' matrices float32 or bf16 as the shared expert's (the C call takes
+        # them all one way); the router's float32.
+        stored = w["w1"].dtype if shared is None else shared[0].dtype
+        if stored not in (torch.float32, torch.bfloat16) or not w["w1"].is_cpu \
+                or any(w[name].dtype is not stored for name in ("w1", "w2", "w3")) \
+                or not native.fuses(x, g["weight"]):
             return None
         c = gate.config
         return native.Router(g["weight"], g["bias"], c.score_func, c.gate_temp,
@@ -331,7 +361,8 @@ class MoE(nn.Module):
         """The routed experts' sum [T, dim] for a few (token, expert) pairs (a small decode
         batch): each pair gathers its expert's weights and runs once."""
         pairs = chosen.flatten()  # [T k]
-        w1, w2, w3 = (w.index_select(0, pairs) for w in
+        # (A bf16 expert widened once gathered.)
+        w1, w2, w3 = (w.index_select(0, pairs).float() for w in
                       (self.experts.w1, self.experts.w2, self.experts.w3))
         y = swiglu(x.repeat_interleave(chosen.shape[1], dim=0),  # [T k, dim]
                    lambda v: torch.einsum("pd,pid->pi", v, w1),
@@ -353,7 +384,7 @@ class MoE(nn.Module):
         ends = (pairs[:, None] == torch.arange(n_experts, device=x.device)).sum(0).cumsum(0)
         ends = ends.to(torch.int32)
         token = order // chosen.shape[1]
-        w1, w2, w3 = (w.transpose(1, 2) for w in
+        w1, w2, w3 = (w.float().transpose(1, 2) for w in  # bf16 experts widened
                       (self.experts.w1, self.experts.w2, self.experts.w3))
         y = swiglu(x.index_select(0, token), lambda v: grouped_mm(v, w1, ends),
                    lambda v: grouped_mm(v, w2, ends), lambda v: grouped_mm(v, w3, ends),
@@ -597,18 +628,13 @@ class Compressor(nn.Module):
             return None
         mods = self._modules  # read from the dicts: see MoE.fused_parts
         parts = [mods["wkv"], mods["wk_index"]] + ([mods["wgate"]] if self.ratio > 1 else [])
-        if all(type(p) is nn.Linear for p in parts):
-            wkv, wk_index, *wgate = (p._parameters["weight"] for p in parts)
-            stored = torch.float32
-        elif all(type(p) is PackedLinear and p.fmt == "bf16" for p in parts):
-            wkv, wk_index, *wgate = (p._buffers["stored"] for p in parts)
-            stored = torch.bfloat16
-        else:
+        matrices = c_matrices(*parts)
+        if matrices is None:
             return None
+        wkv, wk_index, *wgate = matrices
         norm = mods["norm"]._parameters["weight"]
         index_norm = mods["index_norm"]._parameters["weight"]
-        if any(w.dtype is not stored for w in (wkv, wk_index, *wgate)) or any(
-                w.dtype is not torch.float32 for w in (norm, index_norm)):
+        if any(w.dtype is not torch.float32 for w in (norm, index_norm)):
             return None
         return wkv, (wgate[0] if wgate else None), norm, wk_index, index_norm
 
@@ -669,15 +695,12 @@ class Indexer(nn.Module):
         hi, di = c.index_n_heads, c.index_head_dim
         scale = di**-0.5 * hi**-0.5
         mods = self._modules  # read from the dict: see MoE.fused_parts
-        wq, wweights = mods["wq"], mods["wweights"]
-        if (type(wq) is nn.Linear and type(wweights) is nn.Linear
-                and self.freqs.dtype is torch.float64
+        matrices = c_matrices(mods["wq"], mods["wweights"])
+        if (matrices is not None and self.freqs.dtype is torch.float64
                 and qr.shape[0] * qr.shape[1] <= FUSED_PROJECTION_TOKENS
                 and (c.index_query_format == "none" or native.decodes(c.index_query_format))
-                and native.fuses(qr, x, wq._parameters["weight"],
-                                 wweights._parameters["weight"])):
-            return native.index_queries(qr, x, positions, wq._parameters["weight"],
-                                        wweights._parameters["weight"], self.n_local_heads,
+                and matrices[0].is_cpu and native.fuses(qr, x)):
+            return native.index_queries(qr, x, positions, *matrices, self.n_local_heads,
                                         self.freqs, c.index_query_format, scale,
                                         self.c_calls)
         q = rotate(self.wq(qr).unflatten(-1, (self.n_local_heads, di)), positions,
@@ -916,8 +939,6 @@ class SelectedEntries:
         return self.store.gather_stream(self.source, "kv", chosen).float()  # [B, q', k, D]
 
 
-_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")  # Attention's, in C for a few tokens
-_FLOAT_WEIGHTS = (*_PROJECTIONS, "q_norm", "kv_norm")  # what the C projections read as float32
 
 
 class Attention(nn.Module):
@@ -947,19 +968,18 @@ class Attention(nn.Module):
         # `keep`: their outputs are spent in this layer before the next call).
         self.c_calls: dict = {}
 
-    @property
-    def _float_projections(self) -> bool:
-        """Whether every projection of the attention is a plain float32 linear (not a
-        checkpoint's packed weight, which its own kernels multiply). Read from the module
-        dicts directly: asked twice a layer in every step."""
-        modules = self._modules
-        for name in _PROJECTIONS:  # loops, not all(): this runs once a layer every step
-            if type(modules[name]) is not nn.Linear:
-                return False
-        for name in _FLOAT_WEIGHTS:
-            if modules[name]._parameters["weight"].dtype is not torch.float32:
-                return False
-        return True
+    def c_projections(self) -> tuple[torch.Tensor, ...] | None:
+        """(wq_a, wq_b, wkv, wo_a, wo_b) as the C projections take them (`c_matrices`:
+        all float32 or all bf16, not a checkpoint's FP8, which its own kernels multiply),
+        with float32 norms; else None. Read from the module dicts: asked twice a layer in
+        every step."""
+        mods = self._modules
+        matrices = c_matrices(mods["wq_a"], mods["wq_b"], mods["wkv"], mods["wo_a"],
+                              mods["wo_b"])
+        if (matrices is None or mods["q_norm"]._parameters["weight"].dtype is not torch.float32
+                or mods["kv_norm"]._parameters["weight"].dtype is not torch.float32):
+            return None
+        return matrices
 
     def set_rope_precision(self, dtype: torch.dtype) -> None:
         """Form this layer's RoPE angles (its compressor's and indexer's too) in dtype."""
@@ -985,10 +1005,10 @@ class Attention(nn.Module):
             positions, qr, q, window = projected  # positions [1 or B, n]
         elif in_c:
             positions = call_positions(ctx, start, n, x.device)
+            wq_a, wq_b, wkv = self.c_projections()[:3]
             qr, q, window = native.attention_in(
-                x, positions, self.wq_a.weight, self.q_norm.weight, self.wq_b.weight,
-                self.wkv.weight, self.kv_norm.weight, c.norm_eps, self.freqs,
-                self.n_local_heads)
+                x, positions, wq_a, self.q_norm.weight, wq_b, wkv, self.kv_norm.weight,
+                c.norm_eps, self.freqs, self.n_local_heads)
         else:
             positions = call_positions(ctx, start, n, x.device)
             qr = self.q_norm(self.wq_a(x))
@@ -1066,16 +1086,14 @@ class Attention(nn.Module):
             self._collect_rows(x, qr, q, positions, store, ctx, n_entries)
         self._publish(ctx, topks, pools, scores)
         out = _joined(outs)
-        if in_c and spread is not None and self.shard is None:  # projected and spread at once
-            mods = self._modules  # read from the dicts: see MoE.fused_parts
-            return native.attention_out(out, positions, self.freqs,
-                                        mods["wo_a"]._parameters["weight"], self.local_groups,
-                                        mods["wo_b"]._parameters["weight"], spread,
-                                        self.c_calls)
         if in_c:
-            y = all_reduce(native.attention_out(out, positions, self.freqs, self.wo_a.weight,
-                                                self.local_groups, self.wo_b.weight),
-                           self.shard)
+            wo_a, wo_b = self.c_projections()[3:]
+        if in_c and spread is not None and self.shard is None:  # projected and spread at once
+            return native.attention_out(out, positions, self.freqs, wo_a, self.local_groups,
+                                        wo_b, spread, self.c_calls)
+        if in_c:
+            y = all_reduce(native.attention_out(out, positions, self.freqs, wo_a,
+                                                self.local_groups, wo_b), self.shard)
         else:
             y = self.project_out(out, positions)
         return y if spread is None else HyperConnection.post(y, *spread)
@@ -1099,7 +1117,7 @@ class Attention(nn.Module):
         decode batch: torch's matmuls win on a prefill chunk's) through float weights."""
         return (x.shape[0] * x.shape[1] <= FUSED_PROJECTION_TOKENS and ctx.instruments is None
                 and native.fuses(x) and self.freqs.dtype is torch.float64
-                and self._float_projections)
+                and self.c_projections() is not None)
 
     def project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The heads' outputs [B, n, H, D] at `positions` -> [B, n, dim]: the queries'
@@ -1275,14 +1293,12 @@ class DenseAttention(nn.Module):
         into the store's pools, attention over them, output projection, residual) where
         the store reads its rows in C and the weights are float; else None."""
         mods = self._modules  # read from the dicts: see MoE.fused_parts
-        layers = (mods["wq"], mods["wk"], mods["wv"], mods["wo"])
         if x.shape[1] != 1 or not isinstance(start, torch.Tensor) \
-                or not all(type(m) is nn.Linear for m in layers) \
                 or self.freqs.dtype is not torch.float64 or not store.attends_dense():
             return None
-        weights = [m._parameters["weight"] for m in layers]
+        weights = c_matrices(mods["wq"], mods["wk"], mods["wv"], mods["wo"])
         norm_weight = norm._parameters["weight"]
-        if not native.fuses(x, norm_weight, *weights):
+        if weights is None or not weights[0].is_cpu or not native.fuses(x, norm_weight):
             return None
         k_rows, v_rows, new_rows, lengths = store.dense_stream(self.layer)
         out = native.dense_attention_block(
@@ -1454,13 +1470,13 @@ class Layer(nn.Module):
         if not native.fuses(x, *mixing, norm):
             return None
         c, a = hc.config, attn._modules
-        weight = {name: a[name]._parameters["weight"]
-                  for name in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm")}
+        wq_a, wq_b, wkv = attn.c_projections()[:3]
         positions = call_positions(ctx, start, x.shape[1], x.device)
         pre, post, comb, y, *projected = native.attention_block_in(
             x, mixing, c.hc_eps, c.hc_sinkhorn_iters, collapse_pre, norm, positions,
-            weight["wq_a"], weight["q_norm"], weight["wq_b"], weight["wkv"],
-            weight["kv_norm"], c.norm_eps, attn.freqs, attn.n_local_heads, self.c_calls)
+            wq_a, a["q_norm"]._parameters["weight"], wq_b, wkv,
+            a["kv_norm"]._parameters["weight"], c.norm_eps, attn.freqs, attn.n_local_heads,
+            self.c_calls)
         return pre, post, comb, y, (positions, *projected)
 
     def _ffn_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None
@@ -1573,6 +1589,12 @@ class Model(nn.Module):
         # SHA-256 of the checkpoint files the weights came from (from_pretrained): the
         # fingerprint then needs no pass over the tensors.
         self.checkpoint_digest: str | None = None
+        # The dtype the weight matrices (`matrix_names`) are held in: float32 as built and
+        # as a kvstack checkpoint loads, bf16 once `narrow_matrices` ran.
+        self.matrix_dtype = torch.float32
+        # What the checkpoint stored them as (bf16 where it stored them all so: an
+        # engine's dtype="auto" holds them so again); float32 for weights made in memory.
+        self.stored_matrix_dtype = torch.float32
         self.checkpoint_report = None  # kvstack.model.checkpoint.CheckpointReport, if loaded
         self._compiled_step: Callable[..., TokenStates] | None = None  # compile_decode
         self._guarded_steps: set[tuple] = set()  # the step shapes whose guards have run
@@ -1604,6 +1626,41 @@ class Model(nn.Module):
                 m.round_inputs = reference and m.quantized_matmul
             elif isinstance(m, Attention):
                 m.set_rope_precision(torch.float32 if reference else torch.float64)
+
+    def _matrices(self) -> Iterator[tuple[str, nn.Module]]:
+        """(name, module) of what `narrow_matrices` narrows: each bias-free float linear of
+        the layers, the head, each layer's routed experts, the embedding."""
+        for name, module in self.named_modules():
+            if (type(module) is nn.Linear and module.bias is None
+                    and (name.startswith("layers.") or name == "head")) or (
+                    type(module) is Experts and name.startswith("layers.")) or name == "embed":
+                yield name, module
+
+    def matrix_names(self) -> list[str]:
+        """The state-dict names of the weights `narrow_matrices` holds in bf16."""
+        return [f"{name}.{leaf}" for name, module in self._matrices()
+                for leaf in (("w1", "w2", "w3") if type(module) is Experts else ("weight",))]
+
+    def narrow_matrices(self) -> None:
+        """Hold the weight matrices in bf16 for inference (an engine's `dtype="bfloat16"`):
+        each bias-free linear of the layers and the head becomes a `PackedLinear("bf16")`
+        of its weight rounded to bf16 (to nearest, ties to even), the routed experts'
+        and the embedding's weights bf16. The norms, hyper-connections, routers, sinks and
+        biases stay float32 (a few kB a layer, and routing is sensitive to rounding), and
+        so do the activations: the C kernels widen a bf16 weight in registers, as they do
+        a checkpoint's, and torch's paths widen it when a call uses it. Half the bytes a
+        decode step reads; the weights take no gradient after."""
+        for name, module in list(self._matrices()):
+            if type(module) is nn.Linear:
+                parent, _, leaf = name.rpartition(".")
+                weight = module.weight.detach().to(torch.bfloat16)
+                self.get_submodule(parent)._modules[leaf] = PackedLinear("bf16", weight)
+                continue
+            for leaf in ("w1", "w2", "w3") if type(module) is Experts else ("weight",):
+                weight = module._parameters[leaf]
+                module._parameters[leaf] = nn.Parameter(weight.detach().to(torch.bfloat16),
+                                                        requires_grad=False)
+        self.matrix_dtype = torch.bfloat16
 
     # ---- running layers over a chunk ---------------------------------------------------
     def _states(self, ids: torch.Tensor, start: int | torch.Tensor, store: KVStore,
@@ -2061,6 +2118,8 @@ class Model(nn.Module):
         loaded again before its caches are shared.)"""
         digest = hashlib.sha256(self.config.to_json().encode())
         digest.update(self.numerics.encode())
+        if self.matrix_dtype is not torch.float32:  # as loaded, then narrowed
+            digest.update(str(self.matrix_dtype).encode())
         if self.checkpoint_digest is not None:
             digest.update(self.checkpoint_digest.encode())
             return digest.hexdigest()

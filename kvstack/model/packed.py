@@ -124,8 +124,8 @@ class PackedLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts' SwiGLU weights as float parameters: w1, w3 [E, inter, dim] and
-    w2 [E, dim, inter]."""
+    """The routed experts' SwiGLU weights as parameters: w1, w3 [E, inter, dim] and w2 [E,
+    dim, inter], float32, or bf16 once `Model.narrow_matrices` ran (widened per call)."""
 
     def __init__(self, n_experts: int, dim: int, inter_dim: int) -> None:
         super().__init__()
@@ -135,7 +135,7 @@ class Experts(nn.Module):
 
     def projections(self, e: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
         """Expert e's w1, w2, w3 as functions of their input."""
-        return tuple(partial(F.linear, weight=w[e]) for w in (self.w1, self.w2, self.w3))
+        return tuple(partial(F.linear, weight=w[e].float()) for w in (self.w1, self.w2, self.w3))
 
 
 class PackedExpert(nn.Module):

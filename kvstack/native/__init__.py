@@ -110,30 +110,33 @@ _SIGNATURES = {
     "kv_rope": [_P, _I, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P],
     "kv_rmsnorm": [_P, _I, _I, _P, ctypes.c_float, _P],
     "kv_attention_in": [_P, _I, _I, _P, _P, _I, _P, _I, _I, _P, _P, ctypes.c_float, _P, _P,
-                        _I, _P, _P, _P, ctypes.c_int],
+                        _I, _P, _P, _P, ctypes.c_int, ctypes.c_int],
     "kv_attention_out": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P,
-                         ctypes.c_int],
+                         ctypes.c_int, ctypes.c_int],
     "kv_ring_write": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P, _I, _P, _P,
                       _P],
     "kv_select_topk": [_P, _I, _I, _I, _P, _P],
     "kv_moe": [_P, _I, _I, _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
-               ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P, _P],
+               ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, ctypes.c_int,
+               _P, _P, _P],
     "kv_quantize": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P],
     "kv_attention_block_in": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I,
                               _P, _P, _P, _P, _I, _P, _I, _I, _P, _P, _P, _P, _I, _P, _P,
-                              _P, _P, _P, _P, _P, ctypes.c_int],
+                              _P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int],
     "kv_attention_out_spread": [_P, _I, _I, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _P, _P,
-                                _I, _P, _P, _P, ctypes.c_int],
+                                _I, _P, _P, _P, ctypes.c_int, ctypes.c_int],
     "kv_compress_step": [_P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, ctypes.c_float, _P,
                          _I, _P, ctypes.c_float, _P, _I, _P, _P, _P, ctypes.c_int,
                          ctypes.c_int, ctypes.c_int],
-    "kv_index_queries": [_P, _P, _I, _I, _I, _P, _P, _I, _I, _P, _P, _I, ctypes.c_int,
-                         ctypes.c_int, _I, _P, _P, ctypes.c_float, _P, _P, ctypes.c_int],
+    "kv_index_queries": [_P, _P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _P, _I,
+                         ctypes.c_int, ctypes.c_int, _I, _P, _P, ctypes.c_float, _P, _P,
+                         ctypes.c_int],
     "kv_ffn_block": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P,
                      _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
-                     ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, _P, _P,
-                     _P, _P, ctypes.c_int],
-    "kv_dense_attention_block": [_P, _I, _I, _P, ctypes.c_float, _P, _P, _P, _P, _I, _I, _I,
+                     ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float,
+                     ctypes.c_int, _P, _P, _P, _P, ctypes.c_int],
+    "kv_dense_attention_block": [_P, _I, _I, _P, ctypes.c_float, _P, _P, _P, _P,
+                                 ctypes.c_int, _I, _I, _I,
                                  _P, _P, _I, _P, _P, _I, _I, _I, _P, _I, _P, _P, _P,
                                  ctypes.c_int, ctypes.c_int, _I, ctypes.c_int, _P, _P,
                                  ctypes.c_float, _P, ctypes.c_int],
@@ -547,9 +550,9 @@ def dense_attention_block(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: t
                           new_rows: tuple[torch.Tensor, torch.Tensor],
                           lengths: torch.Tensor) -> torch.Tensor:
     """A decode step of a dense layer's attention half for x [B, dim] (one new token of
-    each sequence, at positions [B]) with float weights (wq [heads * D, dim], wk and wv
-    [kv heads * D, dim], wo [dim, heads * D], the norm's weight, float64 RoPE freqs
-    [R/2]): RMSNorm, the projections, RoPE on q and k, k and v packed in format fmt into
+    each sequence, at positions [B]) with float32 or bf16 weights (wq [heads * D, dim], wk
+    and wv [kv heads * D, dim], wo [dim, heads * D]), the norm's weight, float64 RoPE freqs
+    [R/2]: RMSNorm, the projections, RoPE on q and k, k and v packed in format fmt into
     the pools [blocks, per, bytes] at new_rows (block [B], offset [B]), causal GQA over each
     sequence's entries 0 .. lengths[b] - 1 through block_table [B, max_blocks] (this
     step's included), the output projection, the residual added: [B, dim]. What
@@ -574,13 +577,15 @@ def dense_attention_block(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: t
             raise ValueError(f"dense_attention_block: pools must be contiguous rows of "
                              f"{bytes_per_entry(fmt, kv_width)} bytes")
     x, norm = _as(x, torch.float32), _as(norm, torch.float32)
-    wq, wk, wv, wo = (_as(t, torch.float32) for t in (wq, wk, wv, wo))
+    stored = _matrix_dtype(wq, wk, wv, wo)
+    wq, wk, wv, wo = (_as(t, stored) for t in (wq, wk, wv, wo))
     positions, freqs = _as(positions.reshape(b), torch.int64), _as(freqs, torch.float64)
     table, lengths = _as(block_table, torch.int64), _as(lengths, torch.int64)
     new_block, new_offset = (_as(t, torch.int64) for t in new_rows)
     out = torch.empty_like(x)
     _load().kv_dense_attention_block(
-        _ptr(x), b, dim, _ptr(norm), eps, _ptr(wq), _ptr(wk), _ptr(wv), _ptr(wo), heads,
+        _ptr(x), b, dim, _ptr(norm), eps, _ptr(wq), _ptr(wk), _ptr(wv), _ptr(wo),
+        int(stored is torch.bfloat16), heads,
         kv_width // d, d, _ptr(positions), _ptr(freqs), half, _ptr(k_pool), _ptr(v_pool),
         k_pool.shape[1], k_pool.shape[2], v_pool.shape[2], _ptr(table), table.shape[1],
         _ptr(new_block), _ptr(new_offset), _ptr(lengths), element, int(f.scale == "e4m3"),
@@ -706,6 +711,16 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _matrix_dtype(*matrices: torch.Tensor) -> torch.dtype:
+    """How a call of step.c takes its weight matrices: as stored where all are bf16 (a
+    checkpoint's, or an engine's `dtype="bfloat16"`: the kernels widen them in
+    registers), else float32 (any other dtype converted)."""
+    for m in matrices:  # (a loop, not all(): this runs several times a layer)
+        if m.dtype is not torch.bfloat16:
+            return torch.float32
+    return torch.bfloat16
+
+
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              norm_eps: float, hc_eps: float,
              iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -787,9 +802,9 @@ def attention_in(x: torch.Tensor, positions: torch.Tensor, wq_a: torch.Tensor,
                  kv_norm: torch.Tensor, eps: float, freqs: torch.Tensor,
                  heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`Attention.forward`'s inputs to its attention for x [B, n, dim] at positions [B or
-    1, n] with float weights (wq_a [rank, dim], wq_b [heads * D, rank], wkv [D, dim], the
-    norms' weights, float64 RoPE freqs [R/2]): qr [B, n, rank], q [B, n, heads, D] and
-    window [B, n, D], within float rounding of torch's."""
+    1, n] with float32 or bf16 weights (wq_a [rank, dim], wq_b [heads * D, rank], wkv [D,
+    dim]), the norms' weights, float64 RoPE freqs [R/2]: qr [B, n, rank], q [B, n, heads,
+    D] and window [B, n, D], within float rounding of torch's."""
     b, n, dim = x.shape
     rank, d, half = wq_a.shape[0], wkv.shape[0], freqs.shape[0]
     if (wq_a.shape[1] != dim or wq_b.shape != (heads * d, rank) or wkv.shape[1] != dim
@@ -800,12 +815,14 @@ def attention_in(x: torch.Tensor, positions: torch.Tensor, wq_a: torch.Tensor,
     x = _as(x, torch.float32)
     positions = _as(positions.expand(b, n), torch.int64)
     qr, q, window = x.new_empty(b, n, rank), x.new_empty(b, n, heads, d), x.new_empty(b, n, d)
-    wq_a, q_norm, wq_b, wkv, kv_norm = (_as(t, torch.float32)
-                                        for t in (wq_a, q_norm, wq_b, wkv, kv_norm))
+    stored = _matrix_dtype(wq_a, wq_b, wkv)
+    wq_a, wq_b, wkv = (_as(t, stored) for t in (wq_a, wq_b, wkv))
+    q_norm, kv_norm = _as(q_norm, torch.float32), _as(kv_norm, torch.float32)
     freqs = _as(freqs, torch.float64)
     _load().kv_attention_in(_ptr(x), b * n, dim, _ptr(wq_a), _ptr(q_norm), rank, _ptr(wq_b),
                             heads, d, _ptr(wkv), _ptr(kv_norm), eps, _ptr(positions),
-                            _ptr(freqs), half, _ptr(qr), _ptr(q), _ptr(window), _threads())
+                            _ptr(freqs), half, _ptr(qr), _ptr(q), _ptr(window),
+                            int(stored is torch.bfloat16), _threads())
     return qr, q, window
 
 
@@ -872,13 +889,17 @@ def attention_block_in(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, to
                              f"{list(wq_b.shape)}, {list(wkv.shape)}, {2 * half} rotated "
                              f"dims and {h} residual copies do not fit x {list(x.shape)} and "
                              f"{heads} heads")
-        same, held = _converted(weights, (torch.float32,) * 9 + (torch.float64,))
+        stored = _matrix_dtype(wq_a, wq_b, wkv)
+        f32 = torch.float32  # hc's three, norm, (wq_a), q_norm, (wq_b, wkv), kv_norm
+        same, held = _converted(weights, (f32,) * 4 + (stored, f32, stored, stored, f32,
+                                                       torch.float64))
         outs = (x.new_empty(b, n, h), x.new_empty(b, n, h), x.new_empty(b, n, h, h),
                 x.new_empty(b, n, dim), x.new_empty(b, n, rank), x.new_empty(b, n, heads, d),
                 x.new_empty(b, n, d))
         p = [_ptr(t) for t in held]
         args = (*p[:3], eps, hc_eps, iters), (p[3], p[4], p[5], rank, p[6], heads, d, p[7],
-                                              p[8]), (p[9], half, *map(_ptr, outs))
+                                              p[8]), (p[9], half, *map(_ptr, outs),
+                                                      int(stored is torch.bfloat16))
         return same, (args, outs, held)
 
     key = (x.shape, heads, eps, hc_eps, iters, *[t.data_ptr() for t in weights])
@@ -902,8 +923,8 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
                   spread: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                   keep: dict | None = None) -> torch.Tensor:
     """`Attention.project_out` of the heads' outputs out [B, n, H, D] at positions [B or
-    1, n] with float weights (wo_a [groups * rank, H / groups * D], wo_b [dim, groups *
-    rank]): [B, n, dim], within float rounding of torch's. With `spread` (the residual
+    1, n] with float32 or bf16 weights (wo_a [groups * rank, H / groups * D], wo_b [dim,
+    groups * rank]): [B, n, dim], within float rounding of torch's. With `spread` (the residual
     copies x [B, n, h, dim], post [B, n, h], comb [B, n, h, h]), that output spread over
     the copies as `hc_post` does, in the same call: [B, n, h, dim]. keep: as
     `attention_block_in`'s (the returned tensor is one of the buffers it keeps)."""
@@ -918,14 +939,15 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
             raise ValueError(f"attention_out: weights {list(wo_a.shape)} and "
                              f"{list(wo_b.shape)} in {groups} groups and {2 * half} rotated "
                              f"dims do not fit the heads' outputs {list(out.shape)}")
-        same, held = _converted((freqs, wo_a, wo_b), (torch.float64, torch.float32,
-                                                      torch.float32))
+        stored = _matrix_dtype(wo_a, wo_b)
+        same, held = _converted((freqs, wo_a, wo_b), (torch.float64, stored, stored))
         rotated = torch.empty(b, n, h, d)  # the heads' outputs, rotated in place
         low, y = torch.empty(b * n, groups * rank), torch.empty(b, n, dim)
         spread_out = torch.empty(b, n, copies_n, dim) if spread is not None else None
         f, a, o = map(_ptr, held)
+        wbf16 = int(stored is torch.bfloat16)
         args = ((f, half, a, groups, rank, o, dim, _ptr(low), _ptr(y)),
-                () if spread_out is None else (_ptr(spread_out),))
+                (wbf16,) if spread_out is None else (_ptr(spread_out), wbf16))
         # low and y are held with the weights: the call writes them.
         return same, (args, rotated, y if spread_out is None else spread_out,
                       (*held, low, y))
@@ -938,7 +960,7 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
     positions = _as(positions, torch.int64)
     if spread is None:
         _load().kv_attention_out(_ptr(rotated), b * n, h, d, _ptr(positions), *middle,
-                                 _threads())
+                                 *tail, _threads())
         return result
     copies, post, comb = (t.contiguous() for t in spread)
     if (copies.shape != (b, n, copies_n, dim) or post.shape != copies.shape[:-1]
@@ -1033,8 +1055,8 @@ def index_queries(qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                   query_format: str, scale: float,
                   keep: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`Indexer._queries` for qr [B, n, rank] and x [B, n, dim] at positions [B or 1, n]
-    with float weights (wq [heads * Di, rank], wweights [heads, dim], float64 RoPE freqs
-    [R/2]): the queries [B, n, heads, Di], rotated and, unless query_format is "none",
+    with float32 or bf16 weights (wq [heads * Di, rank], wweights [heads, dim]) and float64
+    RoPE freqs [R/2]: the queries [B, n, heads, Di], rotated and, unless query_format is "none",
     rounded through it as the straight-through forward does, and the head weights [B, n,
     heads] times scale, within float rounding of torch's. keep: as
     `attention_block_in`'s (both outputs are kept buffers)."""
@@ -1060,14 +1082,14 @@ def index_queries(qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                                  f"formats only, got {query_format}")
             element, scale_kind, block = (int(f.element != "e2m1"), int(f.scale == "e4m3"),
                                           f.scale_block)
-        same, held = _converted((wq, wweights, freqs),
-                                (torch.float32, torch.float32, torch.float64))
+        stored = _matrix_dtype(wq, wweights)
+        same, held = _converted((wq, wweights, freqs), (stored, stored, torch.float64))
         outs = (qr.new_empty(b, n, heads, di, dtype=torch.float32),
                 qr.new_empty(b, n, heads, dtype=torch.float32))
         wq_p, ww_p, freqs_p = map(_ptr, held)
-        args = ((wq_p, ww_p, heads, di), (freqs_p, half, element, scale_kind, block,
-                                          _ptr(tables[0]), _ptr(tables[1]), scale,
-                                          *map(_ptr, outs)))
+        args = ((wq_p, ww_p, int(stored is torch.bfloat16), heads, di),
+                (freqs_p, half, element, scale_kind, block, _ptr(tables[0]), _ptr(tables[1]),
+                 scale, *map(_ptr, outs)))
         return same, (args, outs, held)
 
     key = (qr.shape, dim, heads, query_format, scale, wq.data_ptr(), wweights.data_ptr(),
@@ -1210,7 +1232,8 @@ SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")  # step.c's numbering of th
 class Router:
     """A MoE sublayer's routed half, as `moe` and `ffn_block` take it: the router (gate
     [E, dim], bias [E], the config's score function, temperature, k, renormalisation and
-    route scale) and the experts (w1, w3 [E, inter, dim], w2 [E, dim, inter])."""
+    route scale) and the experts (w1, w3 [E, inter, dim], w2 [E, dim, inter]; float32, or
+    bf16 with the shared expert's bf16 too)."""
 
     gate: torch.Tensor
     bias: torch.Tensor
@@ -1225,7 +1248,7 @@ class Router:
 def moe(x: torch.Tensor, router: Router,
         shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         limit: float) -> torch.Tensor:
-    """A MoE sublayer of float weights for x [T, dim]: the router choosing k experts per
+    """A MoE sublayer of float32 or bf16 weights for x [T, dim]: the router choosing k experts per
     token, their weighted SwiGLUs added, then the shared expert's (w1, w3 [inter, dim], w2
     [dim, inter]) where there is one: [T, dim], what `MoE.forward` computes, within float
     rounding (ties between equal router scores go to the lower expert)."""
@@ -1263,7 +1286,9 @@ def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tenso
         if (2 + h) * h > 64:
             raise ValueError(f"ffn_block: at most 6 residual copies, got {h}")
         args, held = _ffn_args(n, dim, router, shared, limit)
-        same = all(t.is_contiguous() for t in weights)
+        stored = _matrix_dtype(*(shared or ()), *(router.experts if router else ()))
+        same = all(t.is_contiguous() for t in weights) and all(
+            w.dtype is stored for w in (*(shared or ()), *(router.experts if router else ())))
         mixing = (0, 0, 0) if hc is None else tuple(_ptr(t.contiguous()) for t in hc)
         norm_c = norm.contiguous()
         return same, ((*mixing, norm_eps, hc_eps, iters), (_ptr(norm_c), *args),
@@ -1289,8 +1314,12 @@ def _ffn_args(n: int, dim: int, router: Router | None,
               shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
               limit: float) -> tuple[list, list[torch.Tensor]]:
     """kv_moe's arguments after x, n and dim, up to its output (router None: a dense FFN,
-    kv_ffn_block's), and the tensors they point into, to be held until the call returns."""
-    s1, s2, s3 = (None, None, None) if shared is None else (w.contiguous() for w in shared)
+    kv_ffn_block's), and the tensors they point into, to be held until the call returns.
+    The experts' and shared expert's matrices go as stored where all are bf16, else as
+    float32."""
+    matrices = [*(shared or ()), *(router.experts if router is not None else ())]
+    stored = _matrix_dtype(*matrices)
+    s1, s2, s3 = (None, None, None) if shared is None else (_as(w, stored) for w in shared)
     shared_inter = 0 if s1 is None else s1.shape[0]
     if router is None:
         if s1 is None:
@@ -1302,7 +1331,7 @@ def _ffn_args(n: int, dim: int, router: Router | None,
     else:
         if router.k < 1:
             raise ValueError("moe: a token routes to at least one expert")
-        w1, w2, w3 = (w.contiguous() for w in router.experts)
+        w1, w2, w3 = (_as(w, stored) for w in router.experts)
         gate, bias = router.gate.contiguous(), router.bias.contiguous()
         n_experts, k, inter = gate.shape[0], router.k, w1.shape[1]
         pairs = n * k
@@ -1318,5 +1347,6 @@ def _ffn_args(n: int, dim: int, router: Router | None,
             SCORE_FUNCS.index(router.score_func) if router else 0,
             router.gate_temp if router else 1.0, k, int(router.renormalise) if router else 0,
             router.route_scale if router else 1.0, ptr(w1), ptr(w2), ptr(w3), inter, ptr(s1),
-            ptr(s2), ptr(s3), shared_inter, limit, _ptr(scratch), _ptr(ints)]
+            ptr(s2), ptr(s3), shared_inter, limit, int(stored is torch.bfloat16), _ptr(scratch),
+            _ptr(ints)]
     return args, keep

@@ -157,13 +157,14 @@ void kv_rmsnorm(const float *x, int64_t rows, int64_t dim, const float *weight, 
     }
 }
 
-/* y [t, out] = x [t, in] W^T for a float W [out, in] and a few tokens: each row of W is
- * read once for all of them. Rows of W run in parallel over `threads`. */
-static void small_linear(const float *x, int64_t t, int64_t in, const float *w, int64_t out,
-                         float *y, int threads) {
+/* y [t, out] = x [t, in] W^T for W [out, in] (float32, or bf16 where `bf16` says so) and
+ * a few tokens: each row of W is read once for all of them. Rows of W run in parallel over
+ * `threads`. */
+static void small_linear(const float *x, int64_t t, int64_t in, const void *w, int bf16,
+                         int64_t out, float *y, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && out >= 64)
     for (int64_t o = 0; o < out; o++)
-        for (int64_t i = 0; i < t; i++) y[i * out + o] = dot_lanes(x + i * in, w + o * in, in);
+        for (int64_t i = 0; i < t; i++) y[i * out + o] = dot_row(x + i * in, w, bf16, o, in);
 }
 
 /* A layer's attention inputs for t tokens x [t, dim] at positions [t], float weights
@@ -171,17 +172,18 @@ static void small_linear(const float *x, int64_t t, int64_t in, const float *w, 
  *   qr [t, rank] = q_norm(x wq_a^T)
  *   q [t, heads, d] = rope(qr wq_b^T)
  *   window [t, d] = rope(kv_norm(x wkv^T))
- * the rotation on each row's last 2 * half values (kv_rope's). */
-void kv_attention_in(const float *x, int64_t t, int64_t dim, const float *wq_a,
-                     const float *q_norm, int64_t rank, const float *wq_b, int64_t heads,
-                     int64_t d, const float *wkv, const float *kv_norm, float eps,
+ * the rotation on each row's last 2 * half values (kv_rope's). wq_a, wq_b and wkv are
+ * float32, or bf16 where wbf16 says so. */
+void kv_attention_in(const float *x, int64_t t, int64_t dim, const void *wq_a,
+                     const float *q_norm, int64_t rank, const void *wq_b, int64_t heads,
+                     int64_t d, const void *wkv, const float *kv_norm, float eps,
                      const int64_t *positions, const double *freqs, int64_t half, float *qr,
-                     float *q, float *window, int threads) {
+                     float *q, float *window, int wbf16, int threads) {
     float cs[512], sn[512];  /* half <= 512 */
-    small_linear(x, t, dim, wq_a, rank, qr, threads);
+    small_linear(x, t, dim, wq_a, wbf16, rank, qr, threads);
     kv_rmsnorm(qr, t, rank, q_norm, eps, qr);
-    small_linear(qr, t, rank, wq_b, heads * d, q, threads);
-    small_linear(x, t, dim, wkv, d, window, threads);
+    small_linear(qr, t, rank, wq_b, wbf16, heads * d, q, threads);
+    small_linear(x, t, dim, wkv, wbf16, d, window, threads);
     kv_rmsnorm(window, t, d, kv_norm, eps, window);
     for (int64_t i = 0; i < t; i++) {
         rope_angles(positions[i], freqs, half, 0, cs, sn);
@@ -193,11 +195,12 @@ void kv_attention_in(const float *x, int64_t t, int64_t dim, const float *wq_a,
 /* A layer's output projection for t tokens (kvstack.model.model.Attention.project_out):
  * the heads' outputs o [t, heads, d] at positions [t] rotated back (in place), then each
  * of the g groups of heads / g heads through its block of wo_a [g * rank, heads / g * d]
- * into low [t, g * rank], then y [t, dim] = low wo_b^T (wo_b [dim, g * rank]). */
+ * into low [t, g * rank], then y [t, dim] = low wo_b^T (wo_b [dim, g * rank]); both
+ * weights float32, or bf16 where wbf16 says so. */
 void kv_attention_out(float *o, int64_t t, int64_t heads, int64_t d,
                       const int64_t *positions, const double *freqs, int64_t half,
-                      const float *wo_a, int64_t g, int64_t rank, const float *wo_b,
-                      int64_t dim, float *low, float *y, int threads) {
+                      const void *wo_a, int64_t g, int64_t rank, const void *wo_b,
+                      int64_t dim, float *low, float *y, int wbf16, int threads) {
     float cs[512], sn[512];  /* half <= 512 */
     const int64_t width = heads / g * d;  /* a group's inputs */
     for (int64_t i = 0; i < t; i++) {
@@ -208,10 +211,10 @@ void kv_attention_out(float *o, int64_t t, int64_t heads, int64_t d,
     for (int64_t r = 0; r < g * rank; r++) {
         const int64_t group = r / rank;
         for (int64_t i = 0; i < t; i++)
-            low[i * g * rank + r] = dot_lanes(o + i * heads * d + group * width,
-                                              wo_a + r * width, width);
+            low[i * g * rank + r] = dot_row(o + i * heads * d + group * width, wo_a, wbf16,
+                                            r, width);
     }
-    small_linear(low, t, g * rank, wo_b, dim, y, threads);
+    small_linear(low, t, g * rank, wo_b, wbf16, dim, y, threads);
 }
 
 /* ---- block-scaled quantisation (kvstack.formats.quantize), bit for bit ----------------
@@ -482,8 +485,9 @@ void kv_select_in_pool(const float *q, const float *w, const uint8_t *pool, int6
  * the shared expert (shared_inter > 0: s1, s3 [inter, dim], s2 [dim, inter], unweighted)
  * added: out [n, dim]. An expert's pairs run together, each weight row read once for all
  * the tokens that chose it. limit > 0 clamps the gate from above and the up branch to
- * +-limit. scratch: 2 * E + 2 * n * k + n * k * (max(inter, shared_inter) + 2 * dim)
- * floats (with k >= 1); ints: 3 * n * k int64. */
+ * +-limit. The experts' and shared expert's weights are float32, or bf16 where wbf16 says
+ * so (the router's stay float32). scratch: 2 * E + 2 * n * k + n * k * (max(inter,
+ * shared_inter) + 2 * dim) floats (with k >= 1); ints: 3 * n * k int64. */
 
 static inline void route(const float *xt, int64_t dim, const float *gate_w, const float *bias,
                          int64_t n_experts, int score_func, float temp, int64_t k,
@@ -521,16 +525,17 @@ static inline void route(const float *xt, int64_t dim, const float *gate_w, cons
                      * route_scale;
 }
 
-/* SwiGLU of one expert (w1, w3 [inter, dim], w2 [dim, inter]) for m inputs (rows of x
- * [*, dim] at index[p], weight weights[p] or 1 without): ys [m, dim]. hidden: [m, inter]. */
+/* SwiGLU of one expert (w1, w3 [inter, dim], w2 [dim, inter], float32 or, where wbf16
+ * says so, bf16) for m inputs (rows of x [*, dim] at index[p], weight weights[p] or 1
+ * without): ys [m, dim]. hidden: [m, inter]. */
 static void expert_rows(const float *x, int64_t dim, const int64_t *index,
-                        const float *weights, int64_t m, const float *w1, const float *w2,
-                        const float *w3, int64_t inter, float limit, float *hidden, float *ys) {
+                        const float *weights, int64_t m, const void *w1, const void *w2,
+                        const void *w3, int wbf16, int64_t inter, float limit, float *hidden,
+                        float *ys) {
     for (int64_t i = 0; i < inter; i++) {
-        const float *a = w1 + i * dim, *c = w3 + i * dim;
         for (int64_t p = 0; p < m; p++) {
             const float *xt = x + index[p] * dim;
-            float gate = dot_lanes(xt, a, dim), up = dot_lanes(xt, c, dim);
+            float gate = dot_row(xt, w1, wbf16, i, dim), up = dot_row(xt, w3, wbf16, i, dim);
             if (limit > 0) {
                 if (gate > limit) gate = limit;
                 up = up > limit ? limit : (up < -limit ? -limit : up);
@@ -539,17 +544,18 @@ static void expert_rows(const float *x, int64_t dim, const int64_t *index,
             hidden[p * inter + i] = weights ? h * weights[p] : h;
         }
     }
-    for (int64_t d = 0; d < dim; d++) {
-        const float *b = w2 + d * inter;
-        for (int64_t p = 0; p < m; p++) ys[p * dim + d] = dot_lanes(hidden + p * inter, b, inter);
-    }
+    for (int64_t d = 0; d < dim; d++)
+        for (int64_t p = 0; p < m; p++)
+            ys[p * dim + d] = dot_row(hidden + p * inter, w2, wbf16, d, inter);
 }
 
 void kv_moe(const float *x, int64_t n, int64_t dim, const float *gate_w, const float *bias,
             int64_t n_experts, int score_func, float temp, int64_t k, int renormalise,
-            float route_scale, const float *w1, const float *w2, const float *w3,
-            int64_t inter, const float *s1, const float *s2, const float *s3,
-            int64_t shared_inter, float limit, float *scratch, int64_t *ints, float *out) {
+            float route_scale, const void *w1, const void *w2, const void *w3,
+            int64_t inter, const void *s1, const void *s2, const void *s3,
+            int64_t shared_inter, float limit, int wbf16, float *scratch, int64_t *ints,
+            float *out) {
+    const int64_t expert_bytes = inter * dim * (wbf16 ? 2 : 4);  /* one expert's w1, w2, w3 */
     const int64_t widest = inter > shared_inter ? inter : shared_inter, pairs = n * k;
     float *scores = scratch, *ranked = scores + n_experts, *weights = ranked + n_experts;
     float *pair_weights = weights + pairs, *hidden = pair_weights + pairs;
@@ -567,8 +573,9 @@ void kv_moe(const float *x, int64_t n, int64_t dim, const float *gate_w, const f
                 pair_weights[m++] = weights[q];
             }
         if (m == 0) continue;
-        expert_rows(x, dim, tokens, pair_weights, m, w1 + e * inter * dim,
-                    w2 + e * dim * inter, w3 + e * inter * dim, inter, limit, hidden, rows);
+        expert_rows(x, dim, tokens, pair_weights, m, (const char *)w1 + e * expert_bytes,
+                    (const char *)w2 + e * expert_bytes, (const char *)w3 + e * expert_bytes,
+                    wbf16, inter, limit, hidden, rows);
         for (int64_t p = 0; p < m; p++)
             memcpy(ys + members[p] * dim, rows + p * dim, (size_t)dim * sizeof(float));
     }
@@ -580,7 +587,8 @@ void kv_moe(const float *x, int64_t n, int64_t dim, const float *gate_w, const f
     }
     if (shared_inter > 0) {
         for (int64_t t = 0; t < n; t++) tokens[t] = t;
-        expert_rows(x, dim, tokens, NULL, n, s1, s2, s3, shared_inter, limit, hidden, rows);
+        expert_rows(x, dim, tokens, NULL, n, s1, s2, s3, wbf16, shared_inter, limit, hidden,
+                    rows);
         for (int64_t i = 0; i < n * dim; i++) out[i] += rows[i];
     }
 }
@@ -660,15 +668,17 @@ void kv_stream_write(const float *x, int64_t b, int64_t d, int element, int scal
  * hyper-connection (fn NULL, h = 1, pre untouched) the residual x [n, dim] goes into the
  * norm itself and out = x + the feed-forward's output. The same calls in
  * the same order as the separate ones the model otherwise makes, so the same floats.
- * scratch and ints: kv_moe's, or, dense, n * shared_inter floats and n int64. */
+ * wbf16: kv_moe's. scratch and ints: kv_moe's, or, dense, n * shared_inter floats and n
+ * int64. */
 void kv_ffn_block(const float *x, int64_t n, int64_t h, int64_t dim, const float *fn,
                   const float *scale, const float *base, float norm_eps, float hc_eps,
                   int64_t iters, const float *collapse_pre, const float *norm_w,
                   const float *gate_w, const float *bias, int64_t n_experts, int score_func,
-                  float temp, int64_t k, int renormalise, float route_scale, const float *w1,
-                  const float *w2, const float *w3, int64_t inter, const float *s1,
-                  const float *s2, const float *s3, int64_t shared_inter, float limit,
-                  float *scratch, int64_t *ints, float *pre, float *out, int threads) {
+                  float temp, int64_t k, int renormalise, float route_scale, const void *w1,
+                  const void *w2, const void *w3, int64_t inter, const void *s1,
+                  const void *s2, const void *s3, int64_t shared_inter, float limit,
+                  int wbf16, float *scratch, int64_t *ints, float *pre, float *out,
+                  int threads) {
     float *post = malloc((size_t)(n * h + n * h * h + 3 * n * dim) * sizeof(float));
     if (!post) abort();
     float *comb = post + n * h, *y = comb + n * h * h, *normed = y + n * dim;
@@ -683,11 +693,12 @@ void kv_ffn_block(const float *x, int64_t n, int64_t h, int64_t dim, const float
     kv_rmsnorm(y, n, dim, norm_w, norm_eps, normed);
     if (n_experts > 0) {
         kv_moe(normed, n, dim, gate_w, bias, n_experts, score_func, temp, k, renormalise,
-               route_scale, w1, w2, w3, inter, s1, s2, s3, shared_inter, limit, scratch, ints,
-               ffn);
+               route_scale, w1, w2, w3, inter, s1, s2, s3, shared_inter, limit, wbf16, scratch,
+               ints, ffn);
     } else {  /* dense: scratch holds the hidden rows [n, shared_inter] */
         for (int64_t t = 0; t < n; t++) ints[t] = t;
-        expert_rows(normed, dim, ints, NULL, n, s1, s2, s3, shared_inter, limit, scratch, ffn);
+        expert_rows(normed, dim, ints, NULL, n, s1, s2, s3, wbf16, shared_inter, limit, scratch,
+                    ffn);
     }
     if (fn)
         kv_hc_post(ffn, x, post, comb, n, h, dim, out);
@@ -700,34 +711,36 @@ void kv_ffn_block(const float *x, int64_t n, int64_t h, int64_t dim, const float
  * of h residual copies x [n, h, dim]: the mixes (pre, post, comb: kv_hc_mixes), the copies
  * collapsed with collapse_pre (single-pass V4.1: the previous sublayer's pre) or, NULL,
  * the mixes' own pre, RMSNorm (norm_w) into y [n, dim], then kv_attention_in on y (qr, q,
- * window). The calls the model otherwise makes one by one, in the same order. */
+ * window). The calls the model otherwise makes one by one, in the same order. wbf16:
+ * kv_attention_in's. */
 void kv_attention_block_in(const float *x, int64_t n, int64_t h, int64_t dim,
                            const float *fn, const float *scale, const float *base,
                            float norm_eps, float hc_eps, int64_t iters,
-                           const float *collapse_pre, const float *norm_w, const float *wq_a,
-                           const float *q_norm, int64_t rank, const float *wq_b,
-                           int64_t heads, int64_t d, const float *wkv, const float *kv_norm,
+                           const float *collapse_pre, const float *norm_w, const void *wq_a,
+                           const float *q_norm, int64_t rank, const void *wq_b,
+                           int64_t heads, int64_t d, const void *wkv, const float *kv_norm,
                            const int64_t *positions, const double *freqs, int64_t half,
                            float *pre, float *post, float *comb, float *y, float *qr,
-                           float *q, float *window, int threads) {
+                           float *q, float *window, int wbf16, int threads) {
     kv_hc_mixes(x, n, h, dim, fn, scale, base, norm_eps, hc_eps, iters, pre, post, comb,
                 threads);
     kv_hc_collapse(x, collapse_pre ? collapse_pre : pre, n, h, dim, y);
     kv_rmsnorm(y, n, dim, norm_w, norm_eps, y);
     kv_attention_in(y, n, dim, wq_a, q_norm, rank, wq_b, heads, d, wkv, kv_norm, norm_eps,
-                    positions, freqs, half, qr, q, window, threads);
+                    positions, freqs, half, qr, q, window, wbf16, threads);
 }
 
 /* kv_attention_out, then its output spread over the h residual copies x [t, h, dim]
  * (kv_hc_post with post [t, h], comb [t, h, h]) into out [t, h, dim]; y [t, dim] holds
- * the projection between. */
+ * the projection between. wbf16: kv_attention_out's. */
 void kv_attention_out_spread(float *o, int64_t t, int64_t heads, int64_t d,
                              const int64_t *positions, const double *freqs, int64_t half,
-                             const float *wo_a, int64_t g, int64_t rank, const float *wo_b,
+                             const void *wo_a, int64_t g, int64_t rank, const void *wo_b,
                              int64_t dim, float *low, float *y, const float *x, int64_t h,
-                             const float *post, const float *comb, float *out, int threads) {
+                             const float *post, const float *comb, float *out, int wbf16,
+                             int threads) {
     kv_attention_out(o, t, heads, d, positions, freqs, half, wo_a, g, rank, wo_b, dim, low, y,
-                     threads);
+                     wbf16, threads);
     kv_hc_post(y, x, post, comb, t, h, dim, out);
 }
 
@@ -764,11 +777,11 @@ static void pack_rows(const float *x, int64_t width, int element, int scale_kind
  *   lengths[s] - 1 through block_table [b, max_blocks] (kv_dense_attention: logits times
  *   `scale`, rows decoded with `block`, `packed` and the tables as kernels.c reads them)
  *   out [b, dim] = x + attention wo^T.
- * The RoPE turns each head's last 2 * half values. The steps torch takes one by one, in
- * the same order. */
+ * The RoPE turns each head's last 2 * half values. wq, wk, wv and wo are float32, or
+ * bf16 where wbf16 says so. The steps torch takes one by one, in the same order. */
 void kv_dense_attention_block(const float *x, int64_t b, int64_t dim, const float *norm_w,
-                              float eps, const float *wq, const float *wk, const float *wv,
-                              const float *wo, int64_t heads, int64_t kv_heads, int64_t d,
+                              float eps, const void *wq, const void *wk, const void *wv,
+                              const void *wo, int wbf16, int64_t heads, int64_t kv_heads, int64_t d,
                               const int64_t *positions, const double *freqs, int64_t half,
                               uint8_t *k_pool, uint8_t *v_pool, int64_t per, int64_t k_bytes,
                               int64_t v_bytes, const int64_t *block_table, int64_t max_blocks,
@@ -788,9 +801,9 @@ void kv_dense_attention_block(const float *x, int64_t b, int64_t dim, const floa
     float *values = keys + longest * width, *logits = values + longest * width;
     float cs[512], sn[512];  /* half <= 512 */
     kv_rmsnorm(x, b, dim, norm_w, eps, y);
-    small_linear(y, b, dim, wq, heads * d, q, threads);
-    small_linear(y, b, dim, wk, width, k, threads);
-    small_linear(y, b, dim, wv, width, v, threads);
+    small_linear(y, b, dim, wq, wbf16, heads * d, q, threads);
+    small_linear(y, b, dim, wk, wbf16, width, k, threads);
+    small_linear(y, b, dim, wv, wbf16, width, v, threads);
     for (int64_t s = 0; s < b; s++) {
         rope_angles(positions[s], freqs, half, 0, cs, sn);
         rope_rows(q + s * heads * d, heads, d, cs, sn, half, q + s * heads * d);
@@ -804,7 +817,7 @@ void kv_dense_attention_block(const float *x, int64_t b, int64_t dim, const floa
     kv_dense_attention(q, k_pool, v_pool, per, k_bytes, v_bytes, block_table, max_blocks,
                        lengths, block, packed, elem, scale_table, b, heads, kv_heads, d,
                        scale, keys, values, logits, attended);
-    small_linear(attended, b, heads * d, wo, dim, out, threads);
+    small_linear(attended, b, heads * d, wo, wbf16, dim, out, threads);
     for (int64_t i = 0; i < b * dim; i++) out[i] = x[i] + out[i];
     free(y);
 }
@@ -816,7 +829,7 @@ static void weight_linear(const float *x, int64_t t, int64_t in, const void *w, 
     if (bf16)
         kv_packed_linear(x, t, FMT_BF16, w, NULL, out, in, 1, NULL, NULL, 0, y, isa, threads);
     else
-        small_linear(x, t, in, w, out, y, threads);
+        small_linear(x, t, in, w, 0, out, y, threads);
 }
 
 /* A decode step's compressor (kvstack.model.model.Compressor._compress_step) for b
@@ -917,15 +930,15 @@ void kv_compress_write(const float *x, int64_t b, int64_t dim, const int64_t *po
  * q [t, heads, di] = rope(qr [t, rank] wq^T) at positions [t], then, where a query format
  * is given (element >= 0), q + (rounded - q) with rounded its values in that format
  * (kv_quantize's, per head row: the straight-through forward); w [t, heads] = (x [t, dim]
- * wweights^T) * scale. */
+ * wweights^T) * scale. wq and wweights are float32, or bf16 where wbf16 says so. */
 void kv_index_queries(const float *qr, const float *x, int64_t t, int64_t rank, int64_t dim,
-                      const float *wq, const float *wweights, int64_t heads, int64_t di,
+                      const void *wq, const void *wweights, int wbf16, int64_t heads, int64_t di,
                       const int64_t *positions, const double *freqs, int64_t half,
                       int element, int scale_kind, int64_t block, const float *elem,
                       const float *scale_table, float scale, float *q, float *w,
                       int threads) {
     float cs[512], sn[512];  /* half <= 512 */
-    small_linear(qr, t, rank, wq, heads * di, q, threads);
+    small_linear(qr, t, rank, wq, wbf16, heads * di, q, threads);
     for (int64_t i = 0; i < t; i++) {
         rope_angles(positions[i], freqs, half, 0, cs, sn);
         rope_rows(q + i * heads * di, heads, di, cs, sn, half, q + i * heads * di);
@@ -938,6 +951,6 @@ void kv_index_queries(const float *qr, const float *x, int64_t t, int64_t rank, 
         for (int64_t i = 0; i < t * heads * di; i++) q[i] = q[i] + (rounded[i] - q[i]);
         free(rounded);
     }
-    small_linear(x, t, dim, wweights, heads, w, threads);
+    small_linear(x, t, dim, wweights, wbf16, heads, w, threads);
     for (int64_t i = 0; i < t * heads; i++) w[i] = w[i] * scale;
 }

@@ -236,7 +236,13 @@ def load_v41_shard(directory: Path, plan: ShardingPlan, shard: TorchShard) -> Mo
 def load_shard(directory: Path, plan: ShardingPlan, shard: TorchShard) -> Model:
     """Rank shard.rank's shard of a kvstack checkpoint, reading from the memory-mapped
     model.safetensors only the slices it holds."""
-    from kvstack.model.checkpoint import SINGLE_FILE, _check_materialised, _file_digest, _token_map
+    from kvstack.model.checkpoint import (
+        SINGLE_FILE,
+        _check_materialised,
+        _file_digest,
+        _token_map,
+        widened,
+    )
     from kvstack.model.params import parameter_shapes
 
     c = plan.config
@@ -265,7 +271,7 @@ def load_shard(directory: Path, plan: ShardingPlan, shard: TorchShard) -> Model:
             if name in ("embed.weight", "head.weight"):
                 piece = F.pad(piece, [0, 0] * (piece.dim() - 1) + [0, split.piece - (hi - lo)])
             state[name] = piece
-    model.load_state_dict(state, assign=True)
+    model.load_state_dict(widened(state), assign=True)
     _check_materialised(model, weights)
     model.checkpoint_digest = _file_digest([directory / "config.json", weights])
     return model
