@@ -2,7 +2,8 @@
 same model shape, the same prompts, one thread each, taking turns in one run.
 
 (a) kvstack: a random-init model of bench/prefill.py's shape (dim 256, 8 layers, 4 heads of
-64, the compressed stack) with the bundled tokenizer's 2,048-token vocabulary, `threads=1`.
+64, the compressed stack) with the bundled tokenizer's 2,048-token vocabulary, `threads=1`,
+its weight matrices in bf16 (`--kvstack-dtype`, `dtype=`; activations float32).
 (v) vLLM: bench/decode.py's HF Llama peer of the same width, depth, KV heads and active FFN
 width, saved as an HF directory and loaded by vLLM's CPU build in bfloat16
 (`--vllm-dtype`), run by bench/peers/vllm_offline.py inside bench/.peers/vllm
@@ -104,6 +105,9 @@ def main() -> None:
     parser.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="vLLM's weights and activations; bfloat16 runs emulated on a CPU "
                              "without AVX512-BF16 (vLLM logs a oneDNN fallback there)")
+    parser.add_argument("--kvstack-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="kvstack's weight matrices (EngineConfig.dtype), as vLLM's "
+                             "--vllm-dtype")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -135,7 +139,7 @@ def main() -> None:
                 skipped = f"(v) vLLM skipped: it did not start ({e})"
         # Budget for the whole batch at once, as vLLM's 1 GiB holds it.
         llm = LLM(config, random_init=True, threads=args.threads, kv_budget="1GiB",
-                  max_num_seqs=args.prompts, max_model_len=max_len,
+                  max_num_seqs=args.prompts, max_model_len=max_len, dtype=args.kvstack_dtype,
                   cache_dir=str(Path(tmp) / "cache"))
         systems = {"(a) kvstack": lambda p: kvstack_generate(llm, p, args.max_tokens)}
         if vllm is not None:
@@ -175,7 +179,8 @@ def main() -> None:
         ratio = "" if row is a else f"{row['a_over_row']:.2f}×"
         print(f"{name:<16}{row['seconds']:>10.2f}{row['output_tok_s']:>12.1f}"
               f"{row['total_tok_s']:>13.1f}{ratio:>9}")
-    print(f"(a) × = kvstack's tokens/s over the row's; torch {torch.__version__}"
+    print(f"(a) × = kvstack's tokens/s over the row's; kvstack's matrices in "
+          f"{args.kvstack_dtype}; torch {torch.__version__}"
           + (f", vLLM {version} in {args.vllm_dtype}" if version else "")
           + f"; load average {' '.join(f'{x:.2f}' for x in load)}")
     if skipped:

@@ -4,10 +4,12 @@ run, the same prompts, ratios printed.
 
 Both servers get a random-init model of bench/prefill.py's shape (dim 256, 8 layers, 4
 heads of 64) with the bundled model's 2,048-token tokenizer: kvstack the compressed stack
-(`kvstack serve --model DIR`), transformers a `LlamaForCausalLM` as wide and deep with the
-dense control's KV heads and the MoE's active FFN width (bench/decode.py's peer), in
-float32, served by `transformers serve DIR` (its default: no continuous batching; with
-`--hf-continuous-batching` its paged continuous batching). Each server runs alone, on one
+(`kvstack serve --model DIR`, its checkpoint's weight matrices in bf16 by
+`--kvstack-dtype`, which kvstack's default dtype=auto keeps), transformers a
+`LlamaForCausalLM` as wide and deep with the dense control's KV heads and the MoE's active
+FFN width (bench/decode.py's peer), in float32, served by `transformers serve DIR` (its
+default: no continuous batching; with `--hf-continuous-batching` its paged continuous
+batching). Each server runs alone, on one
 thread (OMP_NUM_THREADS=1; kvstack also `--threads 1`).
 
 The workload is agent-like: `--clients` clients keep one streaming `/v1/completions`
@@ -238,6 +240,9 @@ def main() -> None:
     parser.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="vLLM's dtype; bfloat16 runs emulated on a CPU without "
                              "AVX512-BF16")
+    parser.add_argument("--kvstack-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the dtype kvstack's checkpoint stores its weight matrices in "
+                             "(served with kvstack's default dtype=auto, which keeps them)")
     parser.add_argument("--no-hf", action="store_true", help="leave transformers serve out")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -248,7 +253,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ours, peer = Path(tmp) / "kvstack", Path(tmp) / "hf"
         torch.manual_seed(0)
-        save_kvstack(Model(config), ours)
+        model = Model(config)
+        if args.kvstack_dtype == "bfloat16":
+            model.narrow_matrices()
+        save_kvstack(model, ours)
         (ours / "tokenizer.json").write_text((bundled_model() / "tokenizer.json").read_text())
         from transformers import PreTrainedTokenizerFast
 
@@ -311,7 +319,8 @@ def main() -> None:
                       str(row["errors"]))
     Console(width=160).print(table)
     print(f"model: dim 256, 8 layers, 4 heads of 64, vocab {tokenizer.vocab_size}; each "
-          f"server alone, 1 thread; (b) {'with' if args.hf_continuous_batching else 'without'}"
+          f"server alone, 1 thread; (a)'s checkpoint {args.kvstack_dtype}, (b) float32 "
+          f"{'with' if args.hf_continuous_batching else 'without'}"
           f" continuous batching; torch {torch.__version__}; {a.errors} errors in (a). CPU "
           "ms/tok = the server's CPU time (its process tree's utime + stime from /proc) over "
           "the measured run ÷ its output tokens; (a) ÷ CPU = (a)'s CPU per token over the "

@@ -2,6 +2,9 @@
 #ifndef KVSTACK_VEC_H
 #define KVSTACK_VEC_H
 #include <stdint.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 /* Sixteen floats as one value (GNU C's vector extension: one 512-bit register with
  * AVX-512, two with AVX2, plain floats elsewhere). */
@@ -13,17 +16,43 @@ static inline v16f load16(const float *p) {
     return v;
 }
 
+/* a * b + c, fused where the CPU has FMA (the compiler, in ISO C mode, fuses no
+ * multiply-add of its own accord). */
+static inline v16f fma16(v16f a, v16f b, v16f c) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    __m256 lo[3], hi[3];
+    __builtin_memcpy(lo, &a, 32), __builtin_memcpy(hi, (const char *)&a + 32, 32);
+    __builtin_memcpy(lo + 1, &b, 32), __builtin_memcpy(hi + 1, (const char *)&b + 32, 32);
+    __builtin_memcpy(lo + 2, &c, 32), __builtin_memcpy(hi + 2, (const char *)&c + 32, 32);
+    const __m256 r[2] = {_mm256_fmadd_ps(lo[0], lo[1], lo[2]),
+                         _mm256_fmadd_ps(hi[0], hi[1], hi[2])};
+    v16f out;
+    __builtin_memcpy(&out, r, sizeof out);
+    return out;
+#else
+    return a * b + c;
+#endif
+}
+
 /* Sixteen bf16 values widened to floats (a bf16 number is a float's high half). */
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
 static inline v16f widen16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    const __m512i u = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    return (v16f)_mm512_castsi512_ps(u);
+#else
     v16h h;
     __builtin_memcpy(&h, p, sizeof h);
     const v16u u = __builtin_convertvector(h, v16u) << 16;
     v16f v;
     __builtin_memcpy(&v, &u, sizeof v);
     return v;
+#endif
 }
 
 static inline float widen1(uint16_t h) {
@@ -33,21 +62,21 @@ static inline float widen1(uint16_t h) {
     return f;
 }
 
-/* a . b in four vectors of sixteen running sums (independent adds, enough to hide their
- * latency; a loop of one sum is a chain the compiler may not reorder), added pairwise at
- * the end. The bf16 version reads b as bf16 and adds in the same order, so it gives what
+/* a . b in four vectors of sixteen running sums (independent multiply-adds, fused, enough
+ * to hide their latency; a loop of one sum is a chain the compiler may not reorder), added
+ * pairwise at the end. The bf16 version reads b as bf16 and adds in the same order, so it gives what
  * the float32 one gives on b widened. */
 #define DOT_LANES(name, B_TYPE, LOAD_B, ONE_B)                                            \
     static inline float name(const float *a, const B_TYPE *b, int64_t n) {               \
         v16f s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                     \
         int64_t i = 0;                                                                   \
         for (; i + 64 <= n; i += 64) {                                                   \
-            s0 += load16(a + i) * LOAD_B(b + i);                                         \
-            s1 += load16(a + i + 16) * LOAD_B(b + i + 16);                               \
-            s2 += load16(a + i + 32) * LOAD_B(b + i + 32);                               \
-            s3 += load16(a + i + 48) * LOAD_B(b + i + 48);                               \
+            s0 = fma16(load16(a + i), LOAD_B(b + i), s0);                                \
+            s1 = fma16(load16(a + i + 16), LOAD_B(b + i + 16), s1);                      \
+            s2 = fma16(load16(a + i + 32), LOAD_B(b + i + 32), s2);                      \
+            s3 = fma16(load16(a + i + 48), LOAD_B(b + i + 48), s3);                      \
         }                                                                                \
-        for (; i + 16 <= n; i += 16) s0 += load16(a + i) * LOAD_B(b + i);                \
+        for (; i + 16 <= n; i += 16) s0 = fma16(load16(a + i), LOAD_B(b + i), s0);       \
         const v16f s = (s0 + s2) + (s1 + s3);                                            \
         float lane[16];                                                                  \
         __builtin_memcpy(lane, &s, sizeof lane);                                         \
