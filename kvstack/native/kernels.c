@@ -289,7 +289,14 @@ static inline void decode_any(const uint8_t *row, int64_t width, int64_t block, 
         decode_row(row, width, block, packed, elem, scale, out);
         return;
     }
-    for (int64_t i = 0; i < width; i++) {
+    int64_t i = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    for (; i + 16 <= width; i += 16) {  /* sixteen at a time, widened as the weights are */
+        const v16f v = widen16((const uint16_t *)(row + 2 * i));
+        memcpy(out + i, &v, sizeof v);
+    }
+#endif
+    for (; i < width; i++) {
         const uint32_t bits = (uint32_t)(row[2 * i] | (row[2 * i + 1] << 8)) << 16;
         memcpy(out + i, &bits, 4);
     }
@@ -324,10 +331,8 @@ static void attend_rows(const float *q, const float *const *seen, int64_t r, int
         for (j = 0; j < r; j++)
             if (logit[j] > top) top = logit[j];
         float total = expf(sink[hd] - top);
-        for (j = 0; j < r; j++) {
-            logit[j] = expf(logit[j] - top);
-            total += logit[j];
-        }
+        exp_shifted(logit, r, top);
+        for (j = 0; j < r; j++) total += logit[j];
         for (j = 0; j < r; j++) logit[j] /= total;
     }
     int64_t hd = 0;
@@ -454,12 +459,28 @@ void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_
                 if (logits[j] > top) top = logits[j];
             }
             float *o = out + (s * h + hd) * d, total = 0.0f;
-            for (int64_t i = 0; i < d; i++) o[i] = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                const float p = expf(logits[j] - top);
-                const float *v = values + j * width + kv;
-                total += p;
-                for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
+            exp_shifted(logits, n, top);
+            for (int64_t j = 0; j < n; j++) total += logits[j];
+            int64_t i = 0;
+            for (; i + 64 <= d; i += 64) {  /* four vectors of o held over every row */
+                v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t j = 0; j < n; j++) {
+                    const v16f p = (v16f){0} + logits[j];
+                    const float *v = values + j * width + kv + i;
+                    a0 = fma16(p, load16(v), a0);
+                    a1 = fma16(p, load16(v + 16), a1);
+                    a2 = fma16(p, load16(v + 32), a2);
+                    a3 = fma16(p, load16(v + 48), a3);
+                }
+                memcpy(o + i, &a0, sizeof a0);
+                memcpy(o + i + 16, &a1, sizeof a1);
+                memcpy(o + i + 32, &a2, sizeof a2);
+                memcpy(o + i + 48, &a3, sizeof a3);
+            }
+            for (; i < d; i++) {
+                float sum = 0.0f;
+                for (int64_t j = 0; j < n; j++) sum += logits[j] * values[j * width + kv + i];
+                o[i] = sum;
             }
             for (int64_t i = 0; i < d; i++) o[i] /= total;
         }

@@ -1,6 +1,7 @@
 /* What the C kernels share: a dot product whose sums a vector unit can keep. */
 #ifndef KVSTACK_VEC_H
 #define KVSTACK_VEC_H
+#include <math.h>
 #include <stdint.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -114,6 +115,36 @@ DOT_LANES(dot_lanes_bf16, uint16_t, widen16, widen1)
 static inline float dot_row(const float *a, const void *w, int bf16, int64_t r, int64_t n) {
     return bf16 ? dot_lanes_bf16(a, (const uint16_t *)w + r * n, n)
                 : dot_lanes(a, (const float *)w + r * n, n);
+}
+
+/* x[j] = exp(x[j] - shift) for j < n: a softmax's weights from its logits and their
+ * maximum. Sixteen at a time where the CPU has AVX-512 (Cephes' expf: the shift to
+ * [-ln 2 / 2, ln 2 / 2] by n ln 2, a degree-5 polynomial, 2^n by vscalefps; within 2 ulp of
+ * expf, -inf to 0, NaN kept), expf elsewhere and for the last few. */
+static inline void exp_shifted(float *x, int64_t n, float shift) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 by = _mm512_set1_ps(shift);
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + j), by);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __m512 c = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.7228394f)),
+                                       _mm512_set1_ps(-104.0f));
+        const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504f)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), c);
+        r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+        __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+        y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+        _mm512_storeu_ps(x + j, _mm512_mask_blend_ps(nan, _mm512_scalef_ps(y, k), v));
+    }
+#endif
+    for (; j < n; j++) x[j] = expf(x[j] - shift);
 }
 
 #endif
