@@ -261,7 +261,7 @@ class Gate(nn.Module):
 # 4.7 at 32, 6.0 against 5.9 at 64, 8.9 against 9.0 at 128).
 FUSED_MOE_TOKENS = 64
 # The most tokens whose attention projections in and out (with their norms and RoPE) run as
-# one C call each (Attention._projects_in_c): each weight row read once for the tokens,
+# one C call each (Attention._c_projections_for): each weight row read once for the tokens,
 # against torch's ~15 ops. Measured on bench/decode.py's model, one thread, in / out, C
 # against torch: 82 / 82 against 238 / 149 us at 1 token, 158 / 173 against 312 / 246 at
 # 8, 243 / 277 against 360 / 293 at 16, 441 / 534 against 457 / 434 at 32.
@@ -994,18 +994,19 @@ class Attention(nn.Module):
                 ) -> torch.Tensor:
         """Attention over x [B, n, dim] at start: [B, n, dim]. `projected`: the
         (positions, qr, q, window) the C projections in already made of x
-        (`native.attention_block_in`).
+        (`native.attention_block_in`), and the matrices they used (`c_projections`).
         `spread`: the residual copies, post and comb of the layer's hyper-connection, to
         spread the output over (`HyperConnection.post`) before returning [B, n, h, dim]."""
         c, spec = self.config, self.spec
         n = x.shape[1]
         # In and out alike: the same tokens (`projected` comes from the C projections).
-        in_c = projected is not None or self._projects_in_c(x, ctx)
+        matrices = projected[4] if projected is not None else self._c_projections_for(x, ctx)
+        in_c = matrices is not None
         if projected is not None:
-            positions, qr, q, window = projected  # positions [1 or B, n]
+            positions, qr, q, window = projected[:4]  # positions [1 or B, n]
         elif in_c:
             positions = call_positions(ctx, start, n, x.device)
-            wq_a, wq_b, wkv = self.c_projections()[:3]
+            wq_a, wq_b, wkv = matrices[:3]
             qr, q, window = native.attention_in(
                 x, positions, wq_a, self.q_norm.weight, wq_b, wkv, self.kv_norm.weight,
                 c.norm_eps, self.freqs, self.n_local_heads)
@@ -1087,7 +1088,7 @@ class Attention(nn.Module):
         self._publish(ctx, topks, pools, scores)
         out = _joined(outs)
         if in_c:
-            wo_a, wo_b = self.c_projections()[3:]
+            wo_a, wo_b = matrices[3:]
         if in_c and spread is not None and self.shard is None:  # projected and spread at once
             return native.attention_out(out, positions, self.freqs, wo_a, self.local_groups,
                                         wo_b, spread, self.c_calls)
@@ -1111,13 +1112,16 @@ class Attention(nn.Module):
         """The window entries of attention inputs x [B, n, dim] at positions: [B, n, D]."""
         return rotate(self.kv_norm(self.wkv(x)), positions, self.freqs)
 
-    def _projects_in_c(self, x: torch.Tensor, ctx: StepContext) -> bool:
-        """Whether this call's projections in and out (and their norms and rotations) run
-        as one C call each: in an engine step with the C kernels, for a few tokens (a
-        decode batch: torch's matmuls win on a prefill chunk's) through float weights."""
-        return (x.shape[0] * x.shape[1] <= FUSED_PROJECTION_TOKENS and ctx.instruments is None
-                and native.fuses(x) and self.freqs.dtype is torch.float64
-                and self.c_projections() is not None)
+    def _c_projections_for(self, x: torch.Tensor,
+                           ctx: StepContext) -> tuple[torch.Tensor, ...] | None:
+        """The matrices (`c_projections`) where this call's projections in and out (and
+        their norms and rotations) run as one C call each: in an engine step with the C
+        kernels, for a few tokens (a decode batch: torch's matmuls win on a prefill
+        chunk's) through float32 or bf16 weights; else None."""
+        if (x.shape[0] * x.shape[1] > FUSED_PROJECTION_TOKENS or ctx.instruments is not None
+                or not native.fuses(x) or self.freqs.dtype is not torch.float64):
+            return None
+        return self.c_projections()
 
     def project_out(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The heads' outputs [B, n, H, D] at `positions` -> [B, n, dim]: the queries'
@@ -1460,24 +1464,25 @@ class Layer(nn.Module):
                         ) -> tuple[torch.Tensor, ...] | None:
         """The attention half up to the attention, hyper-connection and norm included, as
         one C call (`native.attention_block_in`) where the attention's own projections run
-        in C: (pre, post, comb, the attention input, (positions, qr, q, window)); else
-        None."""
+        in C: (pre, post, comb, the attention input, (positions, qr, q, window, the
+        matrices)); else None."""
         mods = self._modules  # read from the dicts: see MoE.fused_parts
         attn, hc = mods["attn"], mods["hc_attn"]
-        if not isinstance(attn, Attention) or not attn._projects_in_c(x, ctx):
+        matrices = attn._c_projections_for(x, ctx) if isinstance(attn, Attention) else None
+        if matrices is None:
             return None
         mixing, norm = hc.weights(), mods["attn_norm"]._parameters["weight"]
         if not native.fuses(x, *mixing, norm):
             return None
         c, a = hc.config, attn._modules
-        wq_a, wq_b, wkv = attn.c_projections()[:3]
+        wq_a, wq_b, wkv = matrices[:3]
         positions = call_positions(ctx, start, x.shape[1], x.device)
         pre, post, comb, y, *projected = native.attention_block_in(
             x, mixing, c.hc_eps, c.hc_sinkhorn_iters, collapse_pre, norm, positions,
             wq_a, a["q_norm"]._parameters["weight"], wq_b, wkv,
             a["kv_norm"]._parameters["weight"], c.norm_eps, attn.freqs, attn.n_local_heads,
             self.c_calls)
-        return pre, post, comb, y, (positions, *projected)
+        return pre, post, comb, y, (positions, *projected, matrices)
 
     def _ffn_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
