@@ -384,7 +384,10 @@ class MoE(nn.Module):
         ends = (pairs[:, None] == torch.arange(n_experts, device=x.device)).sum(0).cumsum(0)
         ends = ends.to(torch.int32)
         token = order // chosen.shape[1]
-        w1, w2, w3 = (w.float().transpose(1, 2) for w in  # bf16 experts widened
+        # bf16 experts widened whole, each call: this runs for more than FUSED_MOE_TOKENS
+        # tokens (a prefill chunk), whose matmul outweighs the copy; a decode step's few
+        # tokens run in C on the bf16 weights as stored.
+        w1, w2, w3 = (w.float().transpose(1, 2) for w in
                       (self.experts.w1, self.experts.w2, self.experts.w3))
         y = swiglu(x.index_select(0, token), lambda v: grouped_mm(v, w1, ends),
                    lambda v: grouped_mm(v, w2, ends), lambda v: grouped_mm(v, w3, ends),

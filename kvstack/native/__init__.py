@@ -1282,13 +1282,16 @@ def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tenso
     if router is not None:
         weights += [router.gate, router.bias, *router.experts]
 
+    matrices = (*(shared or ()), *(() if router is None else router.experts))
+
     def make() -> tuple[bool, tuple]:
         if (2 + h) * h > 64:
             raise ValueError(f"ffn_block: at most 6 residual copies, got {h}")
         args, held = _ffn_args(n, dim, router, shared, limit)
-        stored = _matrix_dtype(*(shared or ()), *(router.experts if router else ()))
-        same = all(t.is_contiguous() for t in weights) and all(
-            w.dtype is stored for w in (*(shared or ()), *(router.experts if router else ())))
+        # Kept only where _ffn_args converted no matrix (a copy hides in-place updates).
+        stored = _matrix_dtype(*matrices)
+        same = (all(t.is_contiguous() for t in weights)
+                and all(m.dtype is stored for m in matrices))
         mixing = (0, 0, 0) if hc is None else tuple(_ptr(t.contiguous()) for t in hc)
         norm_c = norm.contiguous()
         return same, ((*mixing, norm_eps, hc_eps, iters), (_ptr(norm_c), *args),
