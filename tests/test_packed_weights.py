@@ -240,6 +240,28 @@ def test_a_nan_code_written_after_a_first_call_is_still_seen(path_name):
 
 
 @pytest.mark.parametrize("groups", [1, 4])
+def test_a_prefill_chunk_multiplies_a_bf16_weight_widened(groups, monkeypatch):
+    """From GEMM_TOKENS tokens a bf16 weight is widened once and multiplied by torch: the
+    same values as the kernel's below it, within float32 rounding, group by group."""
+    g = torch.Generator().manual_seed(10 + groups)
+    w = torch.randn(4 * 24, 72, generator=g).bfloat16()
+    x = torch.randn(6, groups, 72, generator=g)
+    below = native.packed_linear(x.flatten(1), "bf16", w, groups=groups)
+    monkeypatch.setattr(native, "GEMM_TOKENS", 5)
+
+    def no_kernel() -> None:
+        raise AssertionError("a call of GEMM_TOKENS tokens reached the C kernel")
+
+    monkeypatch.setattr(native, "_load", no_kernel)
+    out = native.packed_linear(x.flatten(1), "bf16", w, groups=groups)
+    wide = w.float().view(groups, -1, 72)
+    for group in range(groups):
+        rows = slice(group * wide.shape[1], (group + 1) * wide.shape[1])
+        assert_rounding_close(out[:, rows], x[:, group], wide[group])
+        assert_rounding_close(below[:, rows], x[:, group], wide[group])
+
+
+@pytest.mark.parametrize("groups", [1, 4])
 def test_a_prefill_chunk_multiplies_a_transient_float_copy_equal_to_the_codecs(groups,
                                                                                monkeypatch):
     """From GEMM_TOKENS tokens on an FP8 weight is decoded whole, bit for bit the codecs'

@@ -32,6 +32,7 @@ import os
 import platform
 import shutil
 import stat
+import struct
 import subprocess
 import tempfile
 import threading
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kvstack.config import CPU_KERNELS
 from kvstack.formats import bytes_per_entry, decode_tables, get_format
@@ -252,6 +254,9 @@ def _load() -> ctypes.CDLL:
         for name, argtypes in _SIGNATURES.items():
             getattr(library, name).argtypes = argtypes
             getattr(library, name).restype = _RESTYPES.get(name)
+        for name in _BLOCK_CALLS:
+            getattr(library, name + "_args").argtypes = [_P]
+            getattr(library, name + "_args").restype = None
         _library = library
     return _library
 
@@ -344,6 +349,52 @@ def _ptr(t: torch.Tensor) -> int:
 
 def _threads() -> int:
     return torch.get_num_threads()
+
+
+# The calls a decode step makes in every layer, which step.c also takes as one block of
+# arguments (`<name>_args`): see ArgBlock.
+_BLOCK_CALLS = ("kv_ffn_block", "kv_attention_block_in", "kv_attention_out",
+                "kv_attention_out_spread", "kv_sparse_attention", "kv_ring_write_attend")
+
+
+class ArgBlock:
+    """The arguments of a C call as one block of int64 slots, in its parameters' order
+    (pointers and integers as they are, floats as a double's bits), passed to step.c's
+    `<name>_args` as one pointer. ctypes converts every argument of a call anew, about 3 us
+    for thirty on a small CPU, where a call site that keeps its block sets the few slots
+    that change (`slots[i] = value`) and calls it for a third of a microsecond."""
+
+    __slots__ = ("_address", "_call", "name", "slots")
+
+    def __init__(self, name: str, args: tuple | list) -> None:
+        types = _SIGNATURES[name]
+        if len(args) != len(types):
+            raise ValueError(f"{name} takes {len(types)} arguments, got {len(args)}")
+        self.name = name
+        self.slots = (ctypes.c_int64 * len(types))(*map(_slot, args, types))
+        self._address = ctypes.addressof(self.slots)
+        self._call = getattr(_load(), name + "_args")
+
+    def __call__(self) -> None:
+        self._call(self._address)
+
+    def __reduce__(self) -> tuple:
+        # A copied or unpickled model's kept plans: the same slots (`_plan` sees that their
+        # tensors moved and makes new ones).
+        return _restored_block, (self.name, list(self.slots))
+
+
+def _restored_block(name: str, slots: list[int]) -> ArgBlock:
+    block = ArgBlock(name, [0] * len(slots))
+    block.slots[:] = slots
+    return block
+
+
+def _slot(value: int | float | None, kind: type) -> int:
+    """One argument as an ArgBlock's slot holds it."""
+    if kind is ctypes.c_float:
+        return int.from_bytes(struct.pack("<d", float(value)), "little", signed=True)
+    return 0 if value is None else int(value)
 
 
 def _decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
@@ -456,36 +507,43 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
         f = get_format(ring_fmt)
         writes = (int(f.element != "e2m1"), int(f.scale == "e4m3")) if decodes(ring_fmt) \
             else None
+        if writing and writes is None:
+            raise ValueError("sparse_attention: new entries go into a contiguous "
+                             "block-scaled ring with int64 positions, in place")
         rows = torch.empty(w + k, d)  # one sequence's decoded rows
         logits = torch.empty(h, w + k)  # then each head's probabilities
         out = q.new_empty(q.shape, dtype=torch.float32)
-        args = ((ring_ptr, ring.shape[2]), (w, window_size, ring_block, ring_packed,
-                                            _ptr(ring_elem), _ptr(ring_scale),
-                                            0 if pool is None else _ptr(pool),
-                                            *decoding[:2]),
-                (k, *decoding[2:], _ptr(kv_elem), _ptr(kv_scale), b, h, d, d**-0.5,
-                 _ptr(rows), _ptr(logits), _ptr(out)))
-        return True, (args, writes, out, (rows, logits, ring_elem, kv_elem))
+        # q, sink, the ring positions, slots, positions, table (and its width) and the
+        # selection (slots 0, 1, 4-6, 16-18, after the write's three) are set each call.
+        args = (0, 0, ring_ptr, ring.shape[2], 0, 0, 0, w, window_size, ring_block,
+                ring_packed, _ptr(ring_elem), _ptr(ring_scale),
+                0 if pool is None else _ptr(pool), *decoding[:2], 0, 0, 0, k, *decoding[2:],
+                _ptr(kv_elem), _ptr(kv_scale), b, h, d, d**-0.5, _ptr(rows), _ptr(logits),
+                _ptr(out), 0)
+        block = (ArgBlock("kv_ring_write_attend", (0, *writes, *args)) if writing
+                 else ArgBlock("kv_sparse_attention", args))
+        return True, (block, out, (rows, logits, ring_elem, kv_elem))
 
-    key = (q.shape, k, ring_ptr, ring_fmt, window_size,
+    writing = new_entries is not None
+    key = (q.shape, k, ring_ptr, ring_fmt, window_size, writing,
            None if pool is None else (pool.data_ptr(), pool.shape, kv_fmt))
-    (ring_args, middle, tail), writes, out, _held = _plan(keep, "sparse_attention", key,
-                                                            make)
+    block, out, _held = _plan(keep, "sparse_attention", key, make)
     q = _as(q, torch.float32)
     ring_pos, slots, positions, table = (_as(t, torch.int64) for t in (
         ring_positions, slots, positions, block_table))
-    chosen = 0 if selected is None else _ptr(_as(selected, torch.int64))
-    lib, lead = _load(), ()
-    call = lib.kv_sparse_attention
-    if new_entries is not None:
-        if writes is None or ring_pos.data_ptr() != ring_positions.data_ptr():
+    chosen = None if selected is None else _as(selected, torch.int64)
+    at, o = block.slots, 0
+    if writing:
+        if ring_pos.data_ptr() != ring_positions.data_ptr():
             raise ValueError("sparse_attention: new entries go into a contiguous "
                              "block-scaled ring with int64 positions, in place")
         new_entries = _as(new_entries, torch.float32)
-        lead = (_ptr(new_entries), *writes)
-        call = lib.kv_ring_write_attend
-    call(*lead, _ptr(q), _ptr(sink), *ring_args, _ptr(ring_pos), _ptr(slots),
-         _ptr(positions), *middle, _ptr(table), table.shape[1], chosen, *tail, _threads())
+        at[0], o = _ptr(new_entries), 3  # kv_ring_write_attend's three come first
+    at[o], at[o + 1], at[o + 4] = _ptr(q), _ptr(sink), _ptr(ring_pos)
+    at[o + 5], at[o + 6], at[o + 16] = _ptr(slots), _ptr(positions), _ptr(table)
+    at[o + 17], at[o + 18] = table.shape[1], 0 if chosen is None else _ptr(chosen)
+    at[o + 31] = _threads()
+    block()
     return out
 
 
@@ -625,7 +683,9 @@ def fp8_has_nan(codes: torch.Tensor) -> bool:
 # multiplies it by torch's GEMM (MKL / oneDNN), which then outruns decoding each weight once
 # per four tokens in registers (16.8 against 10.6 GMAC/s on one core here; wo_b 5120x8192
 # at 128 tokens: 458 against 499 ms, at 512: 1.44 against 2.18 s, the copy's decoding and
-# page faults amortised). A prefill chunk takes it; decode batches stay below it.
+# page faults amortised). A bf16 weight likewise, widened (a 256x256 weight at 128 tokens:
+# 178 against 232 us, at 512: 665 against 922 us; 2048x256 at 512: 5.9 against 8.4 ms).
+# A prefill chunk takes it; decode batches stay below it.
 GEMM_TOKENS = 128
 
 
@@ -649,7 +709,8 @@ def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
     block-diagonal, output rows of group g (O / groups each) reading x's columns
     g*K .. g*K + K - 1 (V4.1's wo_a). nan_codes=False: the codes are known to hold no NaN
     (`fp8_has_nan`), and the kernel does not look for them. An FP8 call of GEMM_TOKENS
-    tokens or more multiplies a transient float32 copy of the weight instead."""
+    tokens or more, or a bf16 one, multiplies a transient float32 copy of the weight
+    instead."""
     o, k = codes.shape
     if o % groups:
         raise ValueError(f"a weight of {o} rows does not split into {groups} groups")
@@ -657,9 +718,12 @@ def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
     n = x.shape[0]
     if x.dim() != 2 or x.shape[1] != groups * k:
         raise ValueError(f"packed_linear: x must be [N, {groups * k}], got {list(x.shape)}")
-    if fmt == "fp8" and n >= GEMM_TOKENS and scales is not None:
-        weight = fp8_dequantize(codes, scales).view(groups, o // groups, k)  # dropped after
-        return torch.einsum("ngk,grk->ngr", x.view(n, groups, k), weight).reshape(n, o)
+    if n >= GEMM_TOKENS and (fmt == "bf16" or (fmt == "fp8" and scales is not None)):
+        weight = (codes.float() if fmt == "bf16" else fp8_dequantize(codes, scales))
+        if groups == 1:
+            return F.linear(x, weight)  # the copy is dropped after
+        return torch.einsum("ngk,grk->ngr", x.view(n, groups, k),
+                            weight.view(groups, o // groups, k)).reshape(n, o)
     elem, scale = _weight_tables(fmt)
     codes = codes.contiguous()
     scales = None if scales is None else scales.contiguous()
@@ -897,13 +961,15 @@ def attention_block_in(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, to
                 x.new_empty(b, n, dim), x.new_empty(b, n, rank), x.new_empty(b, n, heads, d),
                 x.new_empty(b, n, d))
         p = [_ptr(t) for t in held]
-        args = (*p[:3], eps, hc_eps, iters), (p[3], p[4], p[5], rank, p[6], heads, d, p[7],
-                                              p[8]), (p[9], half, *map(_ptr, outs),
-                                                      int(stored is torch.bfloat16))
-        return same, (args, outs, held)
+        # x, collapse_pre, positions and the threads (slots 0, 10, 20, 31) are set each call.
+        block = ArgBlock("kv_attention_block_in", (
+            0, b * n, h, dim, *p[:3], eps, hc_eps, iters, 0, p[3], p[4], p[5], rank, p[6],
+            heads, d, p[7], p[8], 0, p[9], half, *map(_ptr, outs),
+            int(stored is torch.bfloat16), 0))
+        return same, (block, outs, held)
 
     key = (x.shape, heads, eps, hc_eps, iters, *[t.data_ptr() for t in weights])
-    (head, middle, tail), outs, _held = _plan(keep, "attention_block_in", key, make)
+    block, outs, _held = _plan(keep, "attention_block_in", key, make)
     if collapse_pre is not None and collapse_pre.shape != x.shape[:-1]:
         raise ValueError(f"attention_block_in: collapse_pre must be {list(x.shape[:-1])}, "
                          f"got {list(collapse_pre.shape)}")
@@ -912,9 +978,10 @@ def attention_block_in(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, to
     if positions.shape != (b, n):
         positions = positions.expand(b, n)
     positions = _as(positions, torch.int64)
-    _load().kv_attention_block_in(_ptr(x), b * n, h, dim, *head,
-                                  0 if pre_in is None else _ptr(pre_in), *middle,
-                                  _ptr(positions), *tail, _threads())
+    at = block.slots
+    at[0], at[10] = _ptr(x), 0 if pre_in is None else _ptr(pre_in)
+    at[20], at[31] = _ptr(positions), _threads()
+    block()
     return outs
 
 
@@ -946,30 +1013,33 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
         spread_out = torch.empty(b, n, copies_n, dim) if spread is not None else None
         f, a, o = map(_ptr, held)
         wbf16 = int(stored is torch.bfloat16)
-        args = ((f, half, a, groups, rank, o, dim, _ptr(low), _ptr(y)),
-                (wbf16,) if spread_out is None else (_ptr(spread_out), wbf16))
+        # positions (slot 4), the copies, post and comb (14, 16, 17) and the threads (the
+        # last) are set each call.
+        args = (_ptr(rotated), b * n, h, d, 0, f, half, a, groups, rank, o, dim, _ptr(low),
+                _ptr(y))
+        block = (ArgBlock("kv_attention_out", (*args, wbf16, 0)) if spread_out is None
+                 else ArgBlock("kv_attention_out_spread", (*args, 0, copies_n, 0, 0,
+                                                           _ptr(spread_out), wbf16, 0)))
         # low and y are held with the weights: the call writes them.
-        return same, (args, rotated, y if spread_out is None else spread_out,
+        return same, (block, rotated, y if spread_out is None else spread_out,
                       (*held, low, y))
 
     key = (out.shape, groups, copies_n, freqs.data_ptr(), wo_a.data_ptr(), wo_b.data_ptr())
-    (middle, tail), rotated, result, _held = _plan(keep, "attention_out", key, make)
+    block, rotated, result, _held = _plan(keep, "attention_out", key, make)
     rotated.copy_(out)
     if positions.shape != (b, n):
         positions = positions.expand(b, n)
     positions = _as(positions, torch.int64)
-    if spread is None:
-        _load().kv_attention_out(_ptr(rotated), b * n, h, d, _ptr(positions), *middle,
-                                 *tail, _threads())
-        return result
-    copies, post, comb = (t.contiguous() for t in spread)
-    if (copies.shape != (b, n, copies_n, dim) or post.shape != copies.shape[:-1]
-            or comb.shape != (*copies.shape[:-1], copies_n)):
-        raise ValueError(f"attention_out: spread over copies {list(copies.shape)} needs "
-                         f"[{b}, {n}, h, {dim}] with post [..., h] and comb [..., h, h]")
-    _load().kv_attention_out_spread(_ptr(rotated), b * n, h, d, _ptr(positions), *middle,
-                                    _ptr(copies), copies_n, _ptr(post), _ptr(comb), *tail,
-                                    _threads())
+    at = block.slots
+    at[4], at[len(at) - 1] = _ptr(positions), _threads()
+    if spread is not None:
+        copies, post, comb = (t.contiguous() for t in spread)
+        if (copies.shape != (b, n, copies_n, dim) or post.shape != copies.shape[:-1]
+                or comb.shape != (*copies.shape[:-1], copies_n)):
+            raise ValueError(f"attention_out: spread over copies {list(copies.shape)} needs "
+                             f"[{b}, {n}, h, {dim}] with post [..., h] and comb [..., h, h]")
+        at[14], at[16], at[17] = _ptr(copies), _ptr(post), _ptr(comb)
+    block()
     return result
 
 
@@ -1294,13 +1364,15 @@ def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tenso
                 and all(m.dtype is stored for m in matrices))
         mixing = (0, 0, 0) if hc is None else tuple(_ptr(t.contiguous()) for t in hc)
         norm_c = norm.contiguous()
-        return same, ((*mixing, norm_eps, hc_eps, iters), (_ptr(norm_c), *args),
-                      (held, norm_c, hc))
+        # x, collapse_pre, pre, out and the threads (slots 0, 10, 32-34) are set each call.
+        block = ArgBlock("kv_ffn_block", (0, n, h, dim, *mixing, norm_eps, hc_eps, iters, 0,
+                                          _ptr(norm_c), *args, 0, 0, 0))
+        return same, (block, (held, norm_c, hc))
 
     routing = None if router is None else (router.score_func, router.gate_temp, router.k,
                                            router.renormalise, router.route_scale)
     key = (x.shape, norm_eps, hc_eps, iters, limit, routing, *[t.data_ptr() for t in weights])
-    head, middle, _held = _plan(keep, "ffn_block", key, make)
+    block, _held = _plan(keep, "ffn_block", key, make)
     if collapse_pre is not None and collapse_pre.shape != x.shape[:-1]:
         raise ValueError(f"ffn_block: collapse_pre must be {list(x.shape[:-1])}, got "
                          f"{list(collapse_pre.shape)}")
@@ -1308,8 +1380,10 @@ def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tenso
     pre_in = None if collapse_pre is None else collapse_pre.contiguous()
     # Both outputs are new tensors: a chunked prefill keeps a chunk's residual and pre.
     out, pre = torch.empty_like(x), None if hc is None else x.new_empty(*lead, h)
-    _load().kv_ffn_block(_ptr(x), n, h, dim, *head, 0 if pre_in is None else _ptr(pre_in),
-                         *middle, 0 if pre is None else _ptr(pre), _ptr(out), _threads())
+    at = block.slots
+    at[0], at[10] = _ptr(x), 0 if pre_in is None else _ptr(pre_in)
+    at[32], at[33], at[34] = 0 if pre is None else _ptr(pre), _ptr(out), _threads()
+    block()
     return out, pre
 
 

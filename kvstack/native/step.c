@@ -954,3 +954,57 @@ void kv_index_queries(const float *qr, const float *x, int64_t t, int64_t rank, 
     small_linear(x, t, dim, wweights, wbf16, heads, w, threads);
     for (int64_t i = 0; i < t * heads; i++) w[i] = w[i] * scale;
 }
+
+/* The hot calls of a decode step with their arguments in one block of int64 slots, in
+ * the order of the function's parameters: pointers and integers as they are, floats as the
+ * bits of a double. Python's ctypes converts each argument of a call anew (about 3 us for
+ * thirty); a block a call site keeps is written once, and a call then passes one pointer
+ * after setting the few slots that change (native.ArgBlock). */
+static inline float slot_float(int64_t bits) {
+    double value;
+    memcpy(&value, &bits, sizeof value);
+    return (float)value;
+}
+#define P(i) ((void *)(intptr_t)a[i])
+#define F(i) slot_float(a[i])
+
+void kv_ffn_block_args(const int64_t *a) {
+    kv_ffn_block(P(0), a[1], a[2], a[3], P(4), P(5), P(6), F(7), F(8), a[9], P(10), P(11),
+                 P(12), P(13), a[14], (int)a[15], F(16), a[17], (int)a[18], F(19), P(20),
+                 P(21), P(22), a[23], P(24), P(25), P(26), a[27], F(28), (int)a[29], P(30),
+                 P(31), P(32), P(33), (int)a[34]);
+}
+
+void kv_attention_block_in_args(const int64_t *a) {
+    kv_attention_block_in(P(0), a[1], a[2], a[3], P(4), P(5), P(6), F(7), F(8), a[9], P(10),
+                          P(11), P(12), P(13), a[14], P(15), a[16], a[17], P(18), P(19),
+                          P(20), P(21), a[22], P(23), P(24), P(25), P(26), P(27), P(28),
+                          P(29), (int)a[30], (int)a[31]);
+}
+
+void kv_attention_out_args(const int64_t *a) {
+    kv_attention_out(P(0), a[1], a[2], a[3], P(4), P(5), a[6], P(7), a[8], a[9], P(10), a[11],
+                     P(12), P(13), (int)a[14], (int)a[15]);
+}
+
+void kv_attention_out_spread_args(const int64_t *a) {
+    kv_attention_out_spread(P(0), a[1], a[2], a[3], P(4), P(5), a[6], P(7), a[8], a[9], P(10),
+                            a[11], P(12), P(13), P(14), a[15], P(16), P(17), P(18),
+                            (int)a[19], (int)a[20]);
+}
+
+void kv_sparse_attention_args(const int64_t *a) {
+    kv_sparse_attention(P(0), P(1), P(2), a[3], P(4), P(5), P(6), a[7], a[8], a[9], (int)a[10],
+                        P(11), P(12), P(13), a[14], a[15], P(16), a[17], P(18), a[19], a[20],
+                        (int)a[21], P(22), P(23), a[24], a[25], a[26], F(27), P(28), P(29),
+                        P(30), (int)a[31]);
+}
+
+void kv_ring_write_attend_args(const int64_t *a) {
+    kv_ring_write_attend(P(0), (int)a[1], (int)a[2], P(3), P(4), P(5), a[6], P(7), P(8), P(9),
+                         a[10], a[11], a[12], (int)a[13], P(14), P(15), P(16), a[17], a[18],
+                         P(19), a[20], P(21), a[22], a[23], (int)a[24], P(25), P(26), a[27],
+                         a[28], a[29], F(30), P(31), P(32), P(33), (int)a[34]);
+}
+#undef P
+#undef F
