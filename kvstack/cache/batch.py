@@ -110,7 +110,7 @@ class DecodeBatch(KVStore):
                       for row, c, done in zip(padded, counts, complete, strict=True)]
             offsets = [(c - 1) % per if done else 0 for c, done in zip(counts, complete,
                                                                        strict=True)]
-            lens[r], *new_rows[r] = torch.tensor([counts, blocks, offsets], device=dev)
+            lens[r], *new_rows[r] = torch.tensor([counts, blocks, offsets], device=dev).unbind()
         self.stream_lens = {layer: lens[r]  # [B], this step's entry included
                             for layer, r in pools.ratios.items()}
         self._new_rows = {layer: tuple(new_rows[r]) for layer, r in pools.ratios.items()}
