@@ -241,16 +241,16 @@ def test_a_nan_code_written_after_a_first_call_is_still_seen(path_name):
 
 @pytest.mark.parametrize("groups", [1, 4])
 def test_a_prefill_chunk_multiplies_a_bf16_weight_widened(groups, monkeypatch):
-    """From GEMM_TOKENS tokens a bf16 weight is widened once and multiplied by torch: the
-    same values as the kernel's below it, within float32 rounding, group by group."""
+    """From BF16_GEMM_TOKENS tokens a bf16 weight is widened once and multiplied by torch:
+    the same values as the kernel's below it, within float32 rounding, group by group."""
     g = torch.Generator().manual_seed(10 + groups)
     w = torch.randn(4 * 24, 72, generator=g).bfloat16()
     x = torch.randn(6, groups, 72, generator=g)
     below = native.packed_linear(x.flatten(1), "bf16", w, groups=groups)
-    monkeypatch.setattr(native, "GEMM_TOKENS", 5)
+    monkeypatch.setattr(native, "BF16_GEMM_TOKENS", 5)
 
     def no_kernel() -> None:
-        raise AssertionError("a call of GEMM_TOKENS tokens reached the C kernel")
+        raise AssertionError("a call of BF16_GEMM_TOKENS tokens reached the C kernel")
 
     monkeypatch.setattr(native, "_load", no_kernel)
     out = native.packed_linear(x.flatten(1), "bf16", w, groups=groups)

@@ -682,10 +682,13 @@ def fp8_has_nan(codes: torch.Tensor) -> bool:
 # multiplies it by torch's GEMM (MKL / oneDNN), which then outruns decoding each weight once
 # per four tokens in registers (16.8 against 10.6 GMAC/s on one core here; wo_b 5120x8192
 # at 128 tokens: 458 against 499 ms, at 512: 1.44 against 2.18 s, the copy's decoding and
-# page faults amortised). A bf16 weight likewise, widened (a 256x256 weight at 128 tokens:
-# 178 against 232 us, at 512: 665 against 922 us; 2048x256 at 512: 5.9 against 8.4 ms).
-# A prefill chunk takes it; decode batches stay below it.
+# page faults amortised). A prefill chunk takes it; decode batches stay below it.
 GEMM_TOKENS = 128
+# A bf16 weight is widened for torch's GEMM from fewer tokens: widening it costs a copy, not
+# a decode (one thread here, kernel against torch: a 256x256 weight at 24 tokens 66 against
+# 61 us, at 48 123 against 93, at 512 922 against 665; the 2048x256 head at 16 tokens 325
+# against 373, at 32 637 against 436). A decode batch of up to 16 stays in the kernel.
+BF16_GEMM_TOKENS = 24
 
 
 def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -708,8 +711,8 @@ def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
     block-diagonal, output rows of group g (O / groups each) reading x's columns
     g*K .. g*K + K - 1 (V4.1's wo_a). nan_codes=False: the codes are known to hold no NaN
     (`fp8_has_nan`), and the kernel does not look for them. An FP8 call of GEMM_TOKENS
-    tokens or more, or a bf16 one, multiplies a transient float32 copy of the weight
-    instead."""
+    tokens or more, or a bf16 one of BF16_GEMM_TOKENS, multiplies a transient float32 copy
+    of the weight instead."""
     o, k = codes.shape
     if o % groups:
         raise ValueError(f"a weight of {o} rows does not split into {groups} groups")
@@ -717,7 +720,8 @@ def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
     n = x.shape[0]
     if x.dim() != 2 or x.shape[1] != groups * k:
         raise ValueError(f"packed_linear: x must be [N, {groups * k}], got {list(x.shape)}")
-    if n >= GEMM_TOKENS and (fmt == "bf16" or (fmt == "fp8" and scales is not None)):
+    if (fmt == "bf16" and n >= BF16_GEMM_TOKENS) or (
+            fmt == "fp8" and n >= GEMM_TOKENS and scales is not None):
         weight = (codes.float() if fmt == "bf16" else fp8_dequantize(codes, scales))
         if groups == 1:
             return F.linear(x, weight)  # the copy is dropped after
