@@ -655,13 +655,20 @@ def test_a_layers_attention_half_ends_in_one_call_each_equal_torchs(residual):
             want_out = hc.post(attn.project_out(heads, positions), x, post, comb)
             with native.active(True):
                 got = layer._attention_in_c(x, given, start, StepContext())
+                held = heads.clone()
                 got_out = native.attention_out(heads, positions, attn.freqs, attn.wo_a.weight,
                                                attn.local_groups, attn.wo_b.weight,
                                                (x, post, comb))
+                assert torch.equal(heads, held)  # not spent: the caller's values stay
+                # Spent: rotated back in place, the same output.
+                spent_out = native.attention_out(heads, positions, attn.freqs,
+                                                 attn.wo_a.weight, attn.local_groups,
+                                                 attn.wo_b.weight, (x, post, comb), spent=True)
             for g, w in zip((*got[:4], *got[4][1:4]), (pre, post, comb, y, qr, q, window),
                             strict=True):
                 assert torch.allclose(g, w, rtol=1e-5, atol=1e-5)
             assert torch.allclose(got_out, want_out, rtol=1e-5, atol=1e-5)
+            assert torch.equal(spent_out, got_out)
 
 
 @pytest.mark.parametrize("stored", ["float32", "bf16"])

@@ -1092,12 +1092,15 @@ class Attention(nn.Module):
         out = _joined(outs)
         if in_c:
             wo_a, wo_b = matrices[3:]
+        # `out` is this call's own (a kept buffer of the attention's, or a new tensor):
+        # spent here, so the projection out may rotate it in place.
         if in_c and spread is not None and self.shard is None:  # projected and spread at once
             return native.attention_out(out, positions, self.freqs, wo_a, self.local_groups,
-                                        wo_b, spread, self.c_calls)
+                                        wo_b, spread, self.c_calls, spent=True)
         if in_c:
             y = all_reduce(native.attention_out(out, positions, self.freqs, wo_a,
-                                                self.local_groups, wo_b), self.shard)
+                                                self.local_groups, wo_b, spent=True),
+                           self.shard)
         else:
             y = self.project_out(out, positions)
         return y if spread is None else HyperConnection.post(y, *spread)

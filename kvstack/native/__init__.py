@@ -26,6 +26,7 @@ slower), unless the engine's step says "torch".
 """
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -70,6 +71,7 @@ _step = threading.local()
 # build has, or the lower one `weights_path()` forces.
 ISAS = ("portable", "avx2", "avx512")
 _forced_isa: str | None = None
+_best_isa: str | None = None
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -320,8 +322,11 @@ def weights_isa() -> str:
 
 
 def best_weights_isa() -> str:
-    """The best packed-weight path this CPU's build has."""
-    return ISAS[_load().kv_weights_isa()]
+    """The best packed-weight path this CPU's build has (asked of the library once)."""
+    global _best_isa
+    if _best_isa is None:
+        _best_isa = ISAS[_load().kv_weights_isa()]
+    return _best_isa
 
 
 @contextmanager
@@ -527,9 +532,9 @@ def sparse_attention(q: torch.Tensor, sink: torch.Tensor, ring: torch.Tensor, ri
     key = (q.shape, k, ring_ptr, ring_fmt, window_size, writing,
            None if pool is None else (pool.data_ptr(), pool.shape, kv_fmt))
     block, out, _held = _plan(keep, "sparse_attention", key, make)
-    q = _as(q, torch.float32)
-    ring_pos, slots, positions, table = (_as(t, torch.int64) for t in (
-        ring_positions, slots, positions, block_table))
+    q, ring_pos = _as(q, torch.float32), _as(ring_positions, torch.int64)
+    slots, positions = _as(slots, torch.int64), _as(positions, torch.int64)
+    table = _as(block_table, torch.int64)
     chosen = None if selected is None else _as(selected, torch.int64)
     at, o = block.slots, 0
     if writing:
@@ -763,14 +768,19 @@ def fp4_grouped(x: torch.Tensor, pointers: torch.Tensor, experts: torch.Tensor,
 # outside a traced graph (a compiled step fuses them itself).
 def fuses(*tensors: torch.Tensor) -> bool:
     """Whether the model's small ops on these tensors run in step.c."""
-    if getattr(_step, "on", None) is not True or torch.is_grad_enabled() \
-            or torch.compiler.is_compiling():
+    if getattr(_step, "on", None) is not True or _grad_enabled() or _compiling():
         return False
-    f32 = torch.float32
     for t in tensors:  # noqa: SIM110 (a loop: this runs dozens of times a step)
-        if t.dtype is not f32 or not t.is_cpu:
+        if t.dtype is not _F32 or not t.is_cpu:
             return False
     return True
+
+
+# Bound once: `fuses` runs about fifty times a decode step, where looking up
+# `torch.compiler.is_compiling` alone took a microsecond a call.
+_grad_enabled, _compiling, _F32 = torch.is_grad_enabled, torch.compiler.is_compiling, torch.float32
+# A plan's key holds its weights' addresses, read by map rather than a comprehension.
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -973,7 +983,7 @@ def attention_block_in(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, to
             int(stored is torch.bfloat16), 0))
         return same, (block, outs, held)
 
-    key = (x.shape, heads, eps, hc_eps, iters, *[t.data_ptr() for t in weights])
+    key = (x.shape, heads, eps, hc_eps, iters, *map(_data_ptr, weights))
     block, outs, _held = _plan(keep, "attention_block_in", key, make)
     if collapse_pre is not None and collapse_pre.shape != x.shape[:-1]:
         raise ValueError(f"attention_block_in: collapse_pre must be {list(x.shape[:-1])}, "
@@ -993,13 +1003,15 @@ def attention_block_in(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, to
 def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
                   wo_a: torch.Tensor, groups: int, wo_b: torch.Tensor,
                   spread: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  keep: dict | None = None) -> torch.Tensor:
+                  keep: dict | None = None, spent: bool = False) -> torch.Tensor:
     """`Attention.project_out` of the heads' outputs out [B, n, H, D] at positions [B or
     1, n] with float32 or bf16 weights (wo_a [groups * rank, H / groups * D], wo_b [dim,
     groups * rank]): [B, n, dim], within float rounding of torch's. With `spread` (the residual
     copies x [B, n, h, dim], post [B, n, h], comb [B, n, h, h]), that output spread over
     the copies as `hc_post` does, in the same call: [B, n, h, dim]. keep: as
-    `attention_block_in`'s (the returned tensor is one of the buffers it keeps)."""
+    `attention_block_in`'s (the returned tensor is one of the buffers it keeps). spent:
+    nothing reads out after the call, so it may take the rotation back in place (else a
+    copy of it does)."""
     b, n, h, d = out.shape
     dim = wo_b.shape[0]
     copies_n = 0 if spread is None else spread[0].shape[-2]
@@ -1018,8 +1030,8 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
         spread_out = torch.empty(b, n, copies_n, dim) if spread is not None else None
         f, a, o = map(_ptr, held)
         wbf16 = int(stored is torch.bfloat16)
-        # positions (slot 4), the copies, post and comb (14, 16, 17) and the threads (the
-        # last) are set each call.
+        # The heads' outputs and positions (slots 0, 4), the copies, post and comb (14, 16,
+        # 17) and the threads (the last) are set each call.
         args = (_ptr(rotated), b * n, h, d, 0, f, half, a, groups, rank, o, dim, _ptr(low),
                 _ptr(y))
         block = (ArgBlock("kv_attention_out", (*args, wbf16, 0)) if spread_out is None
@@ -1031,14 +1043,18 @@ def attention_out(out: torch.Tensor, positions: torch.Tensor, freqs: torch.Tenso
 
     key = (out.shape, groups, copies_n, freqs.data_ptr(), wo_a.data_ptr(), wo_b.data_ptr())
     block, rotated, result, _held = _plan(keep, "attention_out", key, make)
-    rotated.copy_(out)
+    if spent and out.dtype is torch.float32 and out.is_contiguous():
+        rotated = out
+    else:
+        rotated.copy_(out)
     if positions.shape != (b, n):
         positions = positions.expand(b, n)
     positions = _as(positions, torch.int64)
     at = block.slots
-    at[4], at[len(at) - 1] = _ptr(positions), _threads()
+    at[0], at[4], at[len(at) - 1] = _ptr(rotated), _ptr(positions), _threads()
     if spread is not None:
-        copies, post, comb = (t.contiguous() for t in spread)
+        copies, post, comb = spread
+        copies, post, comb = copies.contiguous(), post.contiguous(), comb.contiguous()
         if (copies.shape != (b, n, copies_n, dim) or post.shape != copies.shape[:-1]
                 or comb.shape != (*copies.shape[:-1], copies_n)):
             raise ValueError(f"attention_out: spread over copies {list(copies.shape)} needs "
@@ -1111,18 +1127,29 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
     kv_pool, kv_fmt, index_pool, index_fmt, blocks, offsets = write
     targets = []
     for pool, fmt, width in ((kv_pool, kv_fmt, d), (index_pool, index_fmt, di)):
-        if (not decodes(fmt) or not pool.is_contiguous() or pool.shape[1] != kv_pool.shape[1]
-                or pool.shape[-1] != bytes_per_entry(fmt, width)):
+        coding = _row_coding(fmt, width)
+        if (coding is None or not pool.is_contiguous() or pool.shape[1] != kv_pool.shape[1]
+                or pool.shape[-1] != coding[0]):
             raise ValueError(f"compress_step: the pools must be contiguous rows of "
                              f"block-scaled formats, {width} wide, as many a block")
-        f = get_format(fmt)
-        block, _, elem, scale = _decoding(fmt)
-        targets += [_ptr(pool), int(f.element != "e2m1"), int(f.scale == "e4m3"), block,
-                    _ptr(elem), _ptr(scale)]
+        targets += [_ptr(pool), *coding[1]]
     blocks, offsets = _as(blocks, torch.int64), _as(offsets, torch.int64)
     _load().kv_compress_write(*args, *targets, kv_pool.shape[1], _ptr(blocks), _ptr(offsets),
                               rows_out, *how)
     return kv, keys
+
+
+@functools.cache
+def _row_coding(fmt: str, width: int) -> tuple[int, tuple[int, ...]] | None:
+    """A block-scaled format's row bytes at `width` and how step.c's writes take it (element
+    and scale kinds, block, the decode tables' addresses: the tables are kept with the
+    cache); None for any other format. Asked at every compression of a decode step."""
+    if not decodes(fmt):
+        return None
+    f = get_format(fmt)
+    block, _, elem, scale = _decoding(fmt)
+    return bytes_per_entry(fmt, width), (int(f.element != "e2m1"), int(f.scale == "e4m3"),
+                                          block, _ptr(elem), _ptr(scale))
 
 
 def index_queries(qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
@@ -1376,7 +1403,7 @@ def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
     routing = None if router is None else (router.score_func, router.gate_temp, router.k,
                                            router.renormalise, router.route_scale)
-    key = (x.shape, norm_eps, hc_eps, iters, limit, routing, *[t.data_ptr() for t in weights])
+    key = (x.shape, norm_eps, hc_eps, iters, limit, routing, *map(_data_ptr, weights))
     block, _held = _plan(keep, "ffn_block", key, make)
     if collapse_pre is not None and collapse_pre.shape != x.shape[:-1]:
         raise ValueError(f"ffn_block: collapse_pre must be {list(x.shape[:-1])}, got "
