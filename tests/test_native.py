@@ -928,3 +928,20 @@ def test_an_engine_steps_choice_is_its_own_threads():
     assert seen == [False, False] and not native.enabled()
     with native.active(True):
         assert native.enabled()
+
+
+def test_greedy_rows_take_the_first_maximum_and_mark_non_finite_rows():
+    """`native.greedy`: torch.argmax's token on every finite row (ties to the first index,
+    -0.0 equal to 0.0), -1 on a row with a NaN, +inf or -inf anywhere."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 50, generator=g)
+    logits[1, [4, 9, 30]] = 5.0  # a three-way tie
+    logits[2] = 0.0
+    logits[2, 7] = -0.0
+    logits[3, 11], logits[4, 0], logits[5, 49] = float("nan"), float("inf"), float("-inf")
+    got = native.greedy(logits)
+    want = logits.argmax(-1).tolist()
+    assert got[1] == 4 and got[2] == 0
+    for row in (0, 1, 2, 6):
+        assert got[row] == want[row]
+    assert got[3] == got[4] == got[5] == -1

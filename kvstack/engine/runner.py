@@ -275,11 +275,13 @@ class ModelRunner:
         context = rows if seq.draft_context is None else torch.cat((seq.draft_context, rows))
         seq.draft_context = context[-self.model.config.window_size :]
 
+    @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> list[Sample]:
         """Feed each sequence's last sampled token, all in one batch whatever their
         positions; their next tokens."""
-        return sample_batch(self.decode_logits([s.store for s in seqs],
-                                               [s.output_ids[-1] for s in seqs]), seqs)
+        logits = self.decode_logits([s.store for s in seqs], [s.output_ids[-1] for s in seqs])
+        with native.active(self.cpu_kernels):  # the greedy rows by one C pass
+            return sample_batch(logits, seqs)
 
     def joins_decode(self, seq: Sequence, n: int) -> bool:
         """Whether a prompt's last part of n tokens can run as rows of the decode step
@@ -311,7 +313,7 @@ class ModelRunner:
             logits = self.model.decode([t for tokens in fresh for t in tokens],
                                        DecodeBatch([s.store for s in seqs], counts=counts),
                                        logit_rows=last)
-        return sample_batch(logits, seqs)
+            return sample_batch(logits, seqs)
 
     @torch.no_grad()
     def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
+from kvstack import native
+
 if TYPE_CHECKING:
     from kvstack.engine.grammar import Matcher
 
@@ -228,8 +230,12 @@ def sample_batch(logits: torch.Tensor, requests: Sequence[Sampled]) -> list[Samp
     the others (sampled, penalised, or asking for log-probabilities) one by one.
     Non-finite logits (a fault somewhere in the step: nothing on the way was looked at)
     raise FloatingPointError rather than yield a token."""
-    argmax, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)
-    greedy_ids, finite_rows = torch.stack((argmax, finite.long())).tolist()
+    if native.fuses(logits) and logits.dim() == 2:  # one C pass inside an engine step
+        greedy_ids = native.greedy(logits)
+        finite_rows = [token >= 0 for token in greedy_ids]
+    else:
+        argmax, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)
+        greedy_ids, finite_rows = torch.stack((argmax, finite.long())).tolist()
     if not all(finite_rows):
         bad = [i for i, ok in enumerate(finite_rows) if not ok]
         raise FloatingPointError(f"non-finite logits in rows {bad} of a decode batch of "

@@ -120,6 +120,7 @@ _SIGNATURES = {
     "kv_ring_write": [_P, _I, _I, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _P, _I, _P, _P,
                       _P],
     "kv_select_topk": [_P, _I, _I, _I, _P, _P],
+    "kv_greedy": [_P, _I, _I, _P],
     "kv_moe": [_P, _I, _I, _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, ctypes.c_int,
                _P, _P, _P],
@@ -1285,6 +1286,15 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     _load().kv_select_topk(_ptr(scores), scores.numel() // n if n else 0, n, k, _ptr(heap),
                            _ptr(out))
     return out
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's greedy token of float32 logits [B, V] (torch.argmax's: the first index of
+    the maximum), -1 for a row holding a NaN or an infinity."""
+    logits = _as(logits, torch.float32)
+    ids = (ctypes.c_int64 * logits.shape[0])()
+    _load().kv_greedy(_ptr(logits), logits.shape[0], logits.shape[1], ids)
+    return list(ids)
 
 
 def candidate_pool(scores: torch.Tensor, positions: torch.Tensor, ratio: int, span: int,

@@ -1008,3 +1008,21 @@ void kv_ring_write_attend_args(const int64_t *a) {
 }
 #undef P
 #undef F
+
+/* Each row's greedy token of logits [rows, vocab]: the first index of the row's maximum
+ * (torch.argmax's), or -1 where the row holds a NaN or an infinity (a fault the engine
+ * raises on). One pass over the logits, where torch made three ops and a host copy. */
+void kv_greedy(const float *logits, int64_t rows, int64_t vocab, int64_t *ids) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = logits + r * vocab;
+        int64_t best = 0;
+        for (int64_t j = 0; j < vocab; j++) {
+            if (!isfinite(row[j])) {
+                best = -1;
+                break;
+            }
+            if (row[j] > row[best]) best = j;
+        }
+        ids[r] = best;
+    }
+}
