@@ -403,6 +403,7 @@ def _slot(value: int | float | None, kind: type) -> int:
     return 0 if value is None else int(value)
 
 
+@functools.cache  # a fixed table of formats, asked at every call of a step
 def _decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     f = get_format(fmt)
     tables = decode_tables(fmt)
@@ -411,6 +412,7 @@ def _decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     return f.scale_block, int(f.element == "e2m1"), *tables
 
 
+@functools.cache
 def _any_decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """`_decoding` for any cache format: block 0 (and unused tables) for bf16."""
     if decode_tables(fmt) is None:
@@ -418,6 +420,7 @@ def _any_decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     return _decoding(fmt)
 
 
+@functools.cache
 def decodes(fmt: str) -> bool:
     """Whether the C kernels read rows of this format (every block-scaled one)."""
     return decode_tables(fmt) is not None
@@ -672,6 +675,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
 _WEIGHT_FORMATS = {"fp8": 0, "fp4": 1, "bf16": 2}
 
 
+@functools.cache
 def _weight_tables(fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     tables = decode_tables("fp4_ue8m0_32" if fmt == "fp4" else "fp8_ue8m0_32")
     assert tables is not None
