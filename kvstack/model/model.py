@@ -384,10 +384,9 @@ class MoE(nn.Module):
         ends = (pairs[:, None] == torch.arange(n_experts, device=x.device)).sum(0).cumsum(0)
         ends = ends.to(torch.int32)
         token = order // chosen.shape[1]
-        # bf16 experts widened whole, each call: this runs for more than FUSED_MOE_TOKENS
-        # tokens (a prefill chunk), whose matmul outweighs the copy; a decode step's few
-        # tokens run in C on the bf16 weights as stored.
-        w1, w2, w3 = (w.float().transpose(1, 2) for w in
+        # bf16 experts as stored: the C grouped matmul widens them in registers, torch's
+        # paths widen them whole (`_grouped_mm`).
+        w1, w2, w3 = (w.transpose(1, 2) for w in
                       (self.experts.w1, self.experts.w2, self.experts.w3))
         y = swiglu(x.index_select(0, token), lambda v: grouped_mm(v, w1, ends),
                    lambda v: grouped_mm(v, w2, ends), lambda v: grouped_mm(v, w3, ends),
@@ -406,9 +405,11 @@ def _(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    if (native.enabled() and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+    if (native.enabled() and x.device.type == "cpu" and x.dtype is torch.float32
+            and w.dtype in (torch.float32, torch.bfloat16)
             and not (x.requires_grad or w.requires_grad)):
         return native.grouped_mm(x, w, ends)  # one call, where torch's makes one per group
+    w = w.float()  # bf16 experts widened whole for torch's matmuls
     # torch's grouped GEMM takes bf16 alone on CUDA, and strides of whole 16 bytes: the
     # rest is one matmul per group.
     aligned = all(stride * t.element_size() % 16 == 0 for t in (x, w)

@@ -100,7 +100,7 @@ _SIGNATURES = {
                              ctypes.c_float, _P, ctypes.c_int],
     "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
                            _I, _I, _I, ctypes.c_float, _P, _P, _P, _P],
-    "kv_grouped_mm": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
+    "kv_grouped_mm": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int, ctypes.c_int],
     "kv_packed_linear": [_P, _I, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int, _P,
                          ctypes.c_int, ctypes.c_int],
     "kv_fp8_has_nan": [_P, _I],
@@ -420,7 +420,6 @@ def _any_decoding(fmt: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     return _decoding(fmt)
 
 
-@functools.cache
 def decodes(fmt: str) -> bool:
     """Whether the C kernels read rows of this format (every block-scaled one)."""
     return decode_tables(fmt) is not None
@@ -660,14 +659,17 @@ def dense_attention_block(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: t
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Rows ends[g-1]:ends[g] of x [M, K] times w[g] [K, N] (float32, any strides of w;
-    ends [G] int32): [M, N], rows past ends[-1] zero. Within float rounding of torch's."""
-    x = x.contiguous()
+    """Rows ends[g-1]:ends[g] of x [M, K] (float32) times w[g] [K, N] (float32, or bf16
+    widened in registers: no float copy; any strides of w; ends [G] int32): [M, N], rows
+    past ends[-1] zero. Within float rounding of torch's on w in float32."""
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"grouped_mm: float32 or bf16 weights, got {w.dtype}")
+    x = _as(x, torch.float32)
     ends = ends.to(torch.int32).contiguous()
     g, k, n = w.shape
     out = torch.zeros(x.shape[0], n, dtype=torch.float32)  # rows past ends[-1] stay 0
     _load().kv_grouped_mm(_ptr(x), k, _ptr(w), g, n, *w.stride(), _ptr(ends),
-                          _ptr(out), _threads())
+                          _ptr(out), int(w.dtype is torch.bfloat16), _threads())
     return out
 
 

@@ -223,20 +223,27 @@ void kv_index_scores_at(const float *q, const float *w, const uint8_t *pool, int
 }
 
 #ifdef __AVX2__
+/* Eight weights from w at i as float32: as stored, or widened from bf16 (exactly: a bf16's
+ * bits are the float32's high half). */
+static inline __m256 load8w(const void *w, int64_t i, int wbf16) {
+    if (!wbf16) return _mm256_loadu_ps((const float *)w + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* out rows m0, m0 + 1 (two when `two`) and columns n0..n0+3 of x times w[g] stored [N, K]
- * (K a multiple of 8): eight accumulators, so that each load of x and of w serves four and
- * two multiply-adds. */
-static void dots_2x4(const float *x, int64_t K, const float *wg, int64_t sn, int64_t m0,
-                     int two, int64_t n0, float *out, int64_t N) {
+ * (K a multiple of 8; float32, or bf16 where wbf16 says so): eight accumulators, so that
+ * each load of x and of w serves four and two multiply-adds. */
+static inline void dots_2x4(const float *x, int64_t K, const void *wg, int wbf16, int64_t sn,
+                            int64_t m0, int two, int64_t n0, float *out, int64_t N) {
     __m256 a[2][4];
     for (int r = 0; r < 2; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
     const float *x0 = x + m0 * K, *x1 = x + (m0 + two) * K;
-    const float *w0 = wg + n0 * sn;
     for (int64_t k = 0; k < K; k += 8) {
         const __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
         for (int c = 0; c < 4; c++) {
-            const __m256 wc = _mm256_loadu_ps(w0 + c * sn + k);
+            const __m256 wc = load8w(wg, (n0 + c) * sn + k, wbf16);
             a[0][c] = _mm256_fmadd_ps(u, wc, a[0][c]);
             a[1][c] = _mm256_fmadd_ps(v, wc, a[1][c]);
         }
@@ -246,35 +253,45 @@ static void dots_2x4(const float *x, int64_t K, const float *wg, int64_t sn, int
 }
 #endif
 
+/* w[i] as float32, stored so or as bf16. */
+static inline float weight_at(const void *w, int64_t i, int wbf16) {
+    if (!wbf16) return ((const float *)w)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* out [M, N]: rows ends[g-1]..ends[g]-1 of x [M, K] times w[g] [K, N], where w[g][k][n]
- * lies at w + g * sg + k * sk + n * sn. Experts' weights are stored [N, K] (sk == 1), so
- * each output is a dot of two contiguous rows; any other stride goes element by
- * element. */
-void kv_grouped_mm(const float *x, int64_t K, const float *w, int64_t G, int64_t N,
+ * lies at element g * sg + k * sk + n * sn of w (float32, or bf16 where wbf16 says so: a
+ * checkpoint's or a narrowed engine's experts, widened in registers, never copied).
+ * Experts' weights are stored [N, K] (sk == 1), so each output is a dot of two contiguous
+ * rows; any other stride goes element by element. */
+void kv_grouped_mm(const float *x, int64_t K, const void *w, int64_t G, int64_t N,
                    int64_t sg, int64_t sk, int64_t sn, const int32_t *ends, float *out,
-                   int threads) {
+                   int wbf16, int threads) {
 #ifdef __AVX2__
     const int fast = sk == 1 && K % 8 == 0 && N % 4 == 0;
 #else
     const int fast = 0;
 #endif
-    const int64_t step = fast ? 4 : 1;
+    const int64_t step = fast ? 4 : 1, esize = wbf16 ? 2 : 4;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int64_t g = 0; g < G; g++) {
         for (int64_t n = 0; n < N; n += step) {
             const int64_t start = g ? ends[g - 1] : 0;
-            const float *wg = w + g * sg;
+            const void *wg = (const char *)w + g * sg * esize;
 #ifdef __AVX2__
             if (fast) {
                 for (int64_t m = start; m < ends[g]; m += 2)
-                    dots_2x4(x, K, wg, sn, m, m + 1 < ends[g], n, out, N);
+                    dots_2x4(x, K, wg, wbf16, sn, m, m + 1 < ends[g], n, out, N);
                 continue;
             }
 #endif
             for (int64_t m = start; m < ends[g]; m++) {
                 const float *xm = x + m * K;
                 float s = 0.0f;
-                for (int64_t k = 0; k < K; k++) s += xm[k] * wg[k * sk + n * sn];
+                for (int64_t k = 0; k < K; k++) s += xm[k] * weight_at(wg, k * sk + n * sn, wbf16);
                 out[m * N + n] = s;
             }
         }
