@@ -1026,19 +1026,9 @@ class Attention(nn.Module):
         if not kernel:
             window, window_positions = store.attend_window(spec.index, window, start)
 
-        if self.compressor is not None:
-            self.compressor(x, start, store)
-        n_entries = store.stream_len(spec.kv_source) if spec.ratio else 0
+        n_entries, score_pools = self._stream_step(x, start, store, ctx, n)
         all_kv = (store.read_stream(spec.kv_source, "kv", 0, n_entries)
                   if spec.ratio and ctx.dense else None)
-        # A Reindex layer scores only its candidate pools where a query tile's pools
-        # hold fewer keys than the stream (a decode step, once the stream outgrows one
-        # pool); decided once per call, so every tile's top-k has one width.
-        trunk_picks = ctx.instruments is not None and ctx.instruments.trunk_picks
-        score_pools = (spec.uses_candidates and not (ctx.collect or trunk_picks)
-                       and n_entries > 0
-                       and min(n, QUERY_TILE) * c.candidate_topk_blocks
-                       * c.candidate_block_size < n_entries)
         # Query tiles end to end (score, pool, top-k, attend), so no [n, N] matrix is
         # ever whole unless `collect` asks for the scores.
         outs, topks, pools, scores = [], [], [], []
@@ -1047,39 +1037,8 @@ class Attention(nn.Module):
             # One tile (a decode step, a short chunk) takes the tensors whole: no slice ops.
             pos_t = positions if n <= QUERY_TILE else positions[:, tile]
             q_t = q if n <= QUERY_TILE else q[:, tile]
-            selected = None  # [B, q, k] entry indices, -1 for none; None = all visible
-            if self.indexer is not None:
-                # Detached as in DeepSeek-V3.2: the KL loss trains the indexer alone (it
-                # reached the trunk through qr and x otherwise, a third of the
-                # cross-entropy's gradient on some compressors), and the cross-entropy
-                # never reaches the indexer (its scores only pick entries).
-                xi, qri = ((x, qr) if n <= QUERY_TILE and not torch.is_grad_enabled()
-                           else (x[:, tile].detach(), qr[:, tile].detach()))
-                pool = (_tile(ctx.pool[spec.kv_source], tile, n) if spec.uses_candidates
-                        else None)
-                if score_pools:
-                    topks.append(self.indexer.select_in_pool(xi, qri, pos_t, store, pool,
-                                                             n_entries))
-                else:
-                    # Sparse attention trains the indexer on the entries it selected
-                    # alone (scored again below, with a gradient), so the scores of the
-                    # whole stream need none: a [tile, N] graph kept for every tile
-                    # made a 16K-token training row outgrow 24 GB.
-                    with torch.set_grad_enabled(torch.is_grad_enabled() and ctx.dense):
-                        s = (self._trunk_picks(q_t, pos_t, store, n_entries) if trunk_picks
-                             else self.indexer.scores(xi, qri, pos_t, store, n_entries))
-                    if ctx.collect and ctx.dense:  # every visible entry is attended
-                        scores.append(s)
-                    if spec.is_candidate_source:
-                        pools.append(candidate_pool(s, pos_t, spec, c))
-                    elif pool is not None:
-                        s = s.masked_fill(~pool_mask(pool, n_entries, c), float("-inf"))
-                    topks.append(select_topk(s, c.index_topk))
-                    if ctx.collect and not ctx.dense:
-                        scores.append(self.indexer.scores_at(xi, qri, pos_t, store,
-                                                             topks[-1]))
-            if spec.ratio and not ctx.dense:
-                selected = topks[-1] if topks else _tile(ctx.topk[spec.index_source], tile, n)
+            selected = self._select(x, qr, q_t, pos_t, tile, store, ctx, n_entries,
+                                    score_pools, (topks, pools, scores))
             if kernel:
                 outs.append(store.attend(spec.index, spec.kv_source, q_t, selected,
                                          self.sink, window if i == 0 else None,
@@ -1105,6 +1064,70 @@ class Attention(nn.Module):
         else:
             y = self.project_out(out, positions)
         return y if spread is None else HyperConnection.post(y, *spread)
+
+    def _stream_step(self, x: torch.Tensor, start: int | torch.Tensor, store: KVStore,
+                     ctx: StepContext, n: int) -> tuple[int, bool]:
+        """The compressor's entries of attention inputs x [B, n, dim] appended (a Full
+        layer), then (the kv source's entries, whether a Reindex layer scores its
+        candidate pools alone): where a query tile's pools hold fewer keys than the
+        stream (a decode step, once the stream outgrows one pool), decided once per
+        call, so every tile's top-k has one width."""
+        c, spec = self.config, self.spec
+        if self.compressor is not None:
+            self.compressor(x, start, store)
+        n_entries = store.stream_len(spec.kv_source) if spec.ratio else 0
+        trunk_picks = ctx.instruments is not None and ctx.instruments.trunk_picks
+        score_pools = (spec.uses_candidates and not (ctx.collect or trunk_picks)
+                       and n_entries > 0
+                       and min(n, QUERY_TILE) * c.candidate_topk_blocks
+                       * c.candidate_block_size < n_entries)
+        return n_entries, score_pools
+
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, q_t: torch.Tensor,
+                pos_t: torch.Tensor, tile: slice, store: KVStore, ctx: StepContext,
+                n_entries: int, score_pools: bool,
+                found: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+                ) -> torch.Tensor | None:
+        """The entries a query tile (q_t at pos_t, tile of the call's x [B, n, dim] and qr)
+        attends beside its window: [B, q, k] entry indices, -1 for none; None for all
+        visible (dense) or none (a window-only layer). A layer with an indexer appends its
+        top-k, candidate pools and (collect) scores to `found`'s lists."""
+        c, spec = self.config, self.spec
+        n = x.shape[1]
+        topks, pools, scores = found
+        if self.indexer is not None:
+            # Detached as in DeepSeek-V3.2: the KL loss trains the indexer alone (it
+            # reached the trunk through qr and x otherwise, a third of the
+            # cross-entropy's gradient on some compressors), and the cross-entropy
+            # never reaches the indexer (its scores only pick entries).
+            xi, qri = ((x, qr) if n <= QUERY_TILE and not torch.is_grad_enabled()
+                       else (x[:, tile].detach(), qr[:, tile].detach()))
+            pool = (_tile(ctx.pool[spec.kv_source], tile, n) if spec.uses_candidates
+                    else None)
+            if score_pools:
+                topks.append(self.indexer.select_in_pool(xi, qri, pos_t, store, pool,
+                                                         n_entries))
+            else:
+                # Sparse attention trains the indexer on the entries it selected
+                # alone (scored again below, with a gradient), so the scores of the
+                # whole stream need none: a [tile, N] graph kept for every tile
+                # made a 16K-token training row outgrow 24 GB.
+                trunk_picks = ctx.instruments is not None and ctx.instruments.trunk_picks
+                with torch.set_grad_enabled(torch.is_grad_enabled() and ctx.dense):
+                    s = (self._trunk_picks(q_t, pos_t, store, n_entries) if trunk_picks
+                         else self.indexer.scores(xi, qri, pos_t, store, n_entries))
+                if ctx.collect and ctx.dense:  # every visible entry is attended
+                    scores.append(s)
+                if spec.is_candidate_source:
+                    pools.append(candidate_pool(s, pos_t, spec, c))
+                elif pool is not None:
+                    s = s.masked_fill(~pool_mask(pool, n_entries, c), float("-inf"))
+                topks.append(select_topk(s, c.index_topk))
+                if ctx.collect and not ctx.dense:
+                    scores.append(self.indexer.scores_at(xi, qri, pos_t, store, topks[-1]))
+        if spec.ratio and not ctx.dense:
+            return topks[-1] if topks else _tile(ctx.topk[spec.index_source], tile, n)
+        return None
 
     def write_window(self, x: torch.Tensor, start: int, store: KVStore) -> None:
         """The window entries of attention inputs x [B, n, dim] at start.. and the
