@@ -13,6 +13,7 @@ reference cannot drift apart.
 import hashlib
 import itertools
 import math
+import operator
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -530,6 +531,9 @@ class StepContext:
     # (start, n, positions [1 or B, n]): the call's token positions, made by the first
     # layer that asks (`call_positions`), so later layers make none.
     positions: tuple[int | torch.Tensor, int, torch.Tensor] | None = None
+    # A decode step of one row a sequence on the C kernels: each layer may run its kept
+    # `DecodeRecipe` instead of resolving its calls again.
+    recipes: bool = False
 
 
 def call_positions(ctx: StepContext, start: int | torch.Tensor, n: int,
@@ -1461,6 +1465,12 @@ class Layer(nn.Module):
             x = fused[0] if fused is not None else x + self._ffn(self.ffn_norm(x), s)
             return s.replace(x, None)
         collapse_pre = s.mix if self.single_pass else None  # None: the mixes' own pre
+        # A decode step's kept calls, one recipe per batch shape (a server's batch moves).
+        recipes = self.c_calls.setdefault("recipes", {}) if ctx.recipes else None
+        recipe = None if recipes is None else recipes.get(x.shape)
+        if recipe is not None and recipe.holds(self, x, collapse_pre, store):
+            return recipe.run(self, s, start, store, ctx)
+        x_in = x
         fused = self._attention_in_c(x, collapse_pre, start, ctx)
         if fused is not None:
             attn_pre, post, comb, y, projected = fused
@@ -1481,6 +1491,9 @@ class Layer(nn.Module):
             ffn_pre, post, comb = self.hc_ffn.mixes(x)
             y = self.hc_ffn.collapse(x, ffn_pre if collapse_pre is None else collapse_pre)
             x = self.hc_ffn.post(self._ffn(self.ffn_norm(y), s), x, post, comb)
+        if recipes is not None:  # kept where this step ran all four calls in C
+            recipes[x_in.shape] = DecodeRecipe.capture(self, x_in, store, projected,
+                                                       fused is not None and x)
         return s.replace(x, ffn_pre if self.single_pass else None)
 
     def _ffn(self, x: torch.Tensor, s: TokenStates) -> torch.Tensor:
@@ -1550,6 +1563,139 @@ class Layer(nn.Module):
         if self.hc_attn is not None:
             x = self.hc_attn.collapse(x, s.mix if self.single_pass else self.hc_attn.mixes(x)[0])
         self.attn.compressor(self.attn_norm(x), start, store)
+
+
+class DecodeRecipe:
+    """A layer's decode step kept between steps: the argument blocks of its four C calls
+    (attention in, the ring write and attention, attention out with the spread, the
+    feed-forward half) as the last step's calls left them, with the buffers they write.
+    A step then sets the few slots that change (the residual, the positions, the block
+    table, the selection, new output buffers) and makes the three calls, where resolving
+    the calls again (which matrices, which plan, which path) cost about as much host time
+    as the calls' own work on a small model. The compressor and the indexer run their own
+    code in between, as in `Attention.forward`.
+
+    It holds while every module, parameter and buffer of the layer is the object it was
+    (replacing one, in place in its module or by a new module, makes a new recipe), each
+    tensor's address is the same (an in-place update is read as it is; `.data = ` is not),
+    and the cache's ring and pool are the same tensors: `holds` checks all of it each
+    step, in C-level loops."""
+
+    def __init__(self, layer: "Layer", x: torch.Tensor, store: DecodeBatch,
+                 matrices: tuple[torch.Tensor, ...], plans: tuple, k: int) -> None:
+        self.shape = x.shape
+        # The four plans whole: their blocks point into their buffers and scratch, which
+        # must live as long as the recipe (a later shape's call replaces the plans kept in
+        # the modules).
+        self.plans = plans
+        self.block_in, self.attend, self.out, self.ffn = (plan[0] for plan in plans)
+        self.outs = plans[0][1]  # attention in's kept (pre, post, comb, y, qr, q, window)
+        self.k = k  # the selection's width the attention block was made for
+        self.matrices = matrices  # (wq_a, wq_b, wkv, wo_a, wo_b) as the calls take them
+        spec = layer.spec
+        self.ring = store.rings.rows[spec.index].data
+        self.ring_pos = store.rings.pos[spec.index]
+        self.pool = store.pools.rows[spec.kv_source, "kv"].data if k else None
+        # Every (table, name, object) of the layer's tree, the attention's RoPE table too.
+        self.tables, self.names, self.objects = [], [], []
+        for module in layer.modules():
+            for table in (module._modules, module._parameters, module._buffers):
+                for name, obj in table.items():
+                    self.tables.append(table)
+                    self.names.append(name)
+                    self.objects.append(obj)
+        attn = layer._modules["attn"]
+        self.tables.append(attn.__dict__)
+        self.names.append("freqs")
+        self.objects.append(attn.freqs)
+        self.tensors = [t for t in self.objects if isinstance(t, torch.Tensor)]
+        self.addresses = tuple(map(torch.Tensor.data_ptr, self.tensors))
+
+    @staticmethod
+    def capture(layer: "Layer", x: torch.Tensor, store: KVStore,
+                projected: tuple | None, out: torch.Tensor | bool) -> "DecodeRecipe | None":
+        """The recipe of the step that just ran (x its input residual, out its output)
+        where all four calls ran in C through plans they keep; else None."""
+        attn = layer._modules["attn"]
+        if (projected is None or out is False or layer.engram is not None
+                or not isinstance(store, DecodeBatch) or not isinstance(attn, Attention)):
+            return None
+        plans = (layer.c_calls.get("attention_block_in"),
+                 attn.c_calls.get("sparse_attention"), attn.c_calls.get("attention_out"),
+                 layer.c_calls.get("ffn_block"))
+        if any(p is None for p in plans):
+            return None
+        made = tuple(p[1] for p in plans)
+        (block_in, outs, _), (attend, attended, _), (spread, _, result, _), (ffn, _) = made
+        # Each block must be the one this step's call used (a call whose plan could not
+        # be kept leaves an older one behind).
+        q, window = outs[5], outs[6]
+        if (block_in.slots[0] != x.data_ptr() or attend.name != "kv_ring_write_attend"
+                or attend.slots[3] != q.data_ptr() or attend.slots[0] != window.data_ptr()
+                or spread.slots[0] != attended.data_ptr() or ffn.slots[33] != out.data_ptr()
+                or ffn.slots[0] != result.data_ptr()):
+            return None
+        k = plans[1][0][1]  # the attention plan's key: (q's shape, k, ...)
+        return DecodeRecipe(layer, x, store, projected[4], made, k)
+
+    def holds(self, layer: "Layer", x: torch.Tensor, collapse_pre: torch.Tensor | None,
+              store: KVStore) -> bool:
+        """Whether this step of the layer can run the recipe."""
+        if (x.shape != self.shape or not x.is_contiguous() or x.dtype is not torch.float32
+                or not isinstance(store, DecodeBatch)
+                or (collapse_pre is not None and not collapse_pre.is_contiguous())):
+            return False
+        spec = layer.spec
+        if (store.rings.rows[spec.index].data is not self.ring
+                or store.rings.pos[spec.index] is not self.ring_pos
+                or (self.pool is not None
+                    and store.pools.rows[spec.kv_source, "kv"].data is not self.pool)):
+            return False
+        live = map(dict.__getitem__, self.tables, self.names)
+        return (all(map(operator.is_, live, self.objects))
+                and tuple(map(torch.Tensor.data_ptr, self.tensors)) == self.addresses)
+
+    def run(self, layer: "Layer", s: TokenStates, start: torch.Tensor, store: DecodeBatch,
+            ctx: StepContext) -> TokenStates:
+        """`Layer.forward` of a decode step by the kept calls."""
+        x, threads = s.x, torch.get_num_threads()
+        single_pass = layer.single_pass
+        at = self.block_in.slots  # slots as native.attention_block_in sets them
+        at[0], at[10] = x.data_ptr(), s.mix.data_ptr() if single_pass else 0
+        at[20], at[31] = store.positions.data_ptr(), threads
+        self.block_in()
+        attn_pre, post, comb, y, qr, q, window = self.outs
+        attn = layer._modules["attn"]
+        positions = call_positions(ctx, start, 1, x.device)  # [B, 1]: the starts' own
+        n_entries, score_pools = attn._stream_step(y, start, store, ctx, 1)
+        found: tuple[list, list, list] = ([], [], [])
+        selected = attn._select(y, qr, q, positions, slice(0, QUERY_TILE), store, ctx,
+                                n_entries, score_pools, found)
+        attn._publish(ctx, *found)
+        k = 0 if selected is None else selected.shape[-1]
+        if k != self.k:  # an early step's narrower selection: the calls as forward makes them
+            del layer.c_calls["recipes"][x.shape]
+            out = store.attend(attn.spec.index, attn.spec.kv_source, q, selected, attn.sink,
+                               window, attn.c_calls)
+            x = native.attention_out(out, positions, attn.freqs, *self.matrices[3:4],
+                                     attn.local_groups, self.matrices[4], (x, post, comb),
+                                     attn.c_calls, spent=True)
+            x, ffn_pre = layer._ffn_in_c(x, attn_pre if single_pass else None)
+            return s.replace(x, ffn_pre if single_pass else None)
+        chosen = None if selected is None else native._as(selected, torch.int64)  # held
+        at = self.attend.slots  # kv_ring_write_attend's: its three, then sparse attention's
+        table = store.block_table
+        at[8], at[9], at[19] = store.slots.data_ptr(), store.positions.data_ptr(), table.data_ptr()
+        at[20], at[21], at[34] = table.shape[1], 0 if chosen is None else chosen.data_ptr(), threads
+        self.attend()
+        at = self.out.slots  # kv_attention_out_spread's
+        at[4], at[14], at[20] = store.positions.data_ptr(), x.data_ptr(), threads
+        self.out()
+        out, ffn_pre = torch.empty_like(x), x.new_empty(x.shape[:-1])
+        at = self.ffn.slots  # kv_ffn_block's
+        at[32], at[33], at[34] = ffn_pre.data_ptr(), out.data_ptr(), threads
+        self.ffn()
+        return s.replace(out, ffn_pre if single_pass else None)
 
 
 @dataclass
@@ -2081,7 +2227,10 @@ class Model(nn.Module):
         # A decode batch (per-sequence starts) runs the compiled step, if any.
         if draft is None and self._compiled_step is not None and isinstance(cache, DecodeBatch):
             return self._run_compiled(s, start, cache)
-        return self._run(s, start, cache, range(self.config.n_layers), _draft_context(draft))
+        ctx = _draft_context(draft) or StepContext()
+        ctx.recipes = (isinstance(cache, DecodeBatch) and cache.c_attention and not cache.several
+                       and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+        return self._run(s, start, cache, range(self.config.n_layers), ctx)
 
     @torch.no_grad()
     def rebuild_window(self, cache: KVStore, replay: str = "bounded", chunk_size: int = 512,

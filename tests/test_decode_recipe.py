@@ -1,0 +1,86 @@
+"""A decode step's kept calls (`DecodeRecipe`): bit for bit the logits of resolving every
+call again, whatever the batch's shape and the selection's width do between steps, and a
+weight replaced, re-pointed or updated in place between steps is the one the next step
+reads."""
+
+import pytest
+import torch
+from torch import nn
+
+import kvstack.engine.runner as runner
+from kvstack import LLM, SamplingParams
+from kvstack.model.model import DecodeRecipe
+
+
+def replace_parameter(model) -> None:
+    g = torch.Generator().manual_seed(1)
+    norm = model.layers[1].ffn_norm
+    norm.weight = nn.Parameter(torch.rand(norm.weight.shape, generator=g) + 0.5)
+
+
+def repoint_data(model) -> None:
+    g = torch.Generator().manual_seed(2)
+    norm = model.layers[2].attn_norm
+    norm.weight.data = torch.rand(norm.weight.shape, generator=g) + 0.5
+
+
+def update_in_place(model) -> None:
+    with torch.no_grad():
+        model.layers[0].hc_ffn.base.add_(0.25)
+
+
+def replace_module(model) -> None:
+    g = torch.Generator().manual_seed(3)
+    old = model.layers[1].attn.wo_b
+    new = nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(torch.randn(new.weight.shape, generator=g) * 0.02)
+    model.layers[1].attn.wo_b = new
+
+
+def decode_logits(monkeypatch, recipes: bool, change) -> tuple[list[torch.Tensor], int]:
+    """Every decode step's logits of three greedy requests that end at different steps
+    (the batch shrinks), `change` applied to the model after the sixth step; and how many
+    layer steps ran a recipe."""
+    runs = [0]
+    if recipes:
+        run = DecodeRecipe.run
+
+        def counted(self, *args):
+            runs[0] += 1
+            return run(self, *args)
+
+        monkeypatch.setattr(DecodeRecipe, "run", counted)
+    else:
+        monkeypatch.setattr(DecodeRecipe, "capture", staticmethod(lambda *args: None))
+    seen, sample = [], runner.sample_batch
+
+    def record(logits, requests):
+        seen.append(logits.clone())
+        return sample(logits, requests)
+
+    monkeypatch.setattr(runner, "sample_batch", record)
+    llm = LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16)
+    g = torch.Generator().manual_seed(7)
+    for i, length in enumerate((37, 5, 59)):
+        llm.add_request(torch.randint(0, 256, (length,), generator=g).tolist(),
+                        SamplingParams(max_tokens=10 + 6 * i, temperature=0, ignore_eos=True))
+    steps = 0
+    while llm.has_unfinished_requests():
+        llm.step()
+        steps += 1
+        if change is not None and steps == 6:
+            change(llm.model)
+    monkeypatch.undo()
+    return seen, runs[0]
+
+
+@pytest.mark.parametrize("change", [None, replace_parameter, repoint_data, update_in_place,
+                                    replace_module])
+def test_kept_calls_give_the_logits_of_resolving_them(monkeypatch, change):
+    want, _ = decode_logits(monkeypatch, False, change)
+    got, runs = decode_logits(monkeypatch, True, change)
+    assert runs > 0  # the recipes ran
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
