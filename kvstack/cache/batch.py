@@ -91,29 +91,32 @@ class DecodeBatch(KVStore):
         width = max(len(s.block_table) for s in stores)
         tables = [s.block_table for s in held] + [[]] * pad
         self.row_positions = lengths  # the host's copy
-        self.positions = torch.tensor(lengths, device=dev)  # [B]
-        self.slots = torch.tensor([s.slot for s in held] + [self.rings.pad_slot] * pad,
-                                  device=dev)  # [B]
         padded = [t + [null] * (width - len(t)) for t in tables]
         self.block_table = torch.tensor(padded, device=dev)  # [B, max_blocks]
         # Per stream ratio, made on the host (a few ints a sequence, where torch would
         # dispatch a dozen ops a ratio): each sequence's entries with this step's token
         # [B], and where the entry its token ends goes: its row for the sequences whose
         # token completes a group, row 0 of the null block for the rest (block [B],
-        # offset [B]). Layers of one ratio share them.
-        lens, new_rows = {}, {}
-        for r in sorted(set(pools.ratios.values())):
+        # offset [B]). Layers of one ratio share them. One tensor holds these rows with
+        # the positions and ring slots (a tensor made from host ints costs several
+        # microseconds whatever its size).
+        ratios = sorted(set(pools.ratios.values()))
+        host = [lengths, [s.slot for s in held] + [self.rings.pad_slot] * pad]
+        for r in ratios:
             per = pools.block_tokens // r
             counts = [(p + 1) // r for p in lengths]
             complete = [(p + 1) % r == 0 for p in lengths]
-            blocks = [row[(c - 1) // per] if done else null
-                      for row, c, done in zip(padded, counts, complete, strict=True)]
-            offsets = [(c - 1) % per if done else 0 for c, done in zip(counts, complete,
-                                                                       strict=True)]
-            lens[r], *new_rows[r] = torch.tensor([counts, blocks, offsets], device=dev).unbind()
+            host.append(counts)
+            host.append([row[(c - 1) // per] if done else null
+                         for row, c, done in zip(padded, counts, complete, strict=True)])
+            host.append([(c - 1) % per if done else 0
+                         for c, done in zip(counts, complete, strict=True)])
+        self.positions, self.slots, *per_ratio = torch.tensor(host, device=dev).unbind()  # [B]
+        lens = {r: per_ratio[3 * i] for i, r in enumerate(ratios)}
+        new_rows = {r: (per_ratio[3 * i + 1], per_ratio[3 * i + 2]) for i, r in enumerate(ratios)}
         self.stream_lens = {layer: lens[r]  # [B], this step's entry included
                             for layer, r in pools.ratios.items()}
-        self._new_rows = {layer: tuple(new_rows[r]) for layer, r in pools.ratios.items()}
+        self._new_rows = {layer: new_rows[r] for layer, r in pools.ratios.items()}
         # The ids before each new token that Engram hashes, made when the tokens come
         # (`append_tokens`; host copies, so the step itself builds nothing from host lists).
         self._history: torch.Tensor | None = None

@@ -1596,15 +1596,21 @@ class DecodeRecipe:
         self.ring = store.rings.rows[spec.index].data
         self.ring_pos = store.rings.pos[spec.index]
         self.pool = store.pools.rows[spec.kv_source, "kv"].data if k else None
-        # Every (table, name, object) of the layer's tree, the attention's RoPE table too.
+        # Every (table, name, object) the four calls read through: the layer's tree but
+        # for the compressor's and the indexer's (whose own calls check theirs), and the
+        # attention's RoPE table.
+        attn = layer._modules["attn"]
+        skipped = {id(m) for part in (attn.compressor, attn.indexer) if part is not None
+                   for m in part.modules()}
         self.tables, self.names, self.objects = [], [], []
         for module in layer.modules():
+            if id(module) in skipped:
+                continue
             for table in (module._modules, module._parameters, module._buffers):
                 for name, obj in table.items():
                     self.tables.append(table)
                     self.names.append(name)
                     self.objects.append(obj)
-        attn = layer._modules["attn"]
         self.tables.append(attn.__dict__)
         self.names.append("freqs")
         self.objects.append(attn.freqs)
@@ -1659,10 +1665,10 @@ class DecodeRecipe:
             ctx: StepContext) -> TokenStates:
         """`Layer.forward` of a decode step by the kept calls."""
         x, threads = s.x, torch.get_num_threads()
-        single_pass = layer.single_pass
+        single_pass, at_positions = layer.single_pass, store.positions.data_ptr()
         at = self.block_in.slots  # slots as native.attention_block_in sets them
         at[0], at[10] = x.data_ptr(), s.mix.data_ptr() if single_pass else 0
-        at[20], at[31] = store.positions.data_ptr(), threads
+        at[20], at[31] = at_positions, threads
         self.block_in()
         attn_pre, post, comb, y, qr, q, window = self.outs
         attn = layer._modules["attn"]
@@ -1685,11 +1691,11 @@ class DecodeRecipe:
         chosen = None if selected is None else native._as(selected, torch.int64)  # held
         at = self.attend.slots  # kv_ring_write_attend's: its three, then sparse attention's
         table = store.block_table
-        at[8], at[9], at[19] = store.slots.data_ptr(), store.positions.data_ptr(), table.data_ptr()
+        at[8], at[9], at[19] = store.slots.data_ptr(), at_positions, table.data_ptr()
         at[20], at[21], at[34] = table.shape[1], 0 if chosen is None else chosen.data_ptr(), threads
         self.attend()
         at = self.out.slots  # kv_attention_out_spread's
-        at[4], at[14], at[20] = store.positions.data_ptr(), x.data_ptr(), threads
+        at[4], at[14], at[20] = at_positions, x.data_ptr(), threads
         self.out()
         out, ffn_pre = torch.empty_like(x), x.new_empty(x.shape[:-1])
         at = self.ffn.slots  # kv_ffn_block's
