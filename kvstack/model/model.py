@@ -1323,6 +1323,8 @@ class DenseAttention(nn.Module):
         self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        # The decode call's kept addresses and buffers (native's `keep`).
+        self.c_calls: dict = {}
 
     def decode_block(self, x: torch.Tensor, norm: RMSNorm, start: int | torch.Tensor,
                      store: KVStore) -> torch.Tensor | None:
@@ -1339,10 +1341,11 @@ class DenseAttention(nn.Module):
         if weights is None or not weights[0].is_cpu or not native.fuses(x, norm_weight):
             return None
         k_rows, v_rows, new_rows, lengths = store.dense_stream(self.layer)
+        # A kept output: the layer's feed-forward half reads it before the next step.
         out = native.dense_attention_block(
             x[:, 0], norm_weight, norm.eps, *weights, self.config.n_heads, start,
             self.freqs, k_rows.data, v_rows.data, k_rows.fmt, store.block_table, new_rows,
-            lengths)
+            lengths, self.c_calls)
         return out[:, None]
 
     def forward(self, x: torch.Tensor, start: int, store: KVStore,

@@ -360,7 +360,8 @@ def _threads() -> int:
 # The calls a decode step makes in every layer, which step.c also takes as one block of
 # arguments (`<name>_args`): see ArgBlock.
 _BLOCK_CALLS = ("kv_ffn_block", "kv_attention_block_in", "kv_attention_out",
-                "kv_attention_out_spread", "kv_sparse_attention", "kv_ring_write_attend")
+                "kv_attention_out_spread", "kv_sparse_attention", "kv_ring_write_attend",
+                "kv_dense_attention_block")
 
 
 class ArgBlock:
@@ -613,7 +614,7 @@ def dense_attention_block(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: t
                           positions: torch.Tensor, freqs: torch.Tensor, k_pool: torch.Tensor,
                           v_pool: torch.Tensor, fmt: str, block_table: torch.Tensor,
                           new_rows: tuple[torch.Tensor, torch.Tensor],
-                          lengths: torch.Tensor) -> torch.Tensor:
+                          lengths: torch.Tensor, keep: dict | None = None) -> torch.Tensor:
     """A decode step of a dense layer's attention half for x [B, dim] (one new token of
     each sequence, at positions [B]) with float32 or bf16 weights (wq [heads * D, dim], wk
     and wv [kv heads * D, dim], wo [dim, heads * D]), the norm's weight, float64 RoPE freqs
@@ -622,39 +623,55 @@ def dense_attention_block(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: t
     sequence's entries 0 .. lengths[b] - 1 through block_table [B, max_blocks] (this
     step's included), the output projection, the residual added: [B, dim]. What
     `dense_attention` and the separate ops make, within float rounding; the rows written
-    are the bytes `PackedRows.pack` writes."""
+    are the bytes `PackedRows.pack` writes. keep: as `attention_block_in`'s (the output is
+    a kept buffer)."""
     b, dim = x.shape
-    kv_width, d, half = wk.shape[0], wq.shape[0] // heads, freqs.shape[0]
-    if (wq.shape != (heads * d, dim) or wv.shape != wk.shape or wk.shape[1] != dim
-            or kv_width % d or heads % (kv_width // d) or wo.shape != (dim, heads * d)
-            or half > 512 or 2 * half > d):
-        raise ValueError(f"dense_attention_block: weights {list(wq.shape)}, "
-                         f"{list(wk.shape)}, {list(wv.shape)}, {list(wo.shape)} with {heads} "
-                         f"heads and {2 * half} rotated dims do not fit x {list(x.shape)}")
-    f = get_format(fmt)
-    if f.element != "bf16":
-        check_width(f, kv_width)
-    # kv_quantize's element numbering; -1: bf16 bytes. (The block is the decoder's.)
-    element = -1 if f.element == "bf16" else int(f.element != "e2m1")
-    block, packed, elem, scale = _any_decoding(fmt)
-    for pool in (k_pool, v_pool):
-        if not pool.is_contiguous() or pool.shape[-1] != bytes_per_entry(fmt, kv_width):
-            raise ValueError(f"dense_attention_block: pools must be contiguous rows of "
-                             f"{bytes_per_entry(fmt, kv_width)} bytes")
-    x, norm = _as(x, torch.float32), _as(norm, torch.float32)
-    stored = _matrix_dtype(wq, wk, wv, wo)
-    wq, wk, wv, wo = (_as(t, stored) for t in (wq, wk, wv, wo))
-    positions, freqs = _as(positions.reshape(b), torch.int64), _as(freqs, torch.float64)
-    table, lengths = _as(block_table, torch.int64), _as(lengths, torch.int64)
-    new_block, new_offset = (_as(t, torch.int64) for t in new_rows)
-    out = torch.empty_like(x)
-    _load().kv_dense_attention_block(
-        _ptr(x), b, dim, _ptr(norm), eps, _ptr(wq), _ptr(wk), _ptr(wv), _ptr(wo),
-        int(stored is torch.bfloat16), heads,
-        kv_width // d, d, _ptr(positions), _ptr(freqs), half, _ptr(k_pool), _ptr(v_pool),
-        k_pool.shape[1], k_pool.shape[2], v_pool.shape[2], _ptr(table), table.shape[1],
-        _ptr(new_block), _ptr(new_offset), _ptr(lengths), element, int(f.scale == "e4m3"),
-        block, packed, _ptr(elem), _ptr(scale), d**-0.5, _ptr(out), _threads())
+
+    def make() -> tuple[bool, tuple]:
+        kv_width, d, half = wk.shape[0], wq.shape[0] // heads, freqs.shape[0]
+        if (wq.shape != (heads * d, dim) or wv.shape != wk.shape or wk.shape[1] != dim
+                or kv_width % d or heads % (kv_width // d) or wo.shape != (dim, heads * d)
+                or half > 512 or 2 * half > d):
+            raise ValueError(f"dense_attention_block: weights {list(wq.shape)}, "
+                             f"{list(wk.shape)}, {list(wv.shape)}, {list(wo.shape)} with "
+                             f"{heads} heads and {2 * half} rotated dims do not fit x "
+                             f"{list(x.shape)}")
+        f = get_format(fmt)
+        if f.element != "bf16":
+            check_width(f, kv_width)
+        # kv_quantize's element numbering; -1: bf16 bytes. (The block is the decoder's.)
+        element = -1 if f.element == "bf16" else int(f.element != "e2m1")
+        block, packed, elem, scale = _any_decoding(fmt)
+        for pool in (k_pool, v_pool):
+            if not pool.is_contiguous() or pool.shape[-1] != bytes_per_entry(fmt, kv_width):
+                raise ValueError(f"dense_attention_block: pools must be contiguous rows of "
+                                 f"{bytes_per_entry(fmt, kv_width)} bytes")
+        stored = _matrix_dtype(wq, wk, wv, wo)
+        same, held = _converted((norm, wq, wk, wv, wo, freqs),
+                                (torch.float32, stored, stored, stored, stored, torch.float64))
+        out = torch.empty(b, dim)
+        n, q, k, v, o, fr = map(_ptr, held)
+        # x, positions, the table (and its width), the new rows, the lengths and the
+        # threads (slots 0, 13, 21-25, 34) are set each call.
+        block_args = ArgBlock("kv_dense_attention_block", (
+            0, b, dim, n, eps, q, k, v, o, int(stored is torch.bfloat16), heads,
+            kv_width // d, d, 0, fr, half, _ptr(k_pool), _ptr(v_pool), k_pool.shape[1],
+            k_pool.shape[2], v_pool.shape[2], 0, 0, 0, 0, 0, element, int(f.scale == "e4m3"),
+            block, packed, _ptr(elem), _ptr(scale), d**-0.5, _ptr(out), 0))
+        return same, (block_args, out, held)
+
+    key = (x.shape, eps, heads, fmt, k_pool.shape, v_pool.shape,
+           *map(_data_ptr, (norm, wq, wk, wv, wo, freqs, k_pool, v_pool)))
+    block, out, _held = _plan(keep, "dense_attention_block", key, make)
+    x = _as(x, torch.float32)
+    positions, table = _as(positions.reshape(b), torch.int64), _as(block_table, torch.int64)
+    new_block, new_offset = _as(new_rows[0], torch.int64), _as(new_rows[1], torch.int64)
+    lengths = _as(lengths, torch.int64)
+    at = block.slots
+    at[0], at[13], at[21], at[22] = _ptr(x), _ptr(positions), _ptr(table), table.shape[1]
+    at[23], at[24], at[25] = _ptr(new_block), _ptr(new_offset), _ptr(lengths)
+    at[34] = _threads()
+    block()
     return out
 
 

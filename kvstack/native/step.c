@@ -1006,6 +1006,13 @@ void kv_ring_write_attend_args(const int64_t *a) {
                          P(19), a[20], P(21), a[22], a[23], (int)a[24], P(25), P(26), a[27],
                          a[28], a[29], F(30), P(31), P(32), P(33), (int)a[34]);
 }
+void kv_dense_attention_block_args(const int64_t *a) {
+    kv_dense_attention_block(P(0), a[1], a[2], P(3), F(4), P(5), P(6), P(7), P(8), (int)a[9],
+                             a[10], a[11], a[12], P(13), P(14), a[15], P(16), P(17), a[18],
+                             a[19], a[20], P(21), a[22], P(23), P(24), P(25), (int)a[26],
+                             (int)a[27], a[28], (int)a[29], P(30), P(31), F(32), P(33),
+                             (int)a[34]);
+}
 #undef P
 #undef F
 
