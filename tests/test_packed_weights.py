@@ -259,6 +259,10 @@ def test_a_prefill_chunk_multiplies_a_bf16_weight_widened(groups, monkeypatch):
         rows = slice(group * wide.shape[1], (group + 1) * wide.shape[1])
         assert_rounding_close(out[:, rows], x[:, group], wide[group])
         assert_rounding_close(below[:, rows], x[:, group], wide[group])
+    # A weight past BF16_GEMM_ELEMENTS stays in the kernel, however many tokens.
+    monkeypatch.setattr(native, "BF16_GEMM_ELEMENTS", w.numel() - 1)
+    with pytest.raises(AssertionError, match="reached the C kernel"):
+        native.packed_linear(x.flatten(1), "bf16", w, groups=groups)
 
 
 @pytest.mark.parametrize("groups", [1, 4])

@@ -713,11 +713,15 @@ def fp8_has_nan(codes: torch.Tensor) -> bool:
 # at 128 tokens: 458 against 499 ms, at 512: 1.44 against 2.18 s, the copy's decoding and
 # page faults amortised). A prefill chunk takes it; decode batches stay below it.
 GEMM_TOKENS = 128
-# A bf16 weight is widened for torch's GEMM from fewer tokens: widening it costs a copy, not
-# a decode (one thread here, kernel against torch: a 256x256 weight at 24 tokens 66 against
-# 61 us, at 48 123 against 93, at 512 922 against 665; the 2048x256 head at 16 tokens 325
-# against 373, at 32 637 against 436). A decode batch of up to 16 stays in the kernel.
+# A small bf16 weight is widened for torch's GEMM from fewer tokens: where its float32 copy
+# stays in the CPU's caches, widening it costs a copy, not a decode (one thread here,
+# kernel against torch: a 256x256 weight at 24 tokens 66 against 61 us, at 48 123 against
+# 93, at 512 922 against 665; a 2048x256 head at 16 tokens 325 against 373, at 32 637
+# against 436). A decode batch of up to 16 stays in the kernel. A larger bf16 weight (a
+# V4.1 checkpoint's head: a 3.7 GB float32 copy) is never widened: the kernel reads it
+# as stored, where the copy would write and read twice its bytes again.
 BF16_GEMM_TOKENS = 24
+BF16_GEMM_ELEMENTS = 1 << 20  # the largest bf16 weight widened: a 4 MiB float32 copy
 
 
 def fp8_dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -740,8 +744,8 @@ def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
     block-diagonal, output rows of group g (O / groups each) reading x's columns
     g*K .. g*K + K - 1 (V4.1's wo_a). nan_codes=False: the codes are known to hold no NaN
     (`fp8_has_nan`), and the kernel does not look for them. An FP8 call of GEMM_TOKENS
-    tokens or more, or a bf16 one of BF16_GEMM_TOKENS, multiplies a transient float32 copy
-    of the weight instead."""
+    tokens or more, or a bf16 one of BF16_GEMM_TOKENS of a weight up to BF16_GEMM_ELEMENTS,
+    multiplies a transient float32 copy of the weight instead."""
     o, k = codes.shape
     if o % groups:
         raise ValueError(f"a weight of {o} rows does not split into {groups} groups")
@@ -749,7 +753,7 @@ def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
     n = x.shape[0]
     if x.dim() != 2 or x.shape[1] != groups * k:
         raise ValueError(f"packed_linear: x must be [N, {groups * k}], got {list(x.shape)}")
-    if (fmt == "bf16" and n >= BF16_GEMM_TOKENS) or (
+    if (fmt == "bf16" and n >= BF16_GEMM_TOKENS and o * k <= BF16_GEMM_ELEMENTS) or (
             fmt == "fp8" and n >= GEMM_TOKENS and scales is not None):
         weight = (codes.float() if fmt == "bf16" else fp8_dequantize(codes, scales))
         if groups == 1:
