@@ -38,7 +38,8 @@ def replace_module(model) -> None:
     model.layers[1].attn.wo_b = new
 
 
-def decode_logits(monkeypatch, recipes: bool, change) -> tuple[list[torch.Tensor], int]:
+def decode_logits(monkeypatch, recipes: bool, change,
+                  model: object = "tiny") -> tuple[list[torch.Tensor], int]:
     """Every decode step's logits of three greedy requests that end at different steps
     (the batch shrinks), `change` applied to the model after the sixth step; and how many
     layer steps ran a recipe."""
@@ -60,7 +61,7 @@ def decode_logits(monkeypatch, recipes: bool, change) -> tuple[list[torch.Tensor
         return sample(logits, requests)
 
     monkeypatch.setattr(runner, "sample_batch", record)
-    llm = LLM("tiny", random_init=True, kv_budget="2MiB", block_tokens=16)
+    llm = LLM(model, random_init=True, kv_budget="2MiB", block_tokens=16)
     g = torch.Generator().manual_seed(7)
     for i, length in enumerate((37, 5, 59)):
         llm.add_request(torch.randint(0, 256, (length,), generator=g).tolist(),
@@ -81,6 +82,21 @@ def test_kept_calls_give_the_logits_of_resolving_them(monkeypatch, change):
     want, _ = decode_logits(monkeypatch, False, change)
     got, runs = decode_logits(monkeypatch, True, change)
     assert runs > 0  # the recipes ran
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["per_site", "tiny-v41"])
+def test_other_residuals_and_engram_layers_keep_their_logits(monkeypatch, name):
+    """Hyper-connections mixed at each site (no carried pre), and V4.1's layout, whose
+    Engram layers never keep a recipe while the others do."""
+    from kvstack.config import preset
+
+    model = preset("tiny").replace(hc_residual="per_site") if name == "per_site" else name
+    want, _ = decode_logits(monkeypatch, False, None, model)
+    got, runs = decode_logits(monkeypatch, True, None, model)
+    assert runs > 0
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
