@@ -3,12 +3,14 @@ call again, whatever the batch's shape and the selection's width do between step
 weight replaced, re-pointed or updated in place between steps is the one the next step
 reads."""
 
+import sys
+
 import pytest
 import torch
 from torch import nn
 
 import kvstack.engine.runner as runner
-from kvstack import LLM, SamplingParams
+from kvstack import LLM, SamplingParams, native
 from kvstack.model.model import DecodeRecipe
 
 
@@ -38,8 +40,8 @@ def replace_module(model) -> None:
     model.layers[1].attn.wo_b = new
 
 
-def decode_logits(monkeypatch, recipes: bool, change,
-                  model: object = "tiny") -> tuple[list[torch.Tensor], int]:
+def decode_logits(monkeypatch, recipes: bool, change, model: object = "tiny",
+                  lengths: tuple[int, ...] = (37, 5, 59)) -> tuple[list[torch.Tensor], int]:
     """Every decode step's logits of three greedy requests that end at different steps
     (the batch shrinks), `change` applied to the model after the sixth step; and how many
     layer steps ran a recipe."""
@@ -63,7 +65,7 @@ def decode_logits(monkeypatch, recipes: bool, change,
     monkeypatch.setattr(runner, "sample_batch", record)
     llm = LLM(model, random_init=True, kv_budget="2MiB", block_tokens=16)
     g = torch.Generator().manual_seed(7)
-    for i, length in enumerate((37, 5, 59)):
+    for i, length in enumerate(lengths):
         llm.add_request(torch.randint(0, 256, (length,), generator=g).tolist(),
                         SamplingParams(max_tokens=10 + 6 * i, temperature=0, ignore_eos=True))
     steps = 0
@@ -97,6 +99,32 @@ def test_other_residuals_and_engram_layers_keep_their_logits(monkeypatch, name):
     want, _ = decode_logits(monkeypatch, False, None, model)
     got, runs = decode_logits(monkeypatch, True, None, model)
     assert runs > 0
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_selection_that_widens_after_a_recipe_was_kept_runs_the_calls_afresh(monkeypatch):
+    """A sequence whose block table grows past one block while it decodes: its stream
+    then holds more entries than one block's, and the indexer's top-k widens (index_topk
+    above one block's entries). A recipe kept for the narrower selection hands that step
+    to the calls as `Attention.forward` makes them, with the same logits."""
+    from kvstack.config import preset
+
+    tails = [0]
+    attention_out, recipe_code = native.attention_out, DecodeRecipe.run.__code__
+
+    def counted(*args, **kwargs):
+        tails[0] += sys._getframe(1).f_code is recipe_code  # a recipe's hand-over
+        return attention_out(*args, **kwargs)
+
+    monkeypatch.setattr(native, "attention_out", counted)
+    model = preset("tiny").replace(index_topk=16)
+    want, _ = decode_logits(monkeypatch, False, None, model, (12,))
+    monkeypatch.setattr(native, "attention_out", counted)
+    tails[0] = 0
+    got, runs = decode_logits(monkeypatch, True, None, model, (12,))
+    assert runs > 0 and tails[0] > 0  # recipes ran, and some handed their step over
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

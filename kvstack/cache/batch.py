@@ -299,11 +299,6 @@ class DecodeBatch(KVStore):
         over the first n_entries of source's index stream, entries not yet visible -inf:
         [B, 1, n_entries]."""
         rows = self.pools.rows[source, "index"]
-        if self.c_attention and native.decodes(rows.fmt) and not torch.compiler.is_compiling():
-            # The C scoring straight from the packed keys (what `score_index_keys` calls).
-            return native.index_scores(q[:, 0], w[:, 0], rows.data, self.block_table,
-                                       self.positions, n_entries, self.pools.ratios[source],
-                                       rows.fmt)[:, None]
         args = (q[:, 0], w[:, 0], rows.data, self.block_table, self.positions, n_entries,
                 self.pools.ratios[source])
         if self.triton:

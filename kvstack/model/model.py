@@ -1682,11 +1682,11 @@ class DecodeRecipe:
                                 n_entries, score_pools, found)
         attn._publish(ctx, *found)
         k = 0 if selected is None else selected.shape[-1]
-        if k != self.k:  # an early step's narrower selection: the calls as forward makes them
+        if k != self.k:  # another width (the table grew): the calls as forward makes them
             del layer.c_calls["recipes"][x.shape]
             out = store.attend(attn.spec.index, attn.spec.kv_source, q, selected, attn.sink,
                                window, attn.c_calls)
-            x = native.attention_out(out, positions, attn.freqs, *self.matrices[3:4],
+            x = native.attention_out(out, positions, attn.freqs, self.matrices[3],
                                      attn.local_groups, self.matrices[4], (x, post, comb),
                                      attn.c_calls, spent=True)
             x, ffn_pre = layer._ffn_in_c(x, attn_pre if single_pass else None)
