@@ -82,6 +82,7 @@ class Result:
     wall_s: float
     errors: int
     cpu_s: float = float("nan")  # the server's CPU seconds over the measured run
+    ready_s: float = float("nan")  # from the server's launch to its first answer
 
 
 def free_port() -> int:
@@ -212,11 +213,14 @@ def serve_and_measure(command: list[str], model: str, texts: list[str],
     process = subprocess.Popen([*command, "--port", str(port)], env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
+        launched = time.perf_counter()
         wait_up(url, process, startup_s)
+        ready_s = time.perf_counter() - launched
         asyncio.run(run_load(url, model, texts[: args.clients], args))  # warm-up
         cpu = tree_cpu_seconds(process.pid)
         result = asyncio.run(run_load(url, model, texts, args))
         result.cpu_s = tree_cpu_seconds(process.pid) - cpu
+        result.ready_s = ready_s
         rate = kvstack_hit_rate(url) if has_metrics else None
         return result, rate
     finally:
@@ -293,7 +297,7 @@ def main() -> None:
             "output_tok_s": r.output_tokens / r.wall_s, "errors": r.errors,
             "cpu_s": r.cpu_s,
             "cpu_s_per_token": r.cpu_s / r.output_tokens if r.output_tokens else None,
-            "prefix_hit_rate": hit, "requests": len(texts)}
+            "prefix_hit_rate": hit, "requests": len(texts), "ready_s": r.ready_s}
     a_row = rows["(a) kvstack serve"]
     if args.json:
         print(json.dumps({"rows": rows, "args": vars(args), "threads": 1,
@@ -304,7 +308,7 @@ def main() -> None:
                         f"{args.max_tokens} tokens each, greedy")
     for column in ("server", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
                    "out tok/s", "(a) × tok/s", "CPU ms/tok", "(a) ÷ CPU", "prefix hits",
-                   "errors"):
+                   "ready s", "errors"):
         table.add_column(column, justify="left" if column == "server" else "right")
     for name, row in rows.items():
         hit = "" if row["prefix_hit_rate"] is None else f"{row['prefix_hit_rate']:.0%}"
@@ -316,7 +320,7 @@ def main() -> None:
                       f"{row['itl_p50_ms']:.1f}", f"{row['itl_p99_ms']:.1f}",
                       f"{row['output_tok_s']:.1f}", ratio,
                       "" if cpu is None else f"{1e3 * cpu:.1f}", cpu_ratio, hit,
-                      str(row["errors"]))
+                      f"{row['ready_s']:.1f}", str(row["errors"]))
     Console(width=160).print(table)
     print(f"model: dim 256, 8 layers, 4 heads of 64, vocab {tokenizer.vocab_size}; each "
           f"server alone, 1 thread; (a)'s checkpoint {args.kvstack_dtype}, (b) float32 "
@@ -324,7 +328,8 @@ def main() -> None:
           f" continuous batching; torch {torch.__version__}; {a.errors} errors in (a). CPU "
           "ms/tok = the server's CPU time (its process tree's utime + stime from /proc) over "
           "the measured run ÷ its output tokens; (a) ÷ CPU = (a)'s CPU per token over the "
-          f"row's (below 1: kvstack spends less). (c) vLLM CPU: {args.vllm_dtype}, "
+          f"row's (below 1: kvstack spends less); ready s = launch to the first answer "
+          f"of /v1/models. (c) vLLM CPU: {args.vllm_dtype}, "
           f"{' '.join(f'{k}={v}' for k, v in VLLM_ENV.items())}. load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for line in skipped:
