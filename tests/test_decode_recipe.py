@@ -11,7 +11,7 @@ from torch import nn
 
 import kvstack.engine.runner as runner
 from kvstack import LLM, SamplingParams, native
-from kvstack.model.model import DecodeRecipe
+from kvstack.model.model import DecodeRecipe, SelectionCalls
 
 
 def replace_parameter(model) -> None:
@@ -24,6 +24,18 @@ def repoint_data(model) -> None:
     g = torch.Generator().manual_seed(2)
     norm = model.layers[2].attn_norm
     norm.weight.data = torch.rand(norm.weight.shape, generator=g) + 0.5
+
+
+def repoint_indexer(model) -> None:
+    g = torch.Generator().manual_seed(4)
+    wq = model.layers[4].attn.indexer.wq
+    wq.weight.data = torch.randn(wq.weight.shape, generator=g) * 0.05
+
+
+def replace_compressor_norm(model) -> None:
+    g = torch.Generator().manual_seed(5)
+    norm = model.layers[1].attn.compressor.norm
+    norm.weight = nn.Parameter(torch.rand(norm.weight.shape, generator=g) + 0.5)
 
 
 def update_in_place(model) -> None:
@@ -41,10 +53,11 @@ def replace_module(model) -> None:
 
 
 def decode_logits(monkeypatch, recipes: bool, change, model: object = "tiny",
-                  lengths: tuple[int, ...] = (37, 5, 59)) -> tuple[list[torch.Tensor], int]:
+                  lengths: tuple[int, ...] = (37, 5, 59),
+                  change_at: int = 6) -> tuple[list[torch.Tensor], int]:
     """Every decode step's logits of three greedy requests that end at different steps
-    (the batch shrinks), `change` applied to the model after the sixth step; and how many
-    layer steps ran a recipe."""
+    (the batch shrinks), `change` applied to the model after step `change_at`; and how
+    many layer steps ran a recipe."""
     runs = [0]
     if recipes:
         run = DecodeRecipe.run
@@ -72,17 +85,19 @@ def decode_logits(monkeypatch, recipes: bool, change, model: object = "tiny",
     while llm.has_unfinished_requests():
         llm.step()
         steps += 1
-        if change is not None and steps == 6:
+        if change is not None and steps == change_at:
             change(llm.model)
     monkeypatch.undo()
     return seen, runs[0]
 
 
 @pytest.mark.parametrize("change", [None, replace_parameter, repoint_data, update_in_place,
-                                    replace_module])
+                                    replace_module, repoint_indexer, replace_compressor_norm])
 def test_kept_calls_give_the_logits_of_resolving_them(monkeypatch, change):
-    want, _ = decode_logits(monkeypatch, False, change)
-    got, runs = decode_logits(monkeypatch, True, change)
+    # After step 8 the batch's block table keeps its width for two more steps of its
+    # shape, so the kept compressor and indexer calls see the change too.
+    want, _ = decode_logits(monkeypatch, False, change, change_at=8)
+    got, runs = decode_logits(monkeypatch, True, change, change_at=8)
     assert runs > 0  # the recipes ran
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
@@ -125,6 +140,28 @@ def test_a_selection_that_widens_after_a_recipe_was_kept_runs_the_calls_afresh(m
     tails[0] = 0
     got, runs = decode_logits(monkeypatch, True, None, model, (12,))
     assert runs > 0 and tails[0] > 0  # recipes ran, and some handed their step over
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_kept_compressor_and_indexer_calls_run_every_selection_path(monkeypatch):
+    """The kept compressor and indexer calls (`SelectionCalls`) of tiny's layers: a Full
+    layer scoring its stream, a candidate source, a Reindex layer inside its candidate
+    pool once the stream outgrows it, Reuse and window-only layers reading what others
+    chose; bit for bit the logits of the general path, which the masked pool of a short
+    stream still takes."""
+    modes = []
+    run = SelectionCalls.run
+
+    def counted(self, *args):
+        modes.append(self.mode)
+        return run(self, *args)
+
+    want, _ = decode_logits(monkeypatch, False, None)
+    monkeypatch.setattr(SelectionCalls, "run", counted)
+    got, _ = decode_logits(monkeypatch, True, None)
+    assert {"scores", "candidate_source", "in_pool", ""} <= set(modes)
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

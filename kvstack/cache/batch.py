@@ -261,7 +261,13 @@ class DecodeBatch(KVStore):
         kv, index = self.pools.rows[layer, "kv"], self.pools.rows[layer, "index"]
         if not (self.c_attention and native.decodes(kv.fmt) and native.decodes(index.fmt)):
             return None
-        return (kv.data, kv.fmt, index.data, index.fmt, *self._new_rows[layer])
+        return (kv.data, kv.fmt, index.data, index.fmt, *self.new_rows(layer))
+
+    def new_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the entries this step's tokens end in layer's stream go (`stream_writes`'
+        last two): blocks [B] and offsets [B], row 0 of the null block for a sequence whose
+        token completes no group."""
+        return self._new_rows[layer]
 
     def partial_groups(self, source: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a C compressor step updates in place: source's partial values and gate
@@ -272,9 +278,14 @@ class DecodeBatch(KVStore):
         """Where a C compressor step hands each row's new values and gate logits [B, 2,
         D] (`native.compress_step`'s group_rows), for the sequences that may take tokens
         back (`PagedSequenceStore.speculate`); None when none may."""
-        if not any(s.speculation is not None for s in self.stores):
+        if not self.speculates():
             return None
         return torch.empty(self.batch_size, 2, self.partials.values[source].shape[-1])
+
+    def speculates(self) -> bool:
+        """Whether a sequence of the batch may take tokens back (its store keeps what
+        rebuilding its partial groups needs)."""
+        return any(s.speculation is not None for s in self.stores)
 
     def saw_rows(self, source: int, rows: torch.Tensor) -> None:
         """Hand what `group_rows` got to the sequences that keep it."""

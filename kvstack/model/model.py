@@ -1568,6 +1568,146 @@ class Layer(nn.Module):
         self.attn.compressor(self.attn_norm(x), start, store)
 
 
+class SelectionCalls:
+    """A decode layer's compressor and indexer kept as two C calls (`native`'s
+    `compress_write_block` and `index_select_block`) for one width of the block table,
+    which the stream's length, and with it the selection's path and width, follow: what
+    `Attention._stream_step` and `Attention._select` do on a decode batch of the C
+    kernels, the same kernels in the same order. A step sets the slots that change (the
+    positions, ring slots, new rows, the table, the top-k and pool buffers); a recipe makes
+    new calls when the table widens. A layer that reads another's selection (a Reuse
+    layer) or none (a window-only layer) keeps no calls, only that choice."""
+
+    def __init__(self, attn: "Attention", store: DecodeBatch, width: int,
+                 compress: tuple | None, select: tuple | None, mode: str, k: int,
+                 kb: int) -> None:
+        self.spec, self.width, self.mode, self.k, self.kb = attn.spec, width, mode, k, kb
+        self.compress, self.compress_held = compress or (None, None)
+        self.select, self.select_held = select or (None, None)
+        spec = attn.spec
+        # What the calls write or read in place, which a step checks is still the cache's.
+        self.targets = (() if spec.kv_source is None else
+                        (store.pools.rows[spec.kv_source, "kv"].data,
+                         store.pools.rows[spec.kv_source, "index"].data))
+        if self.compress is None:
+            self.targets = self.targets[1:] if self.select is not None else ()
+        elif spec.ratio > 1:
+            self.targets += store.partial_groups(spec.index)[:2]
+
+    @staticmethod
+    def make(attn: "Attention", y: torch.Tensor, qr: torch.Tensor, store: DecodeBatch,
+             ctx: StepContext) -> "SelectionCalls | None":
+        """The calls of a layer whose attention input is y [B, 1, dim] (qr [B, 1, rank] its
+        query's low rank), both buffers a recipe keeps, where this step's general path
+        would run them in C as they do; else None."""
+        if not SelectionCalls._plain(ctx) or store.triton or store.speculates():
+            return None
+        c, spec = attn.config, attn.spec
+        b, width = y.shape[0], store.block_table.shape[1]
+        compressor, indexer = attn.compressor, attn.indexer
+        if indexer is None:
+            if compressor is not None or (spec.ratio and spec.index_source is None):
+                return None
+            return SelectionCalls(attn, store, width, None, None, "", 0, 0)
+        compress = None
+        if compressor is not None:
+            weights, write = compressor._weights_in_c(y, store), store.stream_writes(spec.index)
+            if weights is None or write is None:
+                return None
+            wkv, wgate, norm, wk_index, index_norm = weights
+            partial = store.partial_groups(spec.index)[:2] if spec.ratio > 1 else None
+            compress = native.compress_write_block(
+                y[:, 0], spec.ratio, wkv, wgate, partial, norm, compressor.norm.eps, wk_index,
+                index_norm, compressor.index_norm.eps, compressor.freqs, write)
+        n_entries = store.stream_len(spec.kv_source)
+        mods = indexer._modules
+        matrices = c_matrices(mods["wq"], mods["wweights"])
+        index_rows = store.pools.rows[spec.kv_source, "index"]
+        if (n_entries == 0 or indexer.shard is not None or matrices is None
+                or indexer.freqs.dtype is not torch.float64 or b > FUSED_PROJECTION_TOKENS
+                or not (c.index_query_format == "none"
+                        or native.decodes(c.index_query_format))
+                or not matrices[0].is_cpu or not native.fuses(qr, y)
+                or not native.decodes(index_rows.fmt)):
+            return None
+        bs = c.candidate_block_size
+        if spec.uses_candidates and c.candidate_topk_blocks * bs < n_entries:
+            spans = ctx.pool.get(spec.kv_source)
+            if spans is None or not store.scores_entries(spec.kv_source):
+                return None
+            mode, kb = "in_pool", spans.shape[-1]
+            k = min(c.index_topk, kb * bs)
+        elif spec.uses_candidates:  # a pool the stream fits: the masked path, not kept
+            return None
+        else:
+            mode = "candidate_source" if spec.is_candidate_source else "scores"
+            kb = min(c.candidate_topk_blocks, -(-n_entries // bs))
+            k = min(c.index_topk, n_entries)
+        di, hi = c.index_head_dim, c.index_n_heads
+        select = native.index_select_block(
+            qr, y, *matrices, indexer.n_local_heads, indexer.freqs, c.index_query_format,
+            di**-0.5 * hi**-0.5, mode, index_rows.data, index_rows.fmt, n_entries,
+            store.pools.ratios[spec.kv_source], kb, bs, k)
+        return SelectionCalls(attn, store, width, compress, select, mode, k, kb)
+
+    @staticmethod
+    def _plain(ctx: StepContext) -> bool:
+        """Whether a step's context asks for nothing the kept calls leave out."""
+        return not (ctx.dense or ctx.collect or ctx.instruments is not None
+                    or ctx.target_rows is not None)
+
+    def holds(self, store: DecodeBatch, ctx: StepContext) -> bool:
+        """Whether this step can make the kept calls."""
+        spec = self.spec
+        if (store.block_table.shape[1] != self.width or not self._plain(ctx)
+                or (self.compress is not None and store.speculates())):
+            return False
+        if self.targets:
+            rows = store.pools.rows
+            live = (rows[spec.kv_source, "index"].data,)
+            if self.compress is not None:
+                live = (rows[spec.kv_source, "kv"].data, *live)
+                if spec.ratio > 1:
+                    live += store.partial_groups(spec.index)[:2]
+            if not all(map(operator.is_, live, self.targets)):
+                return False
+        if self.mode == "in_pool":
+            spans = ctx.pool.get(spec.kv_source)
+            return (spans is not None and spans.shape[-1] == self.kb
+                    and spans.dtype is torch.int64 and spans.is_contiguous())
+        return self.select is not None or not spec.ratio or spec.index_source in ctx.topk
+
+    def run(self, store: DecodeBatch, ctx: StepContext) -> torch.Tensor | None:
+        """The step's compressor entries written and its selection [B, 1, k] (-1 for none;
+        None for none at all), published to later layers as `Attention._publish` does."""
+        spec, threads = self.spec, torch.get_num_threads()
+        if self.select is None:
+            return ctx.topk[spec.index_source] if spec.ratio else None
+        positions = store.positions.data_ptr()
+        if self.compress is not None:
+            blocks, offsets = store.new_rows(spec.index)
+            at = self.compress.slots
+            at[3], at[4], at[34] = positions, store.slots.data_ptr(), blocks.data_ptr()
+            at[35], at[39] = offsets.data_ptr(), threads
+            self.compress()
+        b = store.positions.shape[0]
+        topk = torch.empty(b, 1, self.k, dtype=torch.int64)
+        table = store.block_table
+        at = self.select.slots
+        at[10], at[25], at[26] = positions, table.data_ptr(), table.shape[1]
+        at[38], at[39] = topk.data_ptr(), threads
+        if self.mode == "in_pool":
+            at[33] = store.stream_lens[spec.kv_source].data_ptr()
+            at[34] = ctx.pool[spec.kv_source].data_ptr()
+        elif self.mode == "candidate_source":
+            spans = torch.empty(b, 1, self.kb, dtype=torch.int64)
+            at[34] = spans.data_ptr()
+            ctx.pool[spec.kv_source] = spans
+        self.select()
+        ctx.topk[spec.index] = topk
+        return topk
+
+
 class DecodeRecipe:
     """A layer's decode step kept between steps: the argument blocks of its four C calls
     (attention in, the ring write and attention, attention out with the spread, the
@@ -1599,24 +1739,20 @@ class DecodeRecipe:
         self.ring = store.rings.rows[spec.index].data
         self.ring_pos = store.rings.pos[spec.index]
         self.pool = store.pools.rows[spec.kv_source, "kv"].data if k else None
-        # Every (table, name, object) the four calls read through: the layer's tree but
-        # for the compressor's and the indexer's (whose own calls check theirs), and the
-        # attention's RoPE table.
-        attn = layer._modules["attn"]
-        skipped = {id(m) for part in (attn.compressor, attn.indexer) if part is not None
-                   for m in part.modules()}
+        # Every (table, name, object) the calls read through: the layer's tree and the
+        # RoPE tables of its attention, compressor and indexer.
         self.tables, self.names, self.objects = [], [], []
         for module in layer.modules():
-            if id(module) in skipped:
-                continue
-            for table in (module._modules, module._parameters, module._buffers):
+            tables = (module._modules, module._parameters, module._buffers, module.__dict__)
+            for table in tables:
                 for name, obj in table.items():
+                    if table is module.__dict__ and name != "freqs":
+                        continue
                     self.tables.append(table)
                     self.names.append(name)
                     self.objects.append(obj)
-        self.tables.append(attn.__dict__)
-        self.names.append("freqs")
-        self.objects.append(attn.freqs)
+        # The compressor's and indexer's calls (width of the block table, the calls).
+        self.selection: tuple[int, SelectionCalls | None] = (-1, None)
         self.tensors = [t for t in self.objects if isinstance(t, torch.Tensor)]
         self.addresses = tuple(map(torch.Tensor.data_ptr, self.tensors))
 
@@ -1676,11 +1812,18 @@ class DecodeRecipe:
         attn_pre, post, comb, y, qr, q, window = self.outs
         attn = layer._modules["attn"]
         positions = call_positions(ctx, start, 1, x.device)  # [B, 1]: the starts' own
-        n_entries, score_pools = attn._stream_step(y, start, store, ctx, 1)
-        found: tuple[list, list, list] = ([], [], [])
-        selected = attn._select(y, qr, q, positions, slice(0, QUERY_TILE), store, ctx,
-                                n_entries, score_pools, found)
-        attn._publish(ctx, *found)
+        width = store.block_table.shape[1]
+        if self.selection[0] != width:
+            self.selection = (width, SelectionCalls.make(attn, y, qr, store, ctx))
+        calls = self.selection[1]
+        if calls is not None and calls.holds(store, ctx):
+            selected = calls.run(store, ctx)
+        else:
+            n_entries, score_pools = attn._stream_step(y, start, store, ctx, 1)
+            found: tuple[list, list, list] = ([], [], [])
+            selected = attn._select(y, qr, q, positions, slice(0, QUERY_TILE), store, ctx,
+                                    n_entries, score_pools, found)
+            attn._publish(ctx, *found)
         k = 0 if selected is None else selected.shape[-1]
         if k != self.k:  # another width (the table grew): the calls as forward makes them
             del layer.c_calls["recipes"][x.shape]

@@ -136,6 +136,10 @@ _SIGNATURES = {
     "kv_index_queries": [_P, _P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _P, _I,
                          ctypes.c_int, ctypes.c_int, _I, _P, _P, ctypes.c_float, _P, _P,
                          ctypes.c_int],
+    "kv_index_select": [_P, _P, _I, _I, _I, _P, _P, ctypes.c_int, _I, _I, _P, _P, _I,
+                        ctypes.c_int, ctypes.c_int, _I, _P, _P, ctypes.c_float, _P, _P,
+                        ctypes.c_int, _P, _I, _I, _P, _I, _I, ctypes.c_int, _P, _P, _I, _I, _P,
+                        _P, _I, _I, _I, _P, ctypes.c_int],
     "kv_ffn_block": [_P, _I, _I, _I, _P, _P, _P, ctypes.c_float, ctypes.c_float, _I, _P, _P,
                      _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                      ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float,
@@ -361,7 +365,7 @@ def _threads() -> int:
 # arguments (`<name>_args`): see ArgBlock.
 _BLOCK_CALLS = ("kv_ffn_block", "kv_attention_block_in", "kv_attention_out",
                 "kv_attention_out_spread", "kv_sparse_attention", "kv_ring_write_attend",
-                "kv_dense_attention_block")
+                "kv_dense_attention_block", "kv_index_select", "kv_compress_write")
 
 
 class ArgBlock:
@@ -1113,6 +1117,55 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
     [blocks, per, bytes] (contiguous, in place). Rows run in order (a sequence's rows at
     consecutive positions pool each other). group_rows: with ratio > 1, float32 [B, 2, D]
     that gets each row's new values and gate logits."""
+    args, how, kv, keys, _held = _compress_args(
+        x, positions, slots, ratio, wkv, wgate, partial, norm, norm_eps, wk_index,
+        index_norm, index_eps, freqs, write, group_rows)
+    (_load().kv_compress_step if write is None else _load().kv_compress_write)(*args, *how)
+    return kv, keys
+
+
+def compress_write_block(x: torch.Tensor, ratio: int, wkv: torch.Tensor,
+                         wgate: torch.Tensor | None,
+                         partial: tuple[torch.Tensor, torch.Tensor] | None,
+                         norm: torch.Tensor, norm_eps: float, wk_index: torch.Tensor,
+                         index_norm: torch.Tensor, index_eps: float, freqs: torch.Tensor,
+                         write: tuple[torch.Tensor, str, torch.Tensor, str, torch.Tensor,
+                                      torch.Tensor]) -> tuple[ArgBlock, tuple]:
+    """`compress_step` with `write` and no group rows as one kept C call (step.c's
+    `kv_compress_write`) of x [B, dim] (contiguous float32: its address is the block's);
+    the entries and index keys it makes go to its own buffers, which nothing reads. Returns
+    the block and what it holds. A step sets slots 3 (positions [B] int64), 4 (slots [B]),
+    34 and 35 (blocks, offsets [B] of the new rows) and 39 (threads)."""
+    if not (x.is_contiguous() and x.dtype is torch.float32):
+        raise ValueError("compress_write_block: x must be contiguous float32")
+    b = x.shape[0]
+    index = torch.zeros(b, dtype=torch.int64)  # stands for positions, slots, blocks, offsets
+    args, how, kv, keys, held = _compress_args(
+        x, index, index, ratio, wkv, wgate, partial, norm, norm_eps, wk_index, index_norm,
+        index_eps, freqs, (*write[:4], index, index), None)
+    given = (wkv, wk_index, wgate, norm, index_norm, freqs, x)
+    if any(t is not u for t, u in zip(held, given, strict=False)):
+        # A converted copy would not follow an in-place update of the weight it copies.
+        raise ValueError("compress_write_block: the weights must be contiguous, the "
+                         "projections all float32 or all bf16, the norms float32, freqs "
+                         "float64")
+    args[3] = args[4] = args[34] = args[35] = 0
+    return ArgBlock("kv_compress_write", (*args, *how)), (held, kv, keys, x)
+
+
+def _compress_args(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ratio: int,
+                   wkv: torch.Tensor, wgate: torch.Tensor | None,
+                   partial: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
+                   norm_eps: float, wk_index: torch.Tensor, index_norm: torch.Tensor,
+                   index_eps: float, freqs: torch.Tensor,
+                   write: tuple[torch.Tensor, str, torch.Tensor, str, torch.Tensor,
+                                torch.Tensor] | None,
+                   group_rows: torch.Tensor | None) -> tuple[list, tuple, torch.Tensor,
+                                                             torch.Tensor, tuple]:
+    """`compress_step`'s arguments checked and converted: (kv_compress_step's or, with
+    write, kv_compress_write's arguments up to group_rows, then (weights_bf16, isa,
+    threads), the entries and keys [B, D], [B, Di] it writes, the converted tensors whose
+    addresses the arguments hold)."""
     b, dim = x.shape
     d, di, half = wkv.shape[0], wk_index.shape[0], freqs.shape[0]
     if group_rows is not None and (ratio == 1 or group_rows.shape != (b, 2, d)
@@ -1149,9 +1202,9 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             0 if gates is None else _ptr(gates), _ptr(norm), norm_eps, _ptr(wk_index), di,
             _ptr(index_norm), index_eps, _ptr(freqs), half, _ptr(kv), _ptr(keys))
     how = (int(stored is torch.bfloat16), ISAS.index(weights_isa()), _threads())
+    held = (wkv, wk_index, wgate, norm, index_norm, freqs, x, positions, slots)
     if write is None:
-        _load().kv_compress_step(*args, rows_out, *how)
-        return kv, keys
+        return [*args, rows_out], how, kv, keys, held
     kv_pool, kv_fmt, index_pool, index_fmt, blocks, offsets = write
     targets = []
     for pool, fmt, width in ((kv_pool, kv_fmt, d), (index_pool, index_fmt, di)):
@@ -1162,9 +1215,8 @@ def compress_step(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                              f"block-scaled formats, {width} wide, as many a block")
         targets += [_ptr(pool), *coding[1]]
     blocks, offsets = _as(blocks, torch.int64), _as(offsets, torch.int64)
-    _load().kv_compress_write(*args, *targets, kv_pool.shape[1], _ptr(blocks), _ptr(offsets),
-                              rows_out, *how)
-    return kv, keys
+    return ([*args, *targets, kv_pool.shape[1], _ptr(blocks), _ptr(offsets), rows_out], how,
+            kv, keys, (*held, blocks, offsets))
 
 
 @functools.cache
@@ -1192,39 +1244,11 @@ def index_queries(qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
     `attention_block_in`'s (both outputs are kept buffers)."""
     b, n, rank = qr.shape
     dim = x.shape[-1]
-
-    def make() -> tuple[bool, tuple]:
-        half, di = freqs.shape[0], wq.shape[0] // heads
-        if (wq.shape != (heads * di, rank) or wweights.shape != (heads, dim)
-                or x.shape[:2] != (b, n) or half > 512 or 2 * half > di):
-            raise ValueError(f"index_queries: weights {list(wq.shape)} and "
-                             f"{list(wweights.shape)} with {heads} heads and {2 * half} "
-                             f"rotated dims do not fit qr {list(qr.shape)} and x "
-                             f"{list(x.shape)}")
-        if query_format == "none":
-            element, scale_kind, block, tables = -1, 0, 0, _weight_tables("fp8")
-        else:
-            f = get_format(query_format)
-            check_width(f, di)
-            tables = decode_tables(query_format)
-            if tables is None:
-                raise ValueError(f"index_queries: the C kernels round to block-scaled "
-                                 f"formats only, got {query_format}")
-            element, scale_kind, block = (int(f.element != "e2m1"), int(f.scale == "e4m3"),
-                                          f.scale_block)
-        stored = _matrix_dtype(wq, wweights)
-        same, held = _converted((wq, wweights, freqs), (stored, stored, torch.float64))
-        outs = (qr.new_empty(b, n, heads, di, dtype=torch.float32),
-                qr.new_empty(b, n, heads, dtype=torch.float32))
-        wq_p, ww_p, freqs_p = map(_ptr, held)
-        args = ((wq_p, ww_p, int(stored is torch.bfloat16), heads, di),
-                (freqs_p, half, element, scale_kind, block, _ptr(tables[0]), _ptr(tables[1]),
-                 scale, *map(_ptr, outs)))
-        return same, (args, outs, held)
-
     key = (qr.shape, dim, heads, query_format, scale, wq.data_ptr(), wweights.data_ptr(),
            freqs.data_ptr())
-    (middle, tail), outs, _held = _plan(keep, "index_queries", key, make)
+    (middle, tail), outs, _held = _plan(
+        keep, "index_queries", key,
+        lambda: _index_query_plan(qr, x, wq, wweights, heads, freqs, query_format, scale))
     qr, x = _as(qr, torch.float32), _as(x, torch.float32)
     if positions.shape != (b, n):
         positions = positions.expand(b, n)
@@ -1232,6 +1256,83 @@ def index_queries(qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
     _load().kv_index_queries(_ptr(qr), _ptr(x), b * n, rank, dim, *middle, _ptr(positions),
                              *tail, _threads())
     return outs
+
+
+def _index_query_plan(qr: torch.Tensor, x: torch.Tensor, wq: torch.Tensor,
+                      wweights: torch.Tensor, heads: int, freqs: torch.Tensor,
+                      query_format: str, scale: float) -> tuple[bool, tuple]:
+    """`index_queries`' plan: (whether it may be kept, ((kv_index_queries' arguments from
+    wq to di), (from freqs to w)), its outputs q [B, n, heads, Di] and w [B, n, heads], the
+    weights as the call reads them)."""
+    b, n, rank = qr.shape
+    dim = x.shape[-1]
+    half, di = freqs.shape[0], wq.shape[0] // heads
+    if (wq.shape != (heads * di, rank) or wweights.shape != (heads, dim)
+            or x.shape[:2] != (b, n) or half > 512 or 2 * half > di):
+        raise ValueError(f"index_queries: weights {list(wq.shape)} and "
+                         f"{list(wweights.shape)} with {heads} heads and {2 * half} "
+                         f"rotated dims do not fit qr {list(qr.shape)} and x "
+                         f"{list(x.shape)}")
+    if query_format == "none":
+        element, scale_kind, block, tables = -1, 0, 0, _weight_tables("fp8")
+    else:
+        f = get_format(query_format)
+        check_width(f, di)
+        tables = decode_tables(query_format)
+        if tables is None:
+            raise ValueError(f"index_queries: the C kernels round to block-scaled "
+                             f"formats only, got {query_format}")
+        element, scale_kind, block = (int(f.element != "e2m1"), int(f.scale == "e4m3"),
+                                      f.scale_block)
+    stored = _matrix_dtype(wq, wweights)
+    same, held = _converted((wq, wweights, freqs), (stored, stored, torch.float64))
+    outs = (qr.new_empty(b, n, heads, di, dtype=torch.float32),
+            qr.new_empty(b, n, heads, dtype=torch.float32))
+    wq_p, ww_p, freqs_p = map(_ptr, held)
+    args = ((wq_p, ww_p, int(stored is torch.bfloat16), heads, di),
+            (freqs_p, half, element, scale_kind, block, _ptr(tables[0]), _ptr(tables[1]),
+             scale, *map(_ptr, outs)))
+    return same, (args, outs, held)
+
+
+INDEX_SELECT_MODES = ("scores", "candidate_source", "in_pool")  # kv_index_select's numbering
+
+
+def index_select_block(qr: torch.Tensor, x: torch.Tensor, wq: torch.Tensor,
+                       wweights: torch.Tensor, heads: int, freqs: torch.Tensor,
+                       query_format: str, scale: float, mode: str, keys: torch.Tensor,
+                       fmt: str, n_entries: int, ratio: int, kb: int, span: int,
+                       k: int) -> tuple[ArgBlock, tuple]:
+    """A decode layer's index selection as one kept C call (step.c's `kv_index_select`):
+    `index_queries` of qr [B, 1, rank] and x [B, 1, dim] (kept buffers: their addresses
+    are the block's), then by mode, over the index keys of format fmt (keys [blocks, per,
+    bytes]):
+    - "scores": `index_scores` of the first n_entries entries and `select_topk` of them
+      (k <= n_entries);
+    - "candidate_source": the same, with `candidate_pool` of kb spans of `span` entries
+      first, written to the spans slot's [B, kb];
+    - "in_pool": `select_in_pool` of the spans slot's [B, kb] (k <= kb * span).
+    Returns the block and what it holds (weights, queries, head weights). A step sets
+    slots 10 (positions [B] int64), 25 and 26 (the block table [B, max_blocks] and its
+    width), 33 (each sequence's entries [B], "in_pool"), 34 (the spans), 38 (the top-k out
+    [B, k] int64) and 39 (threads)."""
+    b, n, rank = qr.shape
+    if n != 1 or mode not in INDEX_SELECT_MODES or not 0 < k <= (
+            kb * span if mode == "in_pool" else n_entries):
+        raise ValueError(f"index_select_block: {mode} selection of {k} for {n} queries a "
+                         f"sequence over {n_entries} entries, {kb} spans of {span}")
+    if not (qr.is_contiguous() and x.is_contiguous() and keys.is_contiguous()
+            and qr.dtype is torch.float32 and x.dtype is torch.float32):
+        raise ValueError("index_select_block: qr, x and the keys must be contiguous, qr and x "
+                         "float32")
+    _keepable, ((middle, tail), (q, w), held) = _index_query_plan(
+        qr, x, wq, wweights, heads, freqs, query_format, scale)
+    block, packed, elem, scale_table = _decoding(fmt)
+    args = (_ptr(qr), _ptr(x), b, rank, x.shape[-1], *middle, 0, *tail,
+            INDEX_SELECT_MODES.index(mode), _ptr(keys), keys.shape[1], keys.shape[2], 0, 0,
+            block, packed, _ptr(elem), _ptr(scale_table), n_entries, ratio, 0, 0, kb, span, k,
+            0, _threads())
+    return ArgBlock("kv_index_select", args), (held, q, w, qr, x, keys)
 
 
 def quantize(x: torch.Tensor, fmt: str, rows: bool = True, values: bool = True,

@@ -955,6 +955,51 @@ void kv_index_queries(const float *qr, const float *x, int64_t t, int64_t rank, 
     for (int64_t i = 0; i < t * heads; i++) w[i] = w[i] * scale;
 }
 
+/* A decode layer's index selection (kvstack.model.model.Attention._select of a decode
+ * step: b sequences, one query each) in one call. The indexer's queries q [b, heads, di]
+ * and head weights w [b, heads] (kv_index_queries' arguments, qr [b, rank] and x [b, dim]
+ * at positions [b]), then by mode:
+ *   0: the scores of the first n entries of the index stream (kv_index_scores' pool of
+ *      keys through table; entries not yet visible at a sequence's position -inf), and
+ *      their best k in topk [b, k] (kv_select_topk);
+ *   1: as 0, with the candidate pool of the same scores (kv_candidate_pool, kb spans of
+ *      bs entries) in spans [b, kb] first: a candidate source;
+ *   2: the best k inside each sequence's candidate pool, spans [b, kb] as given
+ *      (kv_select_in_pool; held [b] each sequence's entries).
+ * Each step is the function the separate calls make, in their order, so the selection is
+ * theirs bit for bit. */
+void kv_index_select(const float *qr, const float *x, int64_t b, int64_t rank, int64_t dim,
+                     const void *wq, const void *wweights, int wbf16, int64_t heads,
+                     int64_t di, const int64_t *positions, const double *freqs, int64_t half,
+                     int element, int scale_kind, int64_t query_block, const float *query_elem,
+                     const float *query_scale, float scale, float *q, float *w, int mode,
+                     const uint8_t *keys, int64_t per, int64_t row_bytes, const int64_t *table,
+                     int64_t max_blocks, int64_t block, int packed, const float *elem,
+                     const float *key_scale, int64_t n, int64_t ratio, const int64_t *held,
+                     int64_t *spans, int64_t kb, int64_t bs, int64_t k, int64_t *topk,
+                     int threads) {
+    kv_index_queries(qr, x, b, rank, dim, wq, wweights, wbf16, heads, di, positions, freqs,
+                     half, element, scale_kind, query_block, query_elem, query_scale, scale, q,
+                     w, threads);
+    if (mode == 2) {
+        kv_select_in_pool(q, w, keys, per, row_bytes, table, max_blocks, held, spans, kb, bs,
+                          b, heads, di, block, packed, elem, key_scale, k, topk);
+        return;
+    }
+    const int64_t n_spans = (n + bs - 1) / bs, most = k > kb ? k : kb;
+    float *scores = malloc((size_t)(b * n + n_spans) * sizeof(float));
+    int64_t *heap = malloc((size_t)(most > 0 ? most : 1) * sizeof(int64_t));
+    if (!scores || !heap) abort();
+    kv_index_scores(q, w, keys, per, row_bytes, table, max_blocks, positions, b, heads, di,
+                    block, packed, elem, key_scale, n, ratio, scores, threads);
+    if (mode == 1)
+        kv_candidate_pool(scores, b, 1, n, positions, b, ratio, bs, kb, scores + b * n, heap,
+                          spans);
+    kv_select_topk(scores, b, n, k, heap, topk);
+    free(scores);
+    free(heap);
+}
+
 /* The hot calls of a decode step with their arguments in one block of int64 slots, in
  * the order of the function's parameters: pointers and integers as they are, floats as the
  * bits of a double. Python's ctypes converts each argument of a call anew (about 3 us for
@@ -1012,6 +1057,21 @@ void kv_dense_attention_block_args(const int64_t *a) {
                              a[19], a[20], P(21), a[22], P(23), P(24), P(25), (int)a[26],
                              (int)a[27], a[28], (int)a[29], P(30), P(31), F(32), P(33),
                              (int)a[34]);
+}
+void kv_index_select_args(const int64_t *a) {
+    kv_index_select(P(0), P(1), a[2], a[3], a[4], P(5), P(6), (int)a[7], a[8], a[9], P(10),
+                    P(11), a[12], (int)a[13], (int)a[14], a[15], P(16), P(17), F(18), P(19),
+                    P(20), (int)a[21], P(22), a[23], a[24], P(25), a[26], a[27], (int)a[28],
+                    P(29), P(30), a[31], a[32], P(33), P(34), a[35], a[36], a[37], P(38),
+                    (int)a[39]);
+}
+
+void kv_compress_write_args(const int64_t *a) {
+    kv_compress_write(P(0), a[1], a[2], P(3), P(4), a[5], P(6), P(7), a[8], P(9), P(10), P(11),
+                      F(12), P(13), a[14], P(15), F(16), P(17), a[18], P(19), P(20), P(21),
+                      (int)a[22], (int)a[23], a[24], P(25), P(26), P(27), (int)a[28],
+                      (int)a[29], a[30], P(31), P(32), a[33], P(34), P(35), P(36), (int)a[37],
+                      (int)a[38], (int)a[39]);
 }
 #undef P
 #undef F
