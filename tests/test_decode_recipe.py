@@ -1,4 +1,5 @@
-"""A decode step's kept calls (`DecodeRecipe`): bit for bit the logits of resolving every
+"""A decode step's kept calls (`DecodeRecipe`, and `DenseRecipe` for a layer with no
+hyper-connections): bit for bit the logits of resolving every
 call again, whatever the batch's shape and the selection's width do between steps, and a
 weight replaced, re-pointed or updated in place between steps is the one the next step
 reads."""
@@ -11,7 +12,7 @@ from torch import nn
 
 import kvstack.engine.runner as runner
 from kvstack import LLM, SamplingParams, native
-from kvstack.model.model import DecodeRecipe, SelectionCalls
+from kvstack.model.model import DecodeRecipe, DenseRecipe, SelectionCalls
 
 
 def replace_parameter(model) -> None:
@@ -59,16 +60,15 @@ def decode_logits(monkeypatch, recipes: bool, change, model: object = "tiny",
     (the batch shrinks), `change` applied to the model after step `change_at`; and how
     many layer steps ran a recipe."""
     runs = [0]
-    if recipes:
-        run = DecodeRecipe.run
+    for kind in (DecodeRecipe, DenseRecipe):
+        if recipes:
+            def counted(self, *args, run=kind.run):
+                runs[0] += 1
+                return run(self, *args)
 
-        def counted(self, *args):
-            runs[0] += 1
-            return run(self, *args)
-
-        monkeypatch.setattr(DecodeRecipe, "run", counted)
-    else:
-        monkeypatch.setattr(DecodeRecipe, "capture", staticmethod(lambda *args: None))
+            monkeypatch.setattr(kind, "run", counted)
+        else:
+            monkeypatch.setattr(kind, "capture", staticmethod(lambda *args: None))
     seen, sample = [], runner.sample_batch
 
     def record(logits, requests):
@@ -162,6 +162,27 @@ def test_kept_compressor_and_indexer_calls_run_every_selection_path(monkeypatch)
     monkeypatch.setattr(SelectionCalls, "run", counted)
     got, _ = decode_logits(monkeypatch, True, None)
     assert {"scores", "candidate_source", "in_pool", ""} <= set(modes)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def dense_attention_weight(model) -> None:
+    g = torch.Generator().manual_seed(6)
+    wk = model.layers[3].attn.wk
+    wk.weight.data = torch.randn(wk.weight.shape, generator=g) * 0.05
+
+
+@pytest.mark.parametrize("change", [None, replace_parameter, dense_attention_weight])
+def test_the_dense_controls_kept_calls_give_the_logits_of_resolving_them(monkeypatch, change):
+    """The dense control's layers (no hyper-connections, one attention call and one
+    feed-forward call each) keep theirs too, and see a weight replaced or re-pointed."""
+    from kvstack.config import dense_control, preset
+
+    model = dense_control(preset("tiny"))
+    want, _ = decode_logits(monkeypatch, False, change, model, change_at=8)
+    got, runs = decode_logits(monkeypatch, True, change, model, change_at=8)
+    assert runs > 0
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)

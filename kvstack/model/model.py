@@ -1459,13 +1459,21 @@ class Layer(nn.Module):
         if self.spec.index in ctx.draft_targets:  # the mean of the copies, if several
             ctx.draft_inputs[self.spec.index].append(x.mean(2) if x.dim() == 4 else x)
         if self.hc_attn is None:
+            recipes = self.c_calls.setdefault("recipes", {}) if ctx.recipes else None
+            recipe = None if recipes is None else recipes.get(x.shape)
+            if recipe is not None and recipe.holds(self, x, store):
+                return recipe.run(self, s, store)
             mods = self._modules  # read from the dicts: see MoE.fused_parts
             attn, norm = mods["attn"], mods["attn_norm"]
-            fused = (attn.decode_block(x, norm, start, store)
-                     if isinstance(attn, DenseAttention) else None)
-            x = fused if fused is not None else x + attn(norm(x), start, store, ctx)
+            x_in = x
+            attended = (attn.decode_block(x, norm, start, store)
+                        if isinstance(attn, DenseAttention) else None)
+            x = attended if attended is not None else x + attn(norm(x), start, store, ctx)
             fused = self._ffn_in_c(x, None) if s.image is None else None
             x = fused[0] if fused is not None else x + self._ffn(self.ffn_norm(x), s)
+            if recipes is not None:  # kept where both calls ran in C
+                recipes[x_in.shape] = DenseRecipe.capture(
+                    self, x_in, store, attended, None if fused is None else x)
             return s.replace(x, None)
         collapse_pre = s.mix if self.single_pass else None  # None: the mixes' own pre
         # A decode step's kept calls, one recipe per batch shape (a server's batch moves).
@@ -1708,6 +1716,98 @@ class SelectionCalls:
         return topk
 
 
+class LayerWatch:
+    """Whether a layer still reads what it read when a recipe was kept: every module,
+    parameter and buffer of its tree the same object (replacing one, in place in its
+    module or by a new module, is seen), each tensor at the same address (an in-place
+    update is read as it is; `.data = ` is seen), and the RoPE tables of its attention,
+    compressor and indexer the same. Checked each step in C-level loops."""
+
+    def __init__(self, layer: "Layer") -> None:
+        # Every (table, name, object) the calls read through.
+        self.tables, self.names, self.objects = [], [], []
+        for module in layer.modules():
+            tables = (module._modules, module._parameters, module._buffers, module.__dict__)
+            for table in tables:
+                for name, obj in table.items():
+                    if table is module.__dict__ and name != "freqs":
+                        continue
+                    self.tables.append(table)
+                    self.names.append(name)
+                    self.objects.append(obj)
+        self.tensors = [t for t in self.objects if isinstance(t, torch.Tensor)]
+        self.addresses = tuple(map(torch.Tensor.data_ptr, self.tensors))
+
+    def unchanged(self) -> bool:
+        live = map(dict.__getitem__, self.tables, self.names)
+        return (all(map(operator.is_, live, self.objects))
+                and tuple(map(torch.Tensor.data_ptr, self.tensors)) == self.addresses)
+
+
+class DenseRecipe:
+    """A decode step of a layer with no hyper-connections (the dense control's) kept
+    between steps: its two C calls' argument blocks (`native.dense_attention_block`,
+    `native.ffn_block`), as `DecodeRecipe` keeps a stack layer's. A step sets the
+    residual, positions, block table, new rows, lengths and output, and makes both
+    calls."""
+
+    def __init__(self, layer: "Layer", x: torch.Tensor, store: DecodeBatch,
+                 plans: tuple) -> None:
+        self.shape = x.shape
+        self.plans = plans  # whole: the blocks point into their buffers and scratch
+        self.attend, self.ffn = plans[0][0], plans[1][0]
+        self.attended = plans[0][1]  # the attention's kept output [B, dim]
+        index = layer.spec.index
+        self.pools = (store.pools.rows[index, "k"].data, store.pools.rows[index, "v"].data)
+        self.watch = LayerWatch(layer)
+
+    @staticmethod
+    def capture(layer: "Layer", x: torch.Tensor, store: KVStore, attended: torch.Tensor | None,
+                out: torch.Tensor | None) -> "DenseRecipe | None":
+        """The recipe of the step that just ran (x its input residual, attended the
+        attention's C output or None, out the layer's C output or None) where both calls
+        ran in C through plans they keep; else None."""
+        attn = layer._modules["attn"]
+        if (attended is None or out is None or layer.engram is not None
+                or not isinstance(store, DecodeBatch) or not isinstance(attn, DenseAttention)):
+            return None
+        plans = (attn.c_calls.get("dense_attention_block"), layer.c_calls.get("ffn_block"))
+        if any(p is None for p in plans):
+            return None
+        made = tuple(p[1] for p in plans)
+        (attend, kept, _), (ffn, _) = made
+        # Each block must be the one this step's call used.
+        if (attend.slots[0] != x.data_ptr() or kept.data_ptr() != attended.data_ptr()
+                or ffn.slots[0] != kept.data_ptr() or ffn.slots[33] != out.data_ptr()):
+            return None
+        return DenseRecipe(layer, x, store, made)
+
+    def holds(self, layer: "Layer", x: torch.Tensor, store: KVStore) -> bool:
+        """Whether this step of the layer can run the recipe."""
+        if (x.shape != self.shape or not x.is_contiguous() or x.dtype is not torch.float32
+                or not isinstance(store, DecodeBatch)):
+            return False
+        index = layer.spec.index
+        return (store.pools.rows[index, "k"].data is self.pools[0]
+                and store.pools.rows[index, "v"].data is self.pools[1]
+                and self.watch.unchanged())
+
+    def run(self, layer: "Layer", s: TokenStates, store: DecodeBatch) -> TokenStates:
+        """`Layer.forward` of a decode step by the kept calls."""
+        index, threads, table = layer.spec.index, torch.get_num_threads(), store.block_table
+        blocks, offsets = store.new_rows(index)
+        at = self.attend.slots  # kv_dense_attention_block's
+        at[0], at[13], at[21] = s.x.data_ptr(), store.positions.data_ptr(), table.data_ptr()
+        at[22], at[23], at[24] = table.shape[1], blocks.data_ptr(), offsets.data_ptr()
+        at[25], at[34] = store.stream_lens[index].data_ptr(), threads
+        self.attend()
+        out = torch.empty_like(s.x)
+        at = self.ffn.slots  # kv_ffn_block's
+        at[33], at[34] = out.data_ptr(), threads
+        self.ffn()
+        return s.replace(out, None)
+
+
 class DecodeRecipe:
     """A layer's decode step kept between steps: the argument blocks of its four C calls
     (attention in, the ring write and attention, attention out with the spread, the
@@ -1739,22 +1839,9 @@ class DecodeRecipe:
         self.ring = store.rings.rows[spec.index].data
         self.ring_pos = store.rings.pos[spec.index]
         self.pool = store.pools.rows[spec.kv_source, "kv"].data if k else None
-        # Every (table, name, object) the calls read through: the layer's tree and the
-        # RoPE tables of its attention, compressor and indexer.
-        self.tables, self.names, self.objects = [], [], []
-        for module in layer.modules():
-            tables = (module._modules, module._parameters, module._buffers, module.__dict__)
-            for table in tables:
-                for name, obj in table.items():
-                    if table is module.__dict__ and name != "freqs":
-                        continue
-                    self.tables.append(table)
-                    self.names.append(name)
-                    self.objects.append(obj)
+        self.watch = LayerWatch(layer)
         # The compressor's and indexer's calls (width of the block table, the calls).
         self.selection: tuple[int, SelectionCalls | None] = (-1, None)
-        self.tensors = [t for t in self.objects if isinstance(t, torch.Tensor)]
-        self.addresses = tuple(map(torch.Tensor.data_ptr, self.tensors))
 
     @staticmethod
     def capture(layer: "Layer", x: torch.Tensor, store: KVStore,
@@ -1796,9 +1883,7 @@ class DecodeRecipe:
                 or (self.pool is not None
                     and store.pools.rows[spec.kv_source, "kv"].data is not self.pool)):
             return False
-        live = map(dict.__getitem__, self.tables, self.names)
-        return (all(map(operator.is_, live, self.objects))
-                and tuple(map(torch.Tensor.data_ptr, self.tensors)) == self.addresses)
+        return self.watch.unchanged()
 
     def run(self, layer: "Layer", s: TokenStates, start: torch.Tensor, store: DecodeBatch,
             ctx: StepContext) -> TokenStates:
