@@ -149,16 +149,21 @@ def test_candidate_pools_equal_torchs():
         assert torch.equal(got, want), positions
 
 
-def test_grouped_mm_equals_a_matmul_per_group():
-    """Empty groups, odd group sizes, experts' [N, K] weights and a contiguous [K, N]."""
+@pytest.mark.parametrize("k, n", [(64, 32), (64, 96), (64, 36), (24, 32)])
+def test_grouped_mm_equals_a_matmul_per_group(k, n):
+    """Empty groups, odd group sizes, groups small (dots of rows) and large (weights
+    packed in bands of 32 columns, rows eight at a time and a remainder), widths that take
+    each path (36 columns: no whole band; 24 deep: no dot of sixteen), experts' [N, K]
+    weights and a contiguous [K, N]."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 64, generator=g)
-    w = torch.randn(6, 32, 64, generator=g).transpose(1, 2)  # [G, K, N], stored [N, K]
-    ends = torch.tensor([3, 3, 10, 21, 30, 37], dtype=torch.int32)
+    x = torch.randn(190, k, generator=g)
+    w = torch.randn(7, n, k, generator=g).transpose(1, 2)  # [G, K, N], stored [N, K]
+    ends = torch.tensor([3, 3, 10, 21, 30, 37, 190], dtype=torch.int32)  # last: 153 rows
     for weights in (w, w.contiguous()):
         got = native.grouped_mm(x, weights, ends)
         assert torch.allclose(got, grouped_mm_by_group(x, weights, ends), atol=1e-5)
-        # bf16 weights widened in registers: what the float32 call gives on their values.
+        # bf16 weights widened as they are read: what the float32 call gives on their
+        # values.
         narrow = weights.bfloat16()
         assert torch.equal(native.grouped_mm(x, narrow, ends),
                            native.grouped_mm(x, narrow.float(), ends))

@@ -37,6 +37,16 @@ static inline v16f fma16(v16f a, v16f b, v16f c) {
 #endif
 }
 
+/* s in all sixteen lanes. */
+static inline v16f splat16(float s) {
+#if defined(__AVX512F__)
+    return (v16f)_mm512_set1_ps(s);
+#else
+    const v16f zero = {0};
+    return zero + s;
+#endif
+}
+
 /* Sixteen bf16 values widened to floats (a bf16 number is a float's high half). */
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
