@@ -224,11 +224,17 @@ def serve_and_measure(command: list[str], model: str, texts: list[str],
         rate = kvstack_hit_rate(url) if has_metrics else None
         return result, rate
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """A server stopped as an operator stops it (SIGTERM), killed if it has not ended a
+    minute later."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def main() -> None:

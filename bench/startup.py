@@ -14,21 +14,15 @@ bar of 30 s beside them; `--json` for a machine-readable row.
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
+from serve import free_port, stop  # bench/ is on the path: the serving benchmark's helpers
+
 BAR_S = 30.0  # the longest acceptable second start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def time_generate(env: dict[str, str], max_tokens: int) -> float:
@@ -56,11 +50,7 @@ def time_serve(env: dict[str, str], timeout_s: float = 300) -> float:
                 time.sleep(0.05)
         raise RuntimeError(f"kvstack serve did not answer within {timeout_s} s")
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process)
 
 
 def main() -> None:
