@@ -701,12 +701,12 @@ def test_a_prefix_hits_replay_spends_its_steps_budget():
 
     sched = Scheduler(tiny().cache, 4, 100, replay_tokens=lambda cached: min(cached, 30))
     hit = types.SimpleNamespace(num_tokens=90, store=types.SimpleNamespace(
-        num_tokens=80, needs_replay=True, window_checkpointed=False))
+        num_tokens=80, replay_owed=True))
     plan = StepPlan()
     assert sched._plan_part(plan, hit, 100) == 40  # 10 tokens after a replay of 30
     assert sched._plan_part(plan, hit, 25) == 0  # its replay alone outgrows what is left
     assert sched._plan_part(StepPlan(), hit, 20) == 40  # alone: it runs, over the budget
-    hit.store.window_checkpointed = True  # it will copy a window checkpoint: no replay
+    hit.store.replay_owed = False  # it will copy a window checkpoint: no replay
     assert sched._plan_part(StepPlan(), hit, 100) == 10
 
     prefix = list(range(3, 163))
@@ -735,7 +735,7 @@ def test_a_prompt_part_keeps_room_for_the_decoder_span():
 
     sched = Scheduler(tiny().cache, 4, 100, final_prefill_tokens=20)
     seq = types.SimpleNamespace(num_tokens=110, store=types.SimpleNamespace(
-        num_tokens=0, needs_replay=False, window_checkpointed=False))
+        num_tokens=0, replay_owed=False))
     plan = StepPlan()
     assert sched._plan_part(plan, seq, 100) == 90  # leaves 20 for the last part
     seq.store.num_tokens = 90
@@ -770,10 +770,47 @@ def test_a_step_hands_out_each_output_when_its_model_call_returns():
     assert [o.request_id for o in outputs] == [running, short, long_]
 
 
+def test_a_prompt_that_owes_a_replay_prefills_after_the_decode_call():
+    """A prefix hit with no window checkpoint owes a replay (a window of tokens through
+    every layer): it runs as its own prefill once the decode call has handed out the
+    running stream's token and the joined prompt's, not as rows of that call, which it
+    would hold up; a later hit on the same blocks copies the checkpoint the replay left
+    and joins the call."""
+    llm = tiny(kv_budget="4MiB", block_tokens=8)
+    core, events = llm.core, []
+    prefix = list(range(1, 17))
+    llm.generate([*prefix, 5], GREEDY)  # names the prefix's blocks
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    def out(o):
+        events.append(("out", o.request_id))
+
+    running = core.add_request(list(range(30, 40)), params, on_output=out)
+    core.step()
+    prefill = core.runner.prefill
+
+    def recorded(seq):
+        events.append(("prefill", seq.request_id))
+        return prefill(seq)
+
+    core.runner.prefill = recorded
+    hit = core.add_request([*prefix, 7, 7], params, on_output=out)
+    short = core.add_request([50, 51, 52], params, on_output=out)
+    events.clear()
+    core.step()
+    assert core.requests[hit].store.replay_owed is False  # replayed in its prefill
+    assert events == [("out", running), ("out", short), ("prefill", hit), ("out", hit)]
+    again = core.add_request([*prefix, 8, 8], params, on_output=out)
+    events.clear()
+    core.step()
+    assert ("prefill", again) not in events and ("out", again) in events
+
+
 def test_prompts_joined_to_the_decode_call_equal_a_prefill_each():
     """Prompts whose rest fits a window run as rows of the decode call, several at once
-    beside running streams, one of them on a cached prefix (replayed first): every greedy
-    output equals the model's own by a prefill of it alone, then decode steps."""
+    beside running streams, one of them on a cached prefix (its window state copied from
+    the checkpoint an earlier hit's replay left): every greedy output equals the model's
+    own by a prefill of it alone, then decode steps."""
     from kvstack.cache.reference import ReferenceStore
 
     llm = tiny(kv_budget="4MiB", block_tokens=8)
@@ -781,8 +818,9 @@ def test_prompts_joined_to_the_decode_call_equal_a_prefill_each():
     g = torch.Generator().manual_seed(11)
     prefix = torch.randint(0, 256, (16,), generator=g).tolist()
     texts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 8, 6, 1)]
-    texts[1] = prefix + texts[1]  # 16 cached tokens, 8 to go: replayed, then joined
+    texts[1] = prefix + texts[1]  # 16 cached tokens, 8 to go: restored, then joined
     llm.generate([*prefix, 5], GREEDY)  # names the prefix's blocks
+    llm.generate([*prefix, 9, 9], GREEDY)  # a hit's replay leaves the blocks' checkpoint
     running = llm.add_request(texts[0], SamplingParams(max_tokens=20, temperature=0,
                                                        ignore_eos=True))
     llm.step()

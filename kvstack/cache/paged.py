@@ -457,9 +457,10 @@ class PagedSequenceStore(KVStore):
 
     # ---- window checkpoints ----------------------------------------------------------
     @property
-    def window_checkpointed(self) -> bool:
-        """Whether the replay it owes can be a copy of a checkpoint."""
-        return self.needs_replay and self.window_name in self.checkpoints
+    def replay_owed(self) -> bool:
+        """Whether it owes a replay that must run (a window of tokens through the layers),
+        not a checkpoint's copy."""
+        return self.needs_replay and self.window_name not in self.checkpoints
 
     def restore_window(self) -> bool:
         """Take the window state a replay over the same cached blocks left, if one was

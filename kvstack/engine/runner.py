@@ -287,12 +287,16 @@ class ModelRunner:
         """Whether a prompt's last part of n tokens can run as rows of the decode step
         (`decode_with_prompts`): the C kernels run several rows of a sequence, the part is
         no longer than a window (CED prefill would run every layer over it too, and row by
-        row costs no more there), it holds no picture, and nothing asks for more than its
-        last logits (DSpark's context comes from a prefill). One process: the ranks of a
-        sharded model mirror a decode step and a prefill, not this joined call."""
+        row costs no more there), it holds no picture, nothing asks for more than its last
+        logits (DSpark's context comes from a prefill), and its store owes no replay: a
+        replay (a window of tokens through every layer, a prefix hit with no checkpoint)
+        would hold up every stream and prompt of the call, so it runs as its own prefill
+        after the call has handed out their tokens. One process: the ranks of a sharded
+        model mirror a decode step and a prefill, not this joined call."""
         c = self.model.config
         return (self.rows_in_c and n <= c.window_size and not seq.images
-                and not self.drafts(seq) and self.config.tensor_parallel_size == 1)
+                and not seq.store.replay_owed and not self.drafts(seq)
+                and self.config.tensor_parallel_size == 1)
 
     @torch.no_grad()
     def decode_with_prompts(self, decoding: list[Sequence],

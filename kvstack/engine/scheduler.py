@@ -99,8 +99,7 @@ class Scheduler:
         step has no other part) all that is left, over the budget. The tokens planned and
         replayed."""
         left = seq.num_tokens - seq.store.num_tokens
-        owed = seq.store.needs_replay and not seq.store.window_checkpointed
-        replay = self.replay_tokens(seq.store.num_tokens) if owed else 0
+        replay = self.replay_tokens(seq.store.num_tokens) if seq.store.replay_owed else 0
         room = budget - replay
         if room <= 0 and not plan.prefill:
             room = budget  # alone in the step: its part is sized as if it owed no replay
