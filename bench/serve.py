@@ -32,6 +32,12 @@ OMP_NUM_THREADS=1 as
 the others, VLLM_CPU_OMP_THREADS_BIND=nobind (the machine is shared: no pinning to cores
 another process may hold) and VLLM_CPU_KVCACHE_SPACE=1 (GiB). `--no-hf` leaves (b) out.
 bench/offline.py compares kvstack's and vLLM's offline `LLM.generate`.
+
+With `--in-process`, (a') is the same workload on kvstack's engine in this process, with
+no HTTP: the same checkpoint and settings behind `AsyncLLM`, the same prompts as token
+ids, `--clients` coroutines each keeping one request in flight, TTFT from a request's
+submission to its first token. What (a) takes beyond (a') is the server's own work
+(parsing, streaming, the interpreter it shares with the engine) and the client's.
 """
 
 import argparse
@@ -237,6 +243,45 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
+def in_process(model_dir: Path, texts: list[str], args: argparse.Namespace) -> Result:
+    """The workload on kvstack's `AsyncLLM` in this process, as `kvstack serve` runs it."""
+    from kvstack import SamplingParams
+    from kvstack.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(str(model_dir), threads=1, kv_budget="256MiB",
+                      max_num_seqs=args.clients)
+    ids = [engine.llm.encode(text) for text in texts]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+
+    async def load(prompts: list[list[int]]) -> Result:
+        queue, ttft, itl, tokens = list(prompts), [], [], [0]
+
+        async def client() -> None:
+            while queue:
+                prompt = queue.pop(0)
+                start = last = time.perf_counter()
+                seen = 0
+                async for out in engine.generate(prompt, params):
+                    now = time.perf_counter()
+                    if len(out.token_ids) > seen:
+                        (itl if seen else ttft).append(now - (last if seen else start))
+                        seen, last = len(out.token_ids), now
+                tokens[0] += seen
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(args.clients)))
+        return Result(ttft, itl, tokens[0], time.perf_counter() - start, 0)
+
+    try:
+        asyncio.run(load(ids[: args.clients]))  # warm-up
+        cpu = time.process_time()
+        result = asyncio.run(load(ids))
+        result.cpu_s = time.process_time() - cpu
+        return result
+    finally:
+        engine.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=8)
@@ -254,6 +299,9 @@ def main() -> None:
                         help="the dtype kvstack's checkpoint stores its weight matrices in "
                              "(served with kvstack's default dtype=auto, which keeps them)")
     parser.add_argument("--no-hf", action="store_true", help="leave transformers serve out")
+    parser.add_argument("--in-process", action="store_true",
+                        help="also run the workload on kvstack's engine in this process, "
+                             "with no HTTP")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -280,6 +328,8 @@ def main() -> None:
         if args.hf_continuous_batching:
             hf.append("--continuous-batching")
         results = {"(a) kvstack serve": serve_and_measure(kv, "kvstack", texts, args, True)}
+        if args.in_process:
+            results["(a') kvstack in process"] = (in_process(ours, texts, args), None)
         if not args.no_hf:
             results["(b) transformers serve"] = serve_and_measure(hf, str(peer), texts, args,
                                                                   False)
@@ -326,7 +376,8 @@ def main() -> None:
                       f"{row['itl_p50_ms']:.1f}", f"{row['itl_p99_ms']:.1f}",
                       f"{row['output_tok_s']:.1f}", ratio,
                       "" if cpu is None else f"{1e3 * cpu:.1f}", cpu_ratio, hit,
-                      f"{row['ready_s']:.1f}", str(row["errors"]))
+                      "" if row["ready_s"] != row["ready_s"] else f"{row['ready_s']:.1f}",
+                      str(row["errors"]))
     Console(width=160).print(table)
     print(f"model: dim 256, 8 layers, 4 heads of 64, vocab {tokenizer.vocab_size}; each "
           f"server alone, 1 thread; (a)'s checkpoint {args.kvstack_dtype}, (b) float32 "
@@ -335,7 +386,8 @@ def main() -> None:
           "ms/tok = the server's CPU time (its process tree's utime + stime from /proc) over "
           "the measured run ÷ its output tokens; (a) ÷ CPU = (a)'s CPU per token over the "
           f"row's (below 1: kvstack spends less); ready s = launch to the first answer "
-          f"of /v1/models. (c) vLLM CPU: {args.vllm_dtype}, "
+          f"of /v1/models. (a') in process: TTFT from submission to the first token, CPU "
+          f"this process's. (c) vLLM CPU: {args.vllm_dtype}, "
           f"{' '.join(f'{k}={v}' for k, v in VLLM_ENV.items())}. load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for line in skipped:

@@ -642,6 +642,39 @@ def test_a_port_in_use_is_said_before_the_model_loads(capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in err and " on http://" not in err
 
 
+def test_the_servers_connections_send_small_writes_at_once():
+    """The listening socket `bind` makes gives connections with Nagle's algorithm off, as
+    uvicorn's own do: a streamed token is a small write, which Nagle would hold until the
+    client acknowledged the one before (a delayed ACK: tens of milliseconds a token on a
+    kept-alive connection)."""
+    import asyncio
+
+    from kvstack.serve.app import ServeConfig, bind
+
+    sock = bind(ServeConfig(model_name="tiny", host="127.0.0.1", port=free_port()))
+
+    async def accepted_nodelay() -> int:
+        loop = asyncio.get_running_loop()
+        made: asyncio.Future = loop.create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                conn = transport.get_extra_info("socket")
+                made.set_result(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        sock.listen()
+        server = await loop.create_server(Probe, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        try:
+            return await asyncio.wait_for(made, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
+
+
 def test_min_tokens_stop_token_ids_and_logit_bias_over_http(app_client):
     client = app_client
     auth = {"Authorization": "Bearer sesame"}
