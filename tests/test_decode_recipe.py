@@ -186,3 +186,30 @@ def test_the_dense_controls_kept_calls_give_the_logits_of_resolving_them(monkeyp
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_one_token_prefill_between_decode_steps_leaves_the_recipes_calls_alone(
+        monkeypatch, dense):
+    """A prefix hit on all but one token of its prompt owes a replay, so its last token is
+    a prefill of one token: the layers' calls for that shape are the plans the recipes
+    were made from, and such a call sets the slots it takes (its own output buffer among
+    them). The recipes keep slots of their own: the next decode steps give the tokens of
+    an engine that keeps no recipe; the dense control's too."""
+
+    def outputs(recipes: bool) -> list[list[int]]:
+        if not recipes:
+            for kind in (DecodeRecipe, DenseRecipe):
+                monkeypatch.setattr(kind, "capture", staticmethod(lambda *args: None))
+        from kvstack.config import dense_control, preset
+
+        model = dense_control(preset("tiny")) if dense else "tiny"
+        llm = LLM(model, random_init=True, kv_budget="1MiB", block_tokens=16)
+        prompt = torch.randint(3, 250, (177,), generator=torch.Generator().manual_seed(0))
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        outs = [llm.generate([prompt.tolist()], params)[0] for _ in range(3)]
+        assert [o.num_cached_tokens for o in outs] == [0, 176, 176]
+        monkeypatch.undo()
+        return [o.token_ids for o in outs]
+
+    assert outputs(True) == outputs(False)

@@ -1755,7 +1755,8 @@ class DenseRecipe:
                  plans: tuple) -> None:
         self.shape = x.shape
         self.plans = plans  # whole: the blocks point into their buffers and scratch
-        self.attend, self.ffn = plans[0][0], plans[1][0]
+        # Slots of their own, as `DecodeRecipe`'s.
+        self.attend, self.ffn = plans[0][0].copy(), plans[1][0].copy()
         self.attended = plans[0][1]  # the attention's kept output [B, dim]
         index = layer.spec.index
         self.pools = (store.pools.rows[index, "k"].data, store.pools.rows[index, "v"].data)
@@ -1831,7 +1832,10 @@ class DecodeRecipe:
         # must live as long as the recipe (a later shape's call replaces the plans kept in
         # the modules).
         self.plans = plans
-        self.block_in, self.attend, self.out, self.ffn = (plan[0] for plan in plans)
+        # Slots of their own: the modules keep these plans for calls of the same shape
+        # outside a recipe (a one-token prefill), which set the slots they take per call
+        # (an output buffer of theirs among them) that a recipe sets once.
+        self.block_in, self.attend, self.out, self.ffn = (plan[0].copy() for plan in plans)
         self.outs = plans[0][1]  # attention in's kept (pre, post, comb, y, qr, q, window)
         self.k = k  # the selection's width the attention block was made for
         self.matrices = matrices  # (wq_a, wq_b, wkv, wo_a, wo_b) as the calls take them

@@ -389,6 +389,11 @@ class ArgBlock:
     def __call__(self) -> None:
         self._call(self._address)
 
+    def copy(self) -> "ArgBlock":
+        """The same call with slots of its own: a holder that sets only some slots keeps
+        the others as they are now, whatever another caller of this block sets later."""
+        return _restored_block(self.name, list(self.slots))
+
     def __reduce__(self) -> tuple:
         # A copied or unpickled model's kept plans: the same slots (`_plan` sees that their
         # tensors moved and makes new ones).
