@@ -743,6 +743,17 @@ def test_a_prompt_part_keeps_room_for_the_decoder_span():
     assert sched._plan_part(plan, seq, 15) == 0  # the step already prefills a part
 
 
+def record_prefills(core, events: list) -> None:
+    """Each prefill call of the core's runner recorded in `events` as it starts."""
+    prefill = core.runner.prefill
+
+    def recorded(seq):
+        events.append(("prefill", seq.request_id))
+        return prefill(seq)
+
+    core.runner.prefill = recorded
+
+
 def test_a_step_hands_out_each_output_when_its_model_call_returns():
     """A step that decodes a batch and prefills several prompts routes the decode
     batch's tokens before any prefill runs, and each prompt's first token before the next
@@ -755,13 +766,7 @@ def test_a_step_hands_out_each_output_when_its_model_call_returns():
                                on_output=lambda out: events.append(("out", out.request_id)))
     core.step()  # prefilled: it decodes in the next step
     events.clear()
-    prefill = core.runner.prefill
-
-    def recorded(seq):
-        events.append(("prefill", seq.request_id))
-        return prefill(seq)
-
-    core.runner.prefill = recorded
+    record_prefills(core, events)
     long_, short = (core.add_request(ids, params, on_output=lambda out: events.append(
         ("out", out.request_id))) for ids in (list(range(1, 60)), list(range(1, 9))))
     outputs = core.step()
@@ -787,13 +792,7 @@ def test_a_prompt_that_owes_a_replay_prefills_after_the_decode_call():
 
     running = core.add_request(list(range(30, 40)), params, on_output=out)
     core.step()
-    prefill = core.runner.prefill
-
-    def recorded(seq):
-        events.append(("prefill", seq.request_id))
-        return prefill(seq)
-
-    core.runner.prefill = recorded
+    record_prefills(core, events)
     hit = core.add_request([*prefix, 7, 7], params, on_output=out)
     short = core.add_request([50, 51, 52], params, on_output=out)
     events.clear()
