@@ -5,6 +5,7 @@ import resource
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,6 +209,22 @@ def test_the_engine_settings_are_one_validated_object():
         LLM("tiny", random_init=True, kv_budgt="1MiB")
     with pytest.raises(ValueError, match="not both"):
         LLM("tiny", config, random_init=True, kv_budget="1MiB")
+
+
+def test_a_json_tokenizer_gives_the_tokenizer_files_own_ids():
+    """The ids are those the tokenizers library's own encode gives (kvstack's encode goes
+    through its batch call, which lets go of the interpreter), special tokens included."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvstack.demo import bundled_model
+
+    path = bundled_model() / "tokenizer.json"
+    tok, reference = JsonTokenizer(path), HFTokenizer.from_file(str(path))
+    texts = ["", "hello world", "<|eos|> x<|bos|>", "naïve café — 日本語",
+             (Path(__file__).read_text())]
+    for text in texts:
+        assert tok.encode(text) == reference.encode(text).ids
+    assert len(tok.encode(texts[-1])) > 1000
 
 
 def test_incremental_text_equals_the_whole_decode_and_stops_where_a_stop_string_starts(
@@ -803,6 +820,62 @@ def test_a_prompt_that_owes_a_replay_prefills_after_the_decode_call():
     events.clear()
     core.step()
     assert ("prefill", again) not in events and ("out", again) in events
+
+
+def test_a_steps_prompt_calls_run_cheapest_first_counting_an_owed_replay():
+    """A step's prompt calls run by the tokens each runs: a prefix hit with two new tokens
+    that owes a replay over its 40 cached ones runs after a fresh 20-token prompt."""
+    llm = tiny(kv_budget="4MiB", block_tokens=8, max_num_seqs=4)
+    core, events = llm.core, []
+    prefix = list(range(1, 41))
+    llm.generate([*prefix, 5], GREEDY)  # names the prefix's five blocks
+    record_prefills(core, events)
+    hit = core.add_request([*prefix, 7, 7], GREEDY)
+    fresh = core.add_request(list(range(100, 120)), GREEDY)
+    core.step()
+    assert core.scheduler.replay_tokens(40) == 40
+    assert events == [("prefill", fresh), ("prefill", hit)]
+
+
+def test_a_request_arriving_during_a_step_ends_it_after_the_current_prompt_call():
+    """With a front end's request waiting (`EngineCore.arrivals`), a step stops after the
+    prompt call it is in; the prompts it had left prefill in the next step, after that
+    step's decode call, and every request's tokens are those of an engine that runs
+    each step through."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    asks = [list(range(1, 31)), list(range(40, 80)), list(range(90, 110))]
+
+    def run(yielding: bool) -> tuple[dict[str, list[int]], list]:
+        llm = tiny(max_num_seqs=4)
+        core, events, done = llm.core, [], {}
+
+        def out(o):
+            events.append(("out", o.request_id))
+            if o.finished:
+                done[o.request_id] = o.token_ids
+
+        running = core.add_request(asks[0], params, on_output=out)
+        core.step()
+        record_prefills(core, events)
+        first, second = (core.add_request(ids, params, on_output=out) for ids in asks[1:])
+        # A request arrives while the step's first prompt call runs.
+        core.arrivals = (lambda: ("prefill", second) in events) if yielding else None
+        events.clear()
+        core.step()
+        step_one, left = list(events), core.requests[first].store.num_tokens
+        core.arrivals = None
+        events.clear()
+        core.step()
+        if yielding:  # the shorter prompt first, then the step ends
+            assert step_one == [("out", running), ("prefill", second), ("out", second)]
+            assert left == 0
+            assert events == [("out", running), ("out", second), ("prefill", first),
+                              ("out", first)]
+        while core.has_unfinished_requests():
+            core.step()
+        return [done[i] for i in (running, first, second)], step_one
+
+    assert run(True)[0] == run(False)[0]
 
 
 def test_prompts_joined_to_the_decode_call_equal_a_prefill_each():

@@ -35,6 +35,7 @@ class AsyncLLM:
         self._closed = False
         # request id -> how to hand it an output or a failure (the engine thread's)
         self._deliver: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self.core.arrivals = lambda: not self._inbox.empty()
         self._thread = threading.Thread(target=self._loop, name="kvstack-engine", daemon=True)
         self._thread.start()
 
@@ -88,6 +89,7 @@ class AsyncLLM:
         self._closed = True
         self._inbox.put(("stop", None))
         self._thread.join()
+        self.core.arrivals = None
         for request_id in list(self._deliver):
             self.core.abort(request_id)
         self.llm.close()

@@ -96,6 +96,12 @@ class EngineCore:
         # Held by every call that reads or changes requests or the cache (re-entrant: a
         # wait steps while holding it); a front end reading the cache takes it too.
         self.lock = threading.RLock()
+        # Set by a front end whose requests reach the core between steps (AsyncLLM): true
+        # while one waits to be added. A step then ends after its current prompt call,
+        # the prompts it had left staying planned for the next, so that the newcomer is
+        # scheduled at once (a short one joins the next decode call) instead of waiting
+        # behind every prompt this step had left.
+        self.arrivals: Callable[[], bool] | None = None
 
     # ---- requests ----------------------------------------------------------------------
     @locked
@@ -240,9 +246,10 @@ class EngineCore:
         that one model call serves the batch and every such prompt. Returns the output of
         every request that moved (and of every one that finished, however); each also goes
         to the front end waiting for it as soon as the model call that moved it returns
-        (the decode call's, then each other prompt's, the shortest parts first), not at
-        the end of the step: a step that prefills several prompts one after another hands
-        out their first tokens, and the running streams' next ones, as they come."""
+        (the decode call's, then each other prompt's, the cheapest first: `_prefill_cost`),
+        not at the end of the step: a step that prefills several prompts one after another
+        hands out their first tokens, and the running streams' next ones, as they come. A
+        request arriving meanwhile (`arrivals`) ends the step after the current call."""
         plan = self.scheduler.schedule()
         unservable = self.scheduler.take_unservable()
         for seq in unservable:
@@ -284,7 +291,9 @@ class EngineCore:
         if drafting:
             self._speculate(drafting)
             outputs += self._outputs(drafting)
-        for seq, n in sorted(plan.prefill, key=lambda part: part[1]):
+        for i, (seq, n) in enumerate(sorted(plan.prefill, key=self._prefill_cost)):
+            if i and self.arrivals is not None and self.arrivals():
+                break  # the rest stay prefilling: the next step plans them first
             final = n == seq.num_tokens - seq.store.num_tokens
             try:
                 if final:
@@ -304,6 +313,14 @@ class EngineCore:
             else:  # no token yet: nothing to report, but its full blocks are named
                 self.cache.register_full_blocks(seq.store)
         return outputs
+
+    def _prefill_cost(self, part: tuple[Sequence, int]) -> int:
+        """The tokens a prompt call runs: the part's, and first the replay its store owes
+        (a prefix hit's window rebuilt). A step's calls run cheapest first, since each
+        prompt's first token waits for every call before it."""
+        seq, n = part
+        owed = seq.store.replay_owed
+        return n + (self.scheduler.replay_tokens(seq.store.num_tokens) if owed else 0)
 
     def wait(self, request_id: str) -> RequestOutput:
         """The request's newest output, stepping the engine until there is one (the

@@ -82,7 +82,10 @@ class JsonTokenizer:
                             if self._tok.token_to_id(t) is not None), None)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        # encode_batch lets go of the interpreter while it works (encode holds it), so a
+        # server's event loop tokenizing a long prompt does not stall the engine thread;
+        # the ids are the same.
+        return self._tok.encode_batch([text])[0].ids
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
