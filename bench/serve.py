@@ -20,7 +20,8 @@ tokens each, after a warm-up of one request per client. Reported per server: TTF
 inter-token latency p50 / p99 (from the client: first text chunk, gaps between chunks),
 output tokens/s over the whole run, CPU-seconds per output token of the server (utime +
 stime from /proc of the server process and every descendant, reaped children included,
-before and after the measured run: vLLM's engine core is a separate process) and for
+before and after the measured run: vLLM's engine core and kvstack's are processes of
+their own) and for
 kvstack the prefix-cache hit rate from its /metrics. Needs the bench and serve extras
 (transformers, accelerate, fastapi, uvicorn).
 
@@ -36,8 +37,9 @@ bench/offline.py compares kvstack's and vLLM's offline `LLM.generate`.
 With `--in-process`, (a') is the same workload on kvstack's engine in this process, with
 no HTTP: the same checkpoint and settings behind `AsyncLLM`, the same prompts as token
 ids, `--clients` coroutines each keeping one request in flight, TTFT from a request's
-submission to its first token. What (a) takes beyond (a') is the server's own work
-(parsing, streaming, the interpreter it shares with the engine) and the client's.
+submission to its first token, the engine core stepping in a thread of this process.
+What (a) takes beyond (a') is the server's own work (parsing, streaming, the pipe between
+its two processes) and the client's.
 """
 
 import argparse

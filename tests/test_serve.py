@@ -355,10 +355,10 @@ def test_a_damaged_session_record_is_listed_as_damaged(app_client):
     for name in ("kept", "hurt"):
         assert client.post("/v1/completions", json=turn | {"session": name},
                            headers=auth).status_code == 200
-    sessions = client.app.state.sessions
+    table = client.app.state.sessions.engine.handler.sessions  # where the engine runs
     for name in ("kept", "hurt"):
-        sessions.open.pop(name).close()  # as a restarted server: on disk only
-    sessions.llm.disk._db.execute("UPDATE sessions SET held_tokens = -1 WHERE name = 'hurt'")
+        table.open.pop(name).close()  # as a restarted server: on disk only
+    table.llm.disk._db.execute("UPDATE sessions SET held_tokens = -1 WHERE name = 'hurt'")
     listed = client.get("/v1/sessions", headers=auth)
     assert listed.status_code == 200
     by_name = {s["id"]: s for s in listed.json()["data"]}
@@ -553,10 +553,9 @@ def test_a_chat_session_sent_back_by_the_openai_client_continues_its_cache(serve
 
 
 def test_a_text_prompt_extends_tokens_that_would_not_re_tokenize_the_same(local):
-    from kvstack.serve.sessions import HttpSessions
+    from kvstack.serve.sessions import SessionTable
 
-    sessions = HttpSessions.__new__(HttpSessions)
-    sessions.llm = local
+    sessions = SessionTable(local)
     word = next(w for w in ("return", "import", "def") if len(local.encode(w)) == 1)
     split = [t for c in word for t in local.encode(c)]  # the same text in other tokens
     tokens = local.encode("x = ") + split
@@ -568,6 +567,35 @@ def test_a_text_prompt_extends_tokens_that_would_not_re_tokenize_the_same(local)
     assert sessions._extension(session, ids, text, [], None) == (local.encode("(1)"), [])
     # an edited history
     assert sessions._extension(session, ids, "y = " + word, [], None) is None
+
+
+def test_the_server_steps_its_engine_in_a_process_of_its_own(tmp_path):
+    """`kvstack serve` runs the engine core in a child process (HTTP never waits on the
+    step's interpreter); a child that dies takes the server out of rotation: /health and
+    new requests answer 503 naming why."""
+    s = Server(tmp_path)
+    try:
+        children = Path(f"/proc/{s.process.pid}/task/{s.process.pid}/children")
+        engines = [int(pid) for pid in children.read_text().split()
+                   if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(engines) == 1
+        out = s.client.completions.create(model=MODEL, prompt="def main(", **GREEDY)
+        assert out.usage.completion_tokens == 12
+        os.kill(engines[0], signal.SIGKILL)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(s.url + "/health", timeout=1)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and b"exited" in e.read()
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("/health kept answering 200")
+        with pytest.raises(openai.InternalServerError, match="exited"):
+            s.client.completions.create(model=MODEL, prompt="def main(", **GREEDY)
+    finally:
+        assert s.stop() == 0
 
 
 def test_metrics_follow_prometheus_conventions(server):
@@ -679,7 +707,7 @@ def test_min_tokens_stop_token_ids_and_logit_bias_over_http(app_client):
     client = app_client
     auth = {"Authorization": "Bearer sesame"}
     base = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0}
-    eos = client.app.state.sessions.llm.tokenizer.eos_id
+    eos = client.app.state.sessions.engine.tokenizer.eos_id
 
     def ask(**extra):
         return client.post("/v1/completions", json=base | extra, headers=auth)

@@ -12,6 +12,7 @@ from kvstack.engine import LLM, EngineConfig, SamplingParams
 from kvstack.engine.runner import verify_length
 from kvstack.engine.sampling import speculative_accept
 from kvstack.model import Model
+from kvstack.serve.engine_ops import ServeOps
 from kvstack.serve.metrics import EngineCollector
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38],
@@ -239,7 +240,9 @@ def test_metrics_count_drafts_and_accepted_tokens():
     assert draft["context_bytes_per_sequence"] == c.window_size * 3 * c.dim * 4
     assert draft["context_bytes_held"] == 0  # a finished request drafts no more
     assert draft["verifies"] == llm.runner.verifies
-    families = {m.name: m.samples[0].value for m in EngineCollector(llm, "m").collect()}
+    collector = EngineCollector("m")
+    collector.stats = ServeOps(llm).stats()  # what a scrape reads from the engine
+    families = {m.name: m.samples[0].value for m in collector.collect()}
     runner = llm.runner
     assert families["kvstack:spec_decode_num_drafts"] == runner.verifies > 0
     assert families["kvstack:spec_decode_num_draft_tokens"] == runner.drafted_tokens

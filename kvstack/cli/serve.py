@@ -1,11 +1,13 @@
 """`kvstack serve`: the OpenAI-compatible HTTP server over one engine."""
 
 import argparse
+import functools
 import logging
 import os
+import sys
 from pathlib import Path
 
-from kvstack.cli.engine_args import add_engine_args, load_llm
+from kvstack.cli.engine_args import add_engine_args, engine_config, load_llm
 from kvstack.serve.tool_calls import PARSERS
 from kvstack.units import parse_bytes, positive_int
 
@@ -69,8 +71,10 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
 
 def run(args: argparse.Namespace) -> int:
     from kvstack.engine.async_llm import AsyncLLM
+    from kvstack.engine.process import EngineProcess
     try:
         from kvstack.serve.app import ServeConfig, bind, build_app, serve_app
+        from kvstack.serve.engine_ops import ServeOps
     except ImportError as e:
         raise ValueError(f"kvstack serve needs its extra ({e.name} is missing): pip install "
                          "-e '.[serve]'") from None
@@ -93,7 +97,14 @@ def run(args: argparse.Namespace) -> int:
     # A port in use is said before the model loads (by rank 0 alone: under torchrun the
     # other ranks serve as workers inside load_llm and never listen).
     sock = bind(config) if int(os.environ.get("RANK", "0")) == 0 else None
-    engine = AsyncLLM(load_llm(args, max_num_seqs=args.max_num_seqs))
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if engine_config(args).tensor_parallel_size > 1:
+        # A sharded engine's rank 0 is this process, in the ranks' process group: its
+        # core steps in a thread here.
+        engine: AsyncLLM | EngineProcess = AsyncLLM(load_llm(args, max_num_seqs=args.max_num_seqs))
+    else:
+        engine = EngineProcess(functools.partial(load_llm, args, max_num_seqs=args.max_num_seqs),
+                               ServeOps)
     logging.getLogger("kvstack").info("kvstack serve: %s on http://%s:%d/v1", name,
                                       args.host, args.port)
     serve_app(build_app(engine, config), config, sock)

@@ -1,7 +1,9 @@
 """The asyncio front end (vLLM's AsyncLLM): the engine core steps in a thread of its own
 while there is work, and each request's outputs reach the coroutine that asked for them on
 its event loop. An HTTP server is many such coroutines; sync front ends (`LLM.generate`,
-sessions) may share the same core from other threads meanwhile.
+sessions) may share the same core from other threads meanwhile. `EngineProcess`
+(kvstack.engine.process) offers the same to a front end with the engine in a process of
+its own.
 """
 
 import asyncio
@@ -10,6 +12,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,24 @@ from kvstack.engine.core import EngineError
 from kvstack.engine.llm import LLM, Prompt
 from kvstack.engine.sampling import SamplingParams
 from kvstack.engine.sequence import RequestOutput
+from kvstack.engine.tokenizer import Tokenizer
 from kvstack.model.vision import ImageSegment
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a front end reads of its engine once, wherever the engine runs."""
+
+    model_dir: Path | None
+    config: ModelConfig
+    engine_config: EngineConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> "EngineInfo":
+        return cls(llm.model_dir, llm.config, llm.engine_config, llm.tokenizer,
+                   llm.core.max_model_len)
 
 
 class AsyncLLM:
@@ -28,6 +48,11 @@ class AsyncLLM:
         """An LLM to serve (or what builds one, as `LLM(model, engine_config, ...)`)."""
         self.llm = model if isinstance(model, LLM) else LLM(model, engine_config, **settings)
         self.core = self.llm.core
+        self.info = EngineInfo.of(self.llm)
+        self.tokenizer = self.llm.tokenizer
+        # What `call` reaches: the methods a server asks of the engine by name (set by the
+        # server that uses this engine).
+        self.handler: Any = None
         # What coroutines ask of the core, taken by the engine thread between steps: an
         # event loop never waits on the core's lock (which a stepping thread takes again
         # as soon as it lets go), so outputs keep flowing while requests arrive.
@@ -69,20 +94,25 @@ class AsyncLLM:
         self._inbox.put(("add", (ids, sampling_params, request_id, continue_from,
                                  keep_cache, prompt if isinstance(prompt, str) else None,
                                  cache_salt, hold_kept, images, deliver)))
-        finished = False
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, ValueError):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineError(f"request {request_id}: the engine failed: "
-                                      f"{type(item).__name__}: {item}") from item
-                finished = item.finished
-                yield item.with_text()  # made here, on the event loop, off the engine's step
-        finally:
-            if not finished:
-                self._inbox.put(("abort", request_id))
+        # The text is made here, on the event loop, off the engine's step.
+        async for out in request_outputs(outputs, request_id, RequestOutput.with_text,
+                                         lambda: self._inbox.put(("abort", request_id))):
+            yield out
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can serve nothing more (a lost rank); None while it serves."""
+        return self.core.failure
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.llm.encode(prompt)
+
+    async def call(self, name: str, *args: Any) -> Any:
+        """The handler's method `name` on args, on a worker thread (what it returns or
+        raises): as `EngineProcess.call`, with the engine in this process."""
+        if self.handler is None:
+            raise EngineError("this engine has no handler to call")
+        return await asyncio.to_thread(getattr(self.handler, name), *args)
 
     def shutdown(self) -> None:
         """Stop the engine thread (requests still running are aborted)."""
@@ -143,3 +173,25 @@ class AsyncLLM:
             deliver(error)
             return
         self._deliver[request_id] = deliver
+
+
+async def request_outputs(outputs: "asyncio.Queue[RequestOutput | BaseException]",
+                          request_id: str, text: Callable[[RequestOutput], RequestOutput],
+                          abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as a front end's deliveries put them on `outputs`, each with
+    its text made (`text`), the final one last: a refusal (ValueError) raised as it is,
+    an engine's failure as EngineError; `abort` when the caller stops before the end."""
+    finished = False
+    try:
+        while not finished:
+            item = await outputs.get()
+            if isinstance(item, ValueError):
+                raise item
+            if isinstance(item, BaseException):
+                raise EngineError(f"request {request_id}: the engine failed: "
+                                  f"{type(item).__name__}: {item}") from item
+            finished = item.finished
+            yield text(item)
+    finally:
+        if not finished:
+            abort()

@@ -29,6 +29,7 @@ from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput
 from kvstack.engine.session import Session, resume_session
+from kvstack.engine.tokenizer import Tokenizer
 from kvstack.model.vision import ImageInput, ImageSegment
 
 log = logging.getLogger("kvstack")
@@ -148,16 +149,8 @@ class LLM:
 
     def place_images(self, ids: list[int], images: list[Any]) -> tuple[list[int],
                                                                        list[ImageSegment]]:
-        """The prompt's ids with each image's segment in place of its placeholder (before the
-        text where it has none) and the segments; refused with `ImageError` naming what is
-        wrong (no tower, an undecodable or too large picture, a URL to fetch)."""
-        inputs = [image if isinstance(image, ImageInput) else
-                  image_input(image, self.config, self.engine_config.image_bytes)
-                  for image in images]
-        marker = self.config.image_token_id
-        if self.config.has_vision and marker not in ids:
-            ids = [marker] * len(inputs) + ids
-        return expand_images(ids, inputs, self.config)
+        """`place_images` for this engine's model."""
+        return place_images(ids, images, self.config, self.engine_config.image_bytes)
 
     def wait(self, request_id: str) -> RequestOutput:
         """The watched request's newest output, running steps until there is one; its
@@ -173,21 +166,7 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (a string, or token ids checked against the vocabulary)."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list | tuple) and all(
-                isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            ids = list(prompt)
-            bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary "
-                                 f"0..{self.config.vocab_size - 1}")
-        else:
-            raise ValueError(f"a prompt is a string or a list of token ids, got "
-                             f"{type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
+        return encode_prompt(self.tokenizer, self.config.vocab_size, prompt)
 
     @torch.no_grad()
     def prompt_logprobs(self, prompt: Prompt, top: int = 0) -> list[PromptLogprob | None]:
@@ -382,6 +361,39 @@ class LLM:
         clear error if it is corrupt or was saved by another model or format version."""
         with self.core.lock:
             return resume_session(self, name, cache_salt)
+
+
+def encode_prompt(tokenizer: Tokenizer, vocab_size: int, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: a string's, or token ids checked against the vocabulary."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list | tuple) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        ids = list(prompt)
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary "
+                             f"0..{vocab_size - 1}")
+    else:
+        raise ValueError(f"a prompt is a string or a list of token ids, got "
+                         f"{type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def place_images(ids: list[int], images: list[Any], config: ModelConfig,
+                 image_bytes: int) -> tuple[list[int], list[ImageSegment]]:
+    """The prompt's ids with each image's segment in place of its placeholder (before the
+    text where it has none) and the segments; refused with `ImageError` naming what is
+    wrong (no tower, an undecodable or too large picture (over image_bytes), a URL to
+    fetch)."""
+    inputs = [image if isinstance(image, ImageInput) else
+              image_input(image, config, image_bytes) for image in images]
+    marker = config.image_token_id
+    if config.has_vision and marker not in ids:
+        ids = [marker] * len(inputs) + ids
+    return expand_images(ids, inputs, config)
 
 
 def _split_prompt(prompt: Prompt, images: list[Any] | None) -> tuple[str | list[int],

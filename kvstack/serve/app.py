@@ -2,7 +2,8 @@
 
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`,
 `GET /v1/sessions`, `GET|DELETE /v1/sessions/{name}`, `GET /health`, `GET /metrics`.
-Requests run through one `AsyncLLM` (the engine core steps in its own thread); a request
+Requests run through one engine: `kvstack serve` runs its core in a process of its own
+(`EngineProcess`), so that HTTP work never waits on the step's interpreter; a request
 whose client goes away is aborted and its blocks freed. The waiting queue is bounded (429
 with Retry-After beyond it); on shutdown (SIGTERM) the server stops admitting, lets
 running requests finish within the grace period and aborts the rest; sessions are on disk
@@ -30,9 +31,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvstack.cache.disk import check_session_name
 from kvstack.engine.async_llm import AsyncLLM
 from kvstack.engine.chat_template import ChatTemplate
+from kvstack.engine.core import EngineError
+from kvstack.engine.llm import place_images
+from kvstack.engine.process import EngineProcess
 from kvstack.engine.sampling import PromptLogprob, SamplingParams
 from kvstack.engine.sequence import RequestOutput
 from kvstack.model.vision import ImageSegment
+from kvstack.serve.engine_ops import ServeOps
 from kvstack.serve.guards import RequestGate, guarded_protocol
 from kvstack.serve.metrics import ServerMetrics
 from kvstack.serve.protocol import (
@@ -141,24 +146,34 @@ def serve_app(app: FastAPI, config: ServeConfig, sock: socket.socket) -> None:
     ).run(sockets=[sock])
 
 
-def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
-    llm = engine.llm
-    metrics = ServerMetrics(llm, config.model_name)
+Engine = AsyncLLM | EngineProcess
+
+
+def build_app(engine: Engine, config: ServeConfig) -> FastAPI:
+    """The server over `engine`: an engine in its own process (what `kvstack serve` runs,
+    its handler `ServeOps`), or one stepping in a thread of this process."""
+    if isinstance(engine, AsyncLLM) and engine.handler is None:
+        engine.handler = ServeOps(engine.llm)
+    info = engine.info
+    metrics = ServerMetrics(config.model_name)
     sessions = HttpSessions(engine, metrics)
-    template = ChatTemplate.for_model(llm.model_dir)
+    template = ChatTemplate.for_model(info.model_dir)
     parser, chosen_by = tool_parser(config.tool_call_parser, template.source)
     log.info("kvstack serve: tool calls in the %s syntax (by %s)", parser.name, chosen_by)
     state = {"admitting": True, "in_flight": 0}
-    limit = llm.engine_config.max_num_seqs + config.max_waiting
+    limit = info.engine_config.max_num_seqs + config.max_waiting
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        stats = asyncio.create_task(log_stats(llm, metrics, config.stats_interval_s))
+        stats = asyncio.create_task(log_stats(engine, metrics, config.stats_interval_s))
         yield
         stats.cancel()
         state["admitting"] = False
+        saved = None
+        with contextlib.suppress(EngineError):  # an engine that has stopped counts none
+            saved = await engine.call("saved_sessions")
         await asyncio.to_thread(engine.shutdown)
-        log.info("kvstack serve: stopped (%d sessions on disk)", len(llm.disk.names()))
+        log.info("kvstack serve: stopped (%s sessions on disk)", "?" if saved is None else saved)
 
     app = FastAPI(title="kvstack", lifespan=lifespan)
     # The key and the body's size are checked before the body is read (guards.py).
@@ -192,7 +207,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
     async def health() -> Response:
         # 503 while shutting down, and once the engine can serve nothing (a lost rank):
         # a load balancer then takes this server out.
-        failure = llm.core.failure
+        failure = engine.failure
         if state["admitting"] and failure is None:
             return Response(status_code=200)
         return JSONResponse({"status": "shutting down" if failure is None else failure},
@@ -200,11 +215,15 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        try:
+            metrics.engine.stats = await engine.call("stats")  # read between steps
+        except EngineError:  # stopped: the server's own series still count
+            metrics.engine.stats = None
         text = await asyncio.to_thread(generate_latest, metrics.registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     model_card = {"id": config.model_name, "object": "model", "created": 0,
-                  "owned_by": "kvstack", "max_model_len": llm.core.max_model_len}
+                  "owned_by": "kvstack", "max_model_len": info.max_model_len}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -224,34 +243,34 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             [{"role": m.role, "content": m.text(parser)} for m in body.messages])
         if text is None:
             raise APIError(400, "give a prompt or messages", "prompt")
-        ids = llm.tokenizer.encode(text) if text else []
-        return {"count": len(ids), "max_model_len": llm.core.max_model_len, "tokens": ids}
+        ids = engine.tokenizer.encode(text) if text else []
+        return {"count": len(ids), "max_model_len": info.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         # As vLLM's (and HF's decode): special tokens written out, not skipped.
         try:
-            ids = llm.encode(body.tokens) if body.tokens else []
-            return {"prompt": llm.tokenizer.decode(ids, skip_special=False)}
+            ids = engine.encode(body.tokens) if body.tokens else []
+            return {"prompt": engine.tokenizer.decode(ids, skip_special=False)}
         except ValueError as e:
             raise APIError(400, str(e), "tokens") from None
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
-        eos = llm.tokenizer.eos_id
-        eos_token = None if eos is None else llm.tokenizer.decode([eos], skip_special=False)
-        return {"tokenizer_class": type(llm.tokenizer).__name__, "eos_token": eos_token,
+        eos = engine.tokenizer.eos_id
+        eos_token = None if eos is None else engine.tokenizer.decode([eos], skip_special=False)
+        return {"tokenizer_class": type(engine.tokenizer).__name__, "eos_token": eos_token,
                 "bos_token": None, "pad_token": None,
-                "model_max_length": llm.core.max_model_len}
+                "model_max_length": info.max_model_len}
 
     @app.get("/v1/sessions")
     async def list_sessions(request: Request) -> dict[str, Any]:
         return {"object": "list",
-                "data": await asyncio.to_thread(sessions.list, tenant(request))}
+                "data": await sessions.list(tenant(request))}
 
     @app.get("/v1/sessions/{name}")
     async def show_session(name: str, request: Request) -> dict[str, Any]:
-        return await asyncio.to_thread(sessions.show, tenant(request), name)
+        return await sessions.show(tenant(request), name)
 
     @app.delete("/v1/sessions/{name}")
     async def delete_session(name: str, request: Request) -> dict[str, Any]:
@@ -284,9 +303,10 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         if not urls:
             return await serve(body, request, [text], template.stop, "chat.completion")
         # Each picture's part becomes the image token, then its whole segment.
-        ids = marked_ids(llm, text)
+        ids = marked_ids(info, text)
         try:  # decoding pictures is the request's own work, off the event loop
-            ids, segments = await asyncio.to_thread(llm.place_images, ids, urls)
+            ids, segments = await asyncio.to_thread(place_images, ids, urls, info.config,
+                                                    info.engine_config.image_bytes)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         return await serve(body, request, [ids], template.stop, "chat.completion",
@@ -302,7 +322,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
                            f"{config.model_name!r})", "model", code="model_not_found")
         if not state["admitting"]:
             raise APIError(503, "the server is shutting down", kind="server_error")
-        if (failure := llm.core.failure) is not None:
+        if (failure := engine.failure) is not None:
             raise APIError(503, f"the engine has stopped: {failure}", kind="server_error")
         if state["in_flight"] >= limit:
             raise APIError(429, f"{state['in_flight']} requests are in flight (the limit is "
@@ -312,14 +332,14 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         encoded = []
         for prompt in prompts:
             try:
-                encoded.append(llm.encode(prompt))
+                encoded.append(engine.encode(prompt))
             except ValueError as e:
                 raise APIError(400, str(e), where) from None
         longest = max(len(ids) for ids in encoded)
-        room = llm.core.max_model_len - longest
+        room = info.max_model_len - longest
         if room <= 0:
             raise APIError(400, f"the prompt is {longest} tokens; this model takes "
-                           f"{llm.core.max_model_len} in all (prompt and completion)",
+                           f"{info.max_model_len} in all (prompt and completion)",
                            where, code="context_length_exceeded")
         # A request that sets no max_tokens gets the server's default (or the rest of the
         # context when that is 0), within the room left.
@@ -327,7 +347,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
             room, config.default_max_tokens or room)
         if wanted > room:
             raise APIError(400, f"max_tokens {wanted} with a prompt of {longest} tokens "
-                           f"exceeds the context of {llm.core.max_model_len} tokens",
+                           f"exceeds the context of {info.max_model_len} tokens",
                            "max_tokens", code="context_length_exceeded")
         echo = getattr(body, "echo", False)
         top = getattr(body, "prompt_logprobs", None)
@@ -336,7 +356,7 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         scores: list[list[PromptLogprob | None] | None] = [None] * len(encoded)
         if top is not None:  # the prompt's own log-probabilities (lm-eval's scoring)
             try:
-                scores = [await asyncio.to_thread(llm.prompt_logprobs, ids, top)
+                scores = [await engine.call("prompt_logprobs", ids, top)
                           for ids in encoded]
             except ValueError as e:
                 raise APIError(400, str(e), "prompt_logprobs") from None
@@ -346,11 +366,11 @@ def build_app(engine: AsyncLLM, config: ServeConfig) -> FastAPI:
         params = [body.sampling(max(wanted, 1), stop, parser)]
         if params[0].constrained:  # compiled (and cached) before it is queued
             try:
-                await asyncio.to_thread(llm.core.grammars.matcher, params[0])
+                await engine.call("compile_grammar", params[0])
             except ValueError as e:
                 field = "tools" if body.tool_grammar(parser) else "response_format"
                 raise APIError(400, str(e), field) from None
-        vocab = llm.config.vocab_size
+        vocab = info.config.vocab_size
         for field, ids in (("stop_token_ids", params[0].stop_token_ids),
                            ("logit_bias", [t for t, _ in params[0].logit_bias])):
             if any(t >= vocab for t in ids):
@@ -415,7 +435,7 @@ class Run:
     as a response body or as server-sent events. Choice i is sample i % n of prompt
     i // n, as in the OpenAI API."""
 
-    def __init__(self, engine: AsyncLLM, sessions: HttpSessions, metrics: ServerMetrics,
+    def __init__(self, engine: Engine, sessions: HttpSessions, metrics: ServerMetrics,
                  session: str | None, prompts: list[PromptInput],
                  params: list[SamplingParams], body: _Request, kind: str,
                  tenant: str | None = None, cache_salt: str | None = None, *,
@@ -432,7 +452,7 @@ class Run:
         self.choices = len(prompts) * len(params)
         self.finals: list[RequestOutput | None] = [None] * self.choices
         self.counted: set[int] = set()  # choices counted as aborted or failed
-        self.tokenizer = engine.llm.tokenizer
+        self.tokenizer = engine.tokenizer
         # Tools on: a reply's calls are found by the parser of the model's syntax; a stream
         # sends text until a call may be starting, and the calls once the reply is done.
         self.functions = body.functions() if isinstance(body, ChatRequest) else {}

@@ -2,42 +2,41 @@
 
 Every series carries a `model_name` label, as vLLM's do. Cache and queue figures, and the
 engine's own running totals (prefix-cache hits and lookups, replayed tokens, DSpark's
-drafts and accepted tokens), are read
-from the engine at scrape time in one report, so they are never stale: levels as gauges,
+drafts and accepted tokens), are read from the engine at scrape time in one report
+(`ServeOps.stats`, set on `EngineCollector.stats` before each scrape), so they are never
+stale: levels as gauges,
 totals as counters (`_total`, so `rate()` on them is right). Latencies and token counts
 are recorded as requests finish; aborted and failed requests are counted by their reason.
 No `_created` series: prometheus_client's timestamps would double every counter family.
 """
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvstack.engine.llm import LLM
     from kvstack.engine.sequence import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class EngineCollector(Collector):
-    """What the engine reports, read once per scrape."""
+    """What the engine reports, read once per scrape (`stats`: the engine's
+    `ServeOps.stats`, read by the scrape's handler)."""
 
-    def __init__(self, llm: "LLM", model_name: str) -> None:
-        self.llm, self.model_name = llm, model_name
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] | None = None
 
     def collect(self) -> Iterator[Metric]:
-        llm = self.llm
-        with llm.core.lock:  # one consistent reading, between steps
-            report = llm.memory_report()
-            running, waiting = len(llm.scheduler.running), len(llm.scheduler.waiting)
-            replayed = llm.runner.replayed_tokens
-            runner = llm.runner
-            drafting = (runner.verifies, runner.drafted_tokens, runner.accepted_tokens)
-        disk_bytes = llm.disk.used_bytes
+        if self.stats is None:  # registered, not scraped yet
+            return
+        report, running, waiting = (self.stats[k] for k in ("report", "running", "waiting"))
+        replayed, drafting = self.stats["replayed"], self.stats["drafting"]
+        disk_bytes = self.stats["disk_bytes"]
         prefix = report["prefix_cache"]
         label = ["model_name"]
 
@@ -109,11 +108,12 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, llm: "LLM", model_name: str) -> None:
+    def __init__(self, model_name: str) -> None:
         disable_created_metrics()
         self.registry = registry = CollectorRegistry()
-        self.llm, self.model_name = llm, model_name
-        registry.register(EngineCollector(llm, model_name))
+        self.model_name = model_name
+        self.engine = EngineCollector(model_name)
+        registry.register(self.engine)
         label = ("model_name",)
 
         def counter(name: str, doc: str) -> Counter:

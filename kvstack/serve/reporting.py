@@ -14,8 +14,9 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
+from kvstack.engine.core import EngineError
+
 if TYPE_CHECKING:
-    from kvstack.engine.llm import LLM
     from kvstack.serve.metrics import ServerMetrics
 
 log = logging.getLogger("kvstack")
@@ -59,23 +60,27 @@ class AccessLog:
                      scope["path"], status[0] or "-", tokens, time.perf_counter() - start)
 
 
-async def log_stats(llm: "LLM", metrics: "ServerMetrics", interval_s: float) -> None:
+async def log_stats(engine: Any, metrics: "ServerMetrics", interval_s: float) -> None:
     """Every `interval_s` while there is work (or was since the last line): the batch,
-    token rates, cache use and the prefix-cache hit rate over the interval."""
+    token rates, cache use and the prefix-cache hit rate over the interval (`engine`:
+    what `engine.call("stats")` reads)."""
     last = time.perf_counter()
     prompt, generated = metrics.totals["prompt"], metrics.totals["generation"]
-    report = await asyncio.to_thread(llm.memory_report)
+    report = (await engine.call("stats"))["report"]
     hits, queried = report["prefix_cache"]["hit_tokens"], report["prefix_cache"]["queried_tokens"]
-    while True:
+    while engine.failure is None:
         await asyncio.sleep(interval_s)
-        running, waiting = len(llm.scheduler.running), len(llm.scheduler.waiting)
+        try:
+            stats = await engine.call("stats")
+        except EngineError:  # the engine has stopped; /health says why
+            return
+        running, waiting, report = stats["running"], stats["waiting"], stats["report"]
         now = time.perf_counter()
         new_prompt = metrics.totals["prompt"] - prompt
         new_generated = metrics.totals["generation"] - generated
         if not (running or waiting or new_prompt or new_generated):
             last = now
             continue
-        report = await asyncio.to_thread(llm.memory_report)
         prefix = report["prefix_cache"]
         asked = prefix["queried_tokens"] - queried
         hit_rate = (prefix["hit_tokens"] - hits) / asked if asked else 0.0
