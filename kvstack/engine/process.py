@@ -113,9 +113,13 @@ class EngineProcess:
                 out, detokenizer=detokenizer).with_text()
 
         self._deliver[request_id] = deliver
-        self._send(("add", (ids, sampling_params, request_id, continue_from, keep_cache,
-                            prompt if isinstance(prompt, str) else None, cache_salt,
-                            hold_kept, images)))
+        try:
+            self._send(("add", (ids, sampling_params, request_id, continue_from, keep_cache,
+                                prompt if isinstance(prompt, str) else None, cache_salt,
+                                hold_kept, images)))
+        except (OSError, EOFError):  # the child has just gone: the reader will say why
+            self._deliver.pop(request_id, None)
+            raise EngineError(self._failure or "the engine process has exited") from None
         async for out in request_outputs(outputs, request_id, text,
                                          lambda: self._abort(request_id)):
             yield out
@@ -128,7 +132,11 @@ class EngineProcess:
         call_id = next(self._call_ids)
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._calls[call_id] = future
-        self._send(("call", (call_id, name, args)))
+        try:
+            self._send(("call", (call_id, name, args)))
+        except (OSError, EOFError):
+            self._calls.pop(call_id, None)
+            raise EngineError(self._failure or "the engine process has exited") from None
         return await asyncio.wrap_future(future)
 
     def shutdown(self) -> None:
