@@ -186,7 +186,8 @@ class HttpSessions:
     """Sessions by name. With several API keys each key's sessions live under its tenant
     (stored as "<tenant>:<name>"): a client sees, runs, overwrites and deletes only its
     own, and asking for another's is a 404 like a name that does not exist. `engine` runs
-    requests (`generate`) and reaches the engine's `SessionTable` (`call("sessions.…")`)."""
+    requests (`generate`) and reaches the engine's `SessionTable` through `ServeOps`'s
+    `session_*` methods (`engine.call("session_begin", ...)`)."""
 
     def __init__(self, engine: Any, metrics: "ServerMetrics") -> None:
         self.engine, self.metrics = engine, metrics
