@@ -94,10 +94,13 @@ class AsyncLLM:
         self._inbox.put(("add", (ids, sampling_params, request_id, continue_from,
                                  keep_cache, prompt if isinstance(prompt, str) else None,
                                  cache_salt, hold_kept, images, deliver)))
-        # The text is made here, on the event loop, off the engine's step.
-        async for out in request_outputs(outputs, request_id, RequestOutput.with_text,
-                                         lambda: self._inbox.put(("abort", request_id))):
-            yield out
+        # The text is made here, on the event loop, off the engine's step. A caller that
+        # stops early closes this generator, and with it (at once) the one that aborts.
+        async with contextlib.aclosing(request_outputs(
+                outputs, request_id, RequestOutput.with_text,
+                lambda: self._inbox.put(("abort", request_id)))) as outs:
+            async for out in outs:
+                yield out
 
     @property
     def failure(self) -> str | None:

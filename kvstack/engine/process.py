@@ -120,9 +120,10 @@ class EngineProcess:
         except (OSError, EOFError):  # the child has just gone: the reader will say why
             self._deliver.pop(request_id, None)
             raise EngineError(self._failure or "the engine process has exited") from None
-        async for out in request_outputs(outputs, request_id, text,
-                                         lambda: self._abort(request_id)):
-            yield out
+        async with contextlib.aclosing(request_outputs(
+                outputs, request_id, text, lambda: self._abort(request_id))) as outs:
+            async for out in outs:
+                yield out
 
     async def call(self, name: str, *args: Any) -> Any:
         """The handler's method `name` run on args in the engine's process, between steps;
