@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import pickle
 import signal
 import threading
 import uuid
@@ -323,8 +324,6 @@ class _EngineHost:
 def _picklable(error: Exception) -> Exception:
     """The error as the front end can receive it: its own type where that pickles with
     its message (ValueError, EngineError, ...), else RuntimeError with its text."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(error))
         return error
