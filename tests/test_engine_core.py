@@ -962,3 +962,42 @@ def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine_thread():
 
         assert asyncio.run(after()) == tiny().generate(prompts(2)[1], GREEDY)[0].token_ids
         llm.abort(first.request_id)
+
+
+def test_a_call_to_the_in_process_engine_runs_between_steps_while_a_request_runs():
+    """`AsyncLLM.call` is taken by the engine thread between steps: a reading made while a
+    long request runs sees it running (it does not wait out the generation on the core's
+    lock), and a handler's error reaches the caller, not the engine."""
+    import asyncio
+
+    from kvstack import AsyncLLM
+
+    class Handler:
+        def __init__(self, llm: LLM) -> None:
+            self.llm = llm
+
+        def running(self) -> int:
+            with self.llm.core.lock:
+                return len(self.llm.scheduler.running)
+
+        def fail(self) -> None:
+            raise KeyError("no such thing")
+
+    with AsyncLLM(tiny()) as engine:
+        engine.handler = Handler(engine.llm)
+
+        async def run() -> tuple[list[int], int, int]:
+            outputs = engine.generate(prompts(1)[0], SamplingParams(
+                max_tokens=400, temperature=0, ignore_eos=True))
+            first = await outputs.__anext__()
+            readings = [await engine.call("running") for _ in range(3)]
+            with pytest.raises(KeyError, match="no such thing"):
+                await engine.call("fail")
+            last = [o async for o in outputs][-1]
+            return readings, len(first.token_ids), len(last.token_ids)
+
+        readings, first_len, last_len = asyncio.run(run())
+        assert readings == [1, 1, 1] and first_len < 400 and last_len == 400
+        engine.shutdown()
+        with pytest.raises(EngineError, match="shut down"):
+            asyncio.run(engine.call("running"))

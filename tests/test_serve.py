@@ -635,7 +635,7 @@ def test_the_server_logs_requests_and_stats_and_refuses_bad_json_by_position(tmp
                           cache_dir=tmp_path))
     # Stats lines far more often than a 200-token request takes on any machine, so that
     # some fall while it runs.
-    config = ServeConfig("tiny", default_max_tokens=5, stats_interval_s=0.05)
+    config = ServeConfig("tiny", default_max_tokens=5, stats_interval_s=0.02)
     caplog.set_level(logging.INFO, logger="kvstack")
     with TestClient(build_app(engine, config)) as client:
         out = client.post("/v1/chat/completions", json={

@@ -111,11 +111,32 @@ class AsyncLLM:
         return self.llm.encode(prompt)
 
     async def call(self, name: str, *args: Any) -> Any:
-        """The handler's method `name` on args, on a worker thread (what it returns or
-        raises): as `EngineProcess.call`, with the engine in this process."""
+        """The handler's method `name` on args, run by the engine thread between steps
+        (what it returns or raises): as `EngineProcess.call`, with the engine in this
+        process. Through the inbox, not the core's lock: a stepping thread takes the lock
+        again as soon as it lets go, so a caller waiting on it could wait out a whole
+        generation."""
         if self.handler is None:
             raise EngineError("this engine has no handler to call")
-        return await asyncio.to_thread(getattr(self.handler, name), *args)
+        if self._closed:
+            raise EngineError("the engine is shut down")
+        method = getattr(self.handler, name)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            def put() -> None:
+                if done.done():  # the caller was cancelled
+                    return
+                if error is not None:
+                    done.set_exception(error)
+                else:
+                    done.set_result(result)
+            with contextlib.suppress(RuntimeError):  # the caller's loop has closed
+                loop.call_soon_threadsafe(put)
+
+        self._inbox.put(("call", (method, args, settle)))
+        return await done
 
     def shutdown(self) -> None:
         """Stop the engine thread (requests still running are aborted)."""
@@ -155,6 +176,15 @@ class AsyncLLM:
                         self._deliver.pop(request_id, None)
 
     def _take(self, kind: str, what: Any) -> None:
+        if kind == "call":
+            method, args, settle = what
+            try:
+                result = method(*args)
+            except Exception as error:  # the caller's to handle, not the engine's
+                settle(None, error)
+            else:
+                settle(result, None)
+            return
         if kind == "abort":
             self._deliver.pop(what, None)
             self.core.abort(what)

@@ -1,6 +1,6 @@
 """What the server asks of its engine besides requests, run where the engine runs: in the
 engine's own process between steps (`kvstack.engine.process`), or, with an engine stepping
-in a thread of the server's process (`AsyncLLM`), on a worker thread. The server reaches
+in a thread of the server's process (`AsyncLLM`), by that thread between steps. The server reaches
 these methods by name (`engine.call("stats")`); arguments and results cross a pipe, so
 they are plain data."""
 
