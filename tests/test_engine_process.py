@@ -27,6 +27,17 @@ class Probe:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
+        self.finish_reasons: list[str] = []  # of every request the core finished
+        finish = llm.core._finish
+
+        def recording(seq, reason: str) -> None:
+            self.finish_reasons.append(reason)
+            finish(seq, reason)
+
+        llm.core._finish = recording
+
+    def reasons(self) -> list[str]:
+        return self.finish_reasons
 
     def pid(self) -> int:
         return os.getpid()
@@ -83,17 +94,18 @@ def test_a_refused_request_raises_value_error(engine):
 
 def test_a_stream_closed_early_is_aborted_in_the_engines_process(engine):
     async def run() -> bool:
+        before = len(await engine.call("reasons"))
         stream = engine.generate(prompts()[0], SamplingParams(max_tokens=500, ignore_eos=True))
         async for _ in stream:
             break
         await stream.aclose()
-        for _ in range(200):  # the abort reaches the engine between its steps
+        for _ in range(500):  # the abort reaches the engine between its steps
             if not await engine.call("unfinished"):
-                return True
+                break
             await asyncio.sleep(0.02)
-        return False
+        return (await engine.call("reasons"))[before:]
 
-    assert asyncio.run(run())
+    assert asyncio.run(run()) == ["abort"]
 
 
 def test_an_engine_that_cannot_load_says_why():
