@@ -30,7 +30,8 @@ def target(tmp_path_factory):
 
 def settings(target, **changes) -> DraftTrainConfig:
     return DraftTrainConfig(**{**dict(
-        target=str(target), steps=4, batch_size=2, seq_len=32, positions=4, block_size=3,
+        target=str(target), steps=4, batch_size=2, continuation=12, rows=6, positions=4,
+        block_size=3,
         markov_rank=8, lr=1e-2, warmup_steps=1, eval_every=2, checkpoint_every=2,
         heldout_percent=40.0, corpus=str(CORPUS)), **changes})
 
@@ -41,7 +42,7 @@ def test_the_draft_learns_the_target_and_only_the_draft_trains(target, tmp_path)
     `draft.*` moves."""
     trainer = DraftTrainer(settings(target), tmp_path)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    rows = trainer.train_data.batch(2, 32, 0, 0)
+    rows = trainer.train_rows[:2]
     seen = []
     for _ in range(25):
         parts = trainer.losses(rows, 0)
@@ -77,8 +78,8 @@ def test_a_killed_run_resumes_and_its_model_drafts_in_the_engine(target, tmp_pat
 
 
 def test_bad_settings_are_refused(target, tmp_path, capsys):
-    with pytest.raises(ValueError, match="seq_len 10 must exceed the window"):
-        DraftTrainer(settings(target, seq_len=10), tmp_path / "short")
+    with pytest.raises(ValueError, match="continuation 4 must exceed a block"):
+        DraftTrainer(settings(target, continuation=4), tmp_path / "short")
     with pytest.raises(ValueError, match=r"not a model directory with a tokenizer\.json"):
         DraftTrainer(settings(tmp_path), tmp_path / "none")
     DraftTrainer(settings(target), tmp_path / "run").close()

@@ -18,9 +18,13 @@ def add_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--out", required=True, help="the run directory (resumes if present)")
     p.add_argument("--steps", type=positive_int, default=d.steps)
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
-                   help="corpus rows a step (default: %(default)s)")
-    p.add_argument("--seq-len", type=positive_int, default=d.seq_len,
-                   help="tokens a row, more than the window (default: %(default)s)")
+                   help="rows a step (default: %(default)s)")
+    p.add_argument("--continuation", type=positive_int, default=d.continuation,
+                   help="tokens the target writes greedily after each row's window of "
+                        "corpus text (default: %(default)s)")
+    p.add_argument("--rows", type=positive_int, default=d.rows,
+                   help="rows the target continues once for training (default: "
+                        "%(default)s)")
     p.add_argument("--positions", type=positive_int, default=d.positions,
                    help="draft blocks trained per row (default: %(default)s)")
     p.add_argument("--block-size", type=positive_int, default=d.block_size,
@@ -49,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     tc = DraftTrainConfig(
         target=args.target or str(bundled_model()), steps=args.steps,
-        batch_size=args.batch_size, seq_len=args.seq_len, positions=args.positions,
+        batch_size=args.batch_size, continuation=args.continuation, rows=args.rows,
+        positions=args.positions,
         block_size=args.block_size, stages=args.stages, markov_rank=args.markov_rank,
         lr=args.lr, warmup_steps=args.warmup_steps, eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every, seed=args.seed, corpus=args.corpus,

@@ -9,9 +9,13 @@ from pathlib import Path
 class DraftTrainConfig:
     target: str  # the target's model directory (config.json, weights, tokenizer.json)
     steps: int = 300
-    batch_size: int = 8  # corpus rows a step
-    seq_len: int = 384  # tokens a row: more than the window, for whole contexts
-    positions: int = 16  # draft blocks a row
+    batch_size: int = 8  # rows a step
+    # A row is a window of corpus tokens, then `continuation` tokens the target writes
+    # after it greedily: what the draft meets in the engine, where every token before a
+    # block is the target's own choice.
+    continuation: int = 128
+    rows: int = 1024  # such rows made once for training (and 32 held-out ones)
+    positions: int = 32  # draft blocks a row
     block_size: int = 5  # dspark_block_size: the drafts a block proposes
     stages: int = 1  # n_mtp_layers
     markov_rank: int = 64
@@ -24,8 +28,8 @@ class DraftTrainConfig:
     corpus: str | None = None  # a directory of .py files (default: the standard library)
 
     def check(self) -> None:
-        for key in ("steps", "batch_size", "seq_len", "positions", "block_size", "stages",
-                    "markov_rank", "eval_every", "checkpoint_every"):
+        for key in ("steps", "batch_size", "continuation", "rows", "positions", "block_size",
+                    "stages", "markov_rank", "eval_every", "checkpoint_every"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"train-draft setting {key} must be a positive integer, got "

@@ -1,11 +1,17 @@
 """DSpark's draft trained for a trained target, the target frozen (`kvstack train-draft`).
 
-The recipe of DeepSeek's DeepSpec, on a CPU's budget: each step takes rows of the corpus,
-runs the target over them once (no gradient) for its logits and the target layers' states
-(`ModelOutput.target_hidden`), and picks `positions` decode positions p in each row. At
-each the draft makes its block as the engine makes it -- the states of the last `window`
-positions, the token p+1, then noise tokens -- with the Markov head fed the corpus's own
-next tokens (teacher forcing), and learns:
+The recipe of DeepSeek's DeepSpec, on a CPU's budget. The data is the target's own
+writing: once per run, the engine continues `rows` windows of the corpus greedily for
+`continuation` tokens (`distill`), so a block's context and labels are what they are when
+the engine drafts, where every token before a block is the target's choice (on the
+corpus's own text the target's next choice often differs from the text that follows, and
+a draft learns a context it never meets). Each step takes `batch_size` of those rows, runs
+the target over them once (no gradient) for its logits and the target layers' states
+(`ModelOutput.target_hidden`), and picks `positions` decode positions p in each row's
+continuation. At each the draft makes its block as the engine makes it -- the states of
+the last `window` positions, the token p+1, then noise tokens -- with the Markov head fed
+the row's next tokens (teacher forcing: the target's choices, as a verify accepts them),
+and learns:
 - the target's choice at every block position (cross-entropy against the target's argmax
   given the same prefix: what a verify accepts), and
 - the confidence head, each position's chance that it is accepted given that every one
@@ -13,10 +19,12 @@ next tokens (teacher forcing), and learns:
   the positions whose predecessors all were), which the engine's verify length reads.
 The trunk, the embedding and the head are the target's and stay frozen; only `draft.*`
 trains. The run directory holds its settings (`train_config.json`), a JSON-lines log, the
-tokenised corpus, and a checkpoint written whole or not at all (a killed run resumes from
-it); the finished model (the target with its draft) is `OUT/model`.
+tokenised corpus and the target's continuations, and a checkpoint written whole or not at
+all (a killed run resumes from it); the finished model (the target with its draft) is
+`OUT/model`.
 """
 
+import hashlib
 import json
 import math
 import shutil
@@ -24,6 +32,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,9 +52,9 @@ class DraftTrainer:
         if c.arch != "v41":
             raise ValueError(f"target {tc.target}: DSpark drafts for a V4.1 model, this one "
                              f"is {c.arch}")
-        if tc.seq_len <= c.window_size + tc.block_size + 1:
-            raise ValueError(f"seq_len {tc.seq_len} must exceed the window ({c.window_size}) "
-                             f"and a block ({tc.block_size}) by more than one token")
+        if tc.continuation <= tc.block_size + 1:
+            raise ValueError(f"continuation {tc.continuation} must exceed a block "
+                             f"({tc.block_size}) by more than one token")
         self.out.mkdir(parents=True, exist_ok=True)
         self._lock = lock_run(self.out, "train-draft")
         saved = self.out / "train_config.json"
@@ -84,18 +93,24 @@ class DraftTrainer:
                                            self.out / "data" / "train.npy")
         self.heldout_data = TokenCache.build(root, heldout_files, self.tokenizer,
                                              self.out / "data" / "heldout.npy")
+        self.train_rows = distill(tc.target, self.train_data, tc.rows, c.window_size,
+                                  tc.continuation, tc.seed, self.out / "data" / "train-rows")
+        self.heldout_rows = distill(tc.target, self.heldout_data, HELDOUT_ROWS,
+                                    c.window_size, tc.continuation, tc.seed + 1,
+                                    self.out / "data" / "heldout-rows")
         self.step = 0
         self._resume()
 
     # ---- the loss ------------------------------------------------------------------------
     def losses(self, rows: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
-        """The draft's losses on corpus rows [B, seq_len + 1], at `positions` blocks a row
-        drawn with `seed`, and what they score: each block position's accuracy against
-        the target and the acceptance length greedy drafts would reach (1 + the run of
-        positions the target agrees with)."""
+        """The draft's losses on rows [B, window + continuation] (`distill`'s), at
+        `positions` blocks a row drawn with `seed` in the continuation, and what they
+        score: each block position's accuracy against the target and the acceptance
+        length greedy drafts would reach (1 + the run of positions the target agrees
+        with)."""
         tc, c, model = self.tc, self.config, self.model
         k, w = tc.block_size, c.window_size
-        ids = rows[:, : tc.seq_len]
+        ids = rows
         with torch.no_grad():
             out = model(ids, target_hidden=True)
         chosen = out.logits.argmax(-1)  # [B, T]: the target's choice after each position
@@ -103,10 +118,14 @@ class DraftTrainer:
         b = ids.shape[0]
         # Position p: the draft reads the states at p-w+1..p and the token at p+1, and
         # proposes the tokens at p+2..p+k+1, whose target choices are made at p+1..p+k.
-        p = torch.randint(w - 1, tc.seq_len - k - 1, (b, tc.positions), generator=g)
+        p = torch.randint(w - 1, ids.shape[1] - k - 1, (b, tc.positions), generator=g)
         row = torch.arange(b)[:, None].expand_as(p)
-        window = p[..., None] - torch.arange(w - 1, -1, -1)  # [B, P, w]
-        context = out.target_hidden[row[..., None], window].flatten(0, 1)  # [N, w, H]
+        # Early in a sequence the engine's draft reads fewer states than a window (all
+        # there are): half the steps read a span drawn at random, the rest a whole window.
+        span = w if torch.rand((), generator=g) < 0.5 else \
+            int(torch.randint(1, w + 1, (), generator=g))
+        window = p[..., None] - torch.arange(span - 1, -1, -1)  # [B, P, span]
+        context = out.target_hidden[row[..., None], window].flatten(0, 1)  # [N, span, H]
         block = p[..., None] + 1 + torch.arange(k + 1)  # [B, P, k + 1]: p+1..p+k+1
         tokens = ids[row[..., None], block].flatten(0, 1)  # [N, k + 1]
         targets = chosen[row[..., None], block[..., :k]].flatten(0, 1)  # [N, k]
@@ -136,7 +155,9 @@ class DraftTrainer:
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
-        rows = self.train_data.batch(tc.batch_size, tc.seq_len, tc.seed, self.step)
+        g = torch.Generator().manual_seed(tc.seed * 1_000_003 + self.step)
+        rows = self.train_rows[torch.randint(len(self.train_rows), (tc.batch_size,),
+                                             generator=g)]
         parts = self.losses(rows, tc.seed * 1_000_003 + self.step)
         self.optimizer.zero_grad(set_to_none=True)
         parts["loss"].backward()
@@ -146,14 +167,14 @@ class DraftTrainer:
         return {k: float(v.detach()) for k, v in parts.items()}
 
     @torch.no_grad()
-    def evaluate(self, batches: int = 4) -> dict[str, float]:
-        """The losses and scores on held-out rows (the same rows every time)."""
+    def evaluate(self) -> dict[str, float]:
+        """The losses and scores on the held-out rows (the same blocks every time)."""
         self.model.eval()
         tc, totals = self.tc, {}
-        for i in range(batches):
-            rows = self.heldout_data.batch(tc.batch_size, tc.seq_len, 1 << 20, i)
+        batches = self.heldout_rows.split(tc.batch_size)
+        for i, rows in enumerate(batches):
             for key, value in self.losses(rows, i).items():
-                totals[key] = totals.get(key, 0.0) + float(value) / batches
+                totals[key] = totals.get(key, 0.0) + float(value) / len(batches)
         return totals
 
     def run(self, log=print) -> dict[str, float]:
@@ -214,6 +235,47 @@ class DraftTrainer:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+
+HELDOUT_ROWS = 32
+
+
+def distill(target: str, corpus: TokenCache, n_rows: int, prompt_tokens: int,
+            continuation: int, seed: int, path: Path) -> torch.Tensor:
+    """Rows [n_rows, prompt_tokens + continuation]: windows of the corpus drawn with `seed`,
+    each followed by the `continuation` tokens the target's engine writes after it
+    greedily (its end-of-text ignored, as a benchmark's fixed-length requests). Made once
+    and kept at `path` (.npy, written whole) with a key of everything they depend on."""
+    from kvstack.engine import LLM, SamplingParams
+
+    if corpus.tokens.size <= prompt_tokens:
+        raise ValueError(f"the corpus ({corpus.tokens.size} tokens) is shorter than one "
+                         f"window of {prompt_tokens}")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, corpus.tokens.size - prompt_tokens, (n_rows,), generator=g)
+    prompts = np.stack([corpus.tokens[s : s + prompt_tokens] for s in starts.tolist()])
+    key = hashlib.sha256(prompts.tobytes() + str(continuation).encode())
+    for weights in sorted(Path(target).glob("*.safetensors")):
+        key.update(weights.read_bytes())
+    rows_path, key_path = path.with_suffix(".npy"), path.with_suffix(".key")
+    if rows_path.exists() and key_path.exists() and key_path.read_text() == key.hexdigest():
+        return torch.from_numpy(np.load(rows_path).astype(np.int64))
+    llm = LLM(target, threads=torch.get_num_threads(), max_num_seqs=64,
+              enable_prefix_caching=False)
+    try:
+        outs = llm.generate(prompts.tolist(), SamplingParams(
+            max_tokens=continuation, temperature=0, ignore_eos=True))
+    finally:
+        llm.close()
+    rows = np.concatenate((prompts, np.array([o.token_ids for o in outs], dtype=np.int32)),
+                          axis=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = rows_path.with_name(rows_path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, rows)
+    tmp.replace(rows_path)
+    replace_text(key_path, key.hexdigest())
+    return torch.from_numpy(rows.astype(np.int64))
 
 
 def _noise_token(target: str) -> int:
