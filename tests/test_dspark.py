@@ -148,3 +148,25 @@ def test_the_plan_counts_the_draft_apart():
     assert with_draft["params_draft"] == sum(p.numel() for p in
                                              Model(c).draft.parameters()) > 0
     assert with_draft["draft_weight_bytes"] > 0 == trunk["params_draft"]
+
+
+def test_window_entries_made_piece_by_piece_give_the_same_block(drafted):
+    """The engine makes a sequence's window entries as its tokens are kept, a few at a
+    time (`Draft.window`), and drafts from them (`Draft.block`): the same block as the
+    draft made from the whole span of states at once."""
+    model, c = drafted, drafted.config
+    g = torch.Generator().manual_seed(4)
+    p = c.window_size + 6
+    hidden = torch.randn(1, c.window_size, 3 * c.dim, generator=g)  # positions p-W+1..p
+    token = torch.randint(0, c.vocab_size, (1,), generator=g)
+    with torch.no_grad():
+        whole = model.draft(model, hidden, token, p)
+        pieces, end = [], p - c.window_size  # the position before the window
+        for n in (1, 5, 2, c.window_size - 8):
+            end += n
+            pieces.append(model.draft.window(hidden[:, end - (p - c.window_size) - n :
+                                                    end - (p - c.window_size)], end))
+        block = model.draft.block(model, torch.cat(pieces, dim=2), token, p)
+    assert torch.equal(block.tokens, whole.tokens)
+    torch.testing.assert_close(block.logits, whole.logits)
+    torch.testing.assert_close(block.confidence, whole.confidence)

@@ -34,10 +34,10 @@ def oracle(llm: LLM, replies: dict[int, list[int]]) -> None:
     model = llm.runner.model
     k = model.config.dspark_block_size
     calls = iter(range(1 << 20))
-    own = model.draft.forward
+    own = model.draft.block
 
-    def draft(_model, target_hidden, token, position, sample=None):
-        block = own(_model, target_hidden, token, position, sample)
+    def draft(_model, window, token, position, sample=None):
+        block = own(_model, window, token, position, sample)
         positions = torch.as_tensor(position).reshape(-1).expand(token.shape[0])
         for row, (t, p) in enumerate(zip(token.tolist(), (positions + 1).tolist(),
                                          strict=True)):  # p: the position of t
@@ -53,7 +53,7 @@ def oracle(llm: LLM, replies: dict[int, list[int]]) -> None:
             block.confidence[row] = 10.0
         return block
 
-    model.draft.forward = draft
+    model.draft.block = draft
 
 
 def run(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
@@ -237,7 +237,8 @@ def test_metrics_count_drafts_and_accepted_tokens():
         pass
     draft = llm.memory_report()["draft"]
     c = llm.config
-    assert draft["context_bytes_per_sequence"] == c.window_size * 3 * c.dim * 4
+    assert draft["context_bytes_per_sequence"] == len(c.draft_layers) * c.window_size \
+        * c.head_dim * 4
     assert draft["context_bytes_held"] == 0  # a finished request drafts no more
     assert draft["verifies"] == llm.runner.verifies
     collector = EngineCollector("m")
@@ -380,3 +381,34 @@ def test_a_draft_for_a_model_of_one_residual_copy_and_a_dense_ffn():
         outs[speculative] = run(llm, prompts, GREEDY)
     assert outs["dspark"] == outs["none"]
     assert llm.runner.verifies > 0 and llm.runner.drafted_tokens > 0
+
+
+def test_a_sequences_draft_context_holds_the_entries_of_the_last_window_it_holds():
+    """The entries the engine keeps as tokens are kept (after the prefill, then after each
+    verify, `Draft.window` over the states handed over) are those of the last window of
+    positions its store holds, in order: entries labelled with their position here."""
+    llm = engine("dspark")
+    model, c = llm.runner.model, llm.config
+    stages = len(c.draft_layers)
+
+    def labelled(target_hidden: torch.Tensor, position) -> torch.Tensor:
+        b, n, _ = target_hidden.shape
+        at = torch.as_tensor(position).reshape(-1, 1) - n + 1 + torch.arange(n)  # [P, n]
+        return at.float().expand(b, n)[None, ..., None].expand(stages, b, n, c.head_dim)
+
+    model.draft.window = labelled
+    request = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=3 * c.window_size,
+                                                         temperature=0, ignore_eos=True))
+    seq = llm.core.requests[request]
+    checked = 0
+    while request in llm.core.requests:
+        llm.step()
+        if seq.draft_context is None or seq.status.name == "FINISHED":
+            continue
+        held = seq.store.num_tokens
+        w = min(c.window_size, held)
+        want = torch.arange(held - w, held).float()[None, :, None].expand(stages, w,
+                                                                           c.head_dim)
+        assert torch.equal(seq.draft_context, want)
+        checked += 1
+    assert checked > c.window_size // 2 and llm.runner.verifies >= checked

@@ -288,16 +288,16 @@ class LLM:
                                         "limit_bytes": encoded.limit_bytes,
                                         "encoded": encoded.encoded}
         if self.runner.speculative:
-            # DSpark's draft keeps no cache: it reads each drafting sequence's target
-            # states (draft_context), float32 on the host, apart from the KV cache.
+            # DSpark's draft keeps no paged cache: each drafting sequence holds its draft
+            # stages' window entries (draft_context), float32, apart from the KV cache.
             c = self.config
             with self.core.lock:
                 held = sum(seq.draft_context.numel() * seq.draft_context.element_size()
                            for seq in self.core.requests.values()
                            if seq.draft_context is not None)
             report["draft"] = {
-                "context_bytes_per_sequence": c.window_size * len(c.dspark_target_layer_ids)
-                * c.dim * 4,
+                "context_bytes_per_sequence":
+                    len(c.draft_layers) * c.window_size * c.head_dim * 4,
                 "context_bytes_held": held,
                 "drafts": self.runner.drafted_tokens, "accepted": self.runner.accepted_tokens,
                 "verifies": self.runner.verifies}

@@ -92,7 +92,8 @@ class ModelRunner:
             return sample_batch(self.prefill_logits(seq), [seq])[0]
         out = self._extend(seq.store, seq.all_ids[seq.store.num_tokens :], 1,
                            self.model.config.window_size, seq.images)
-        seq.draft_context = out.target_hidden[0]
+        seq.draft_context = self.model.draft.window(
+            out.target_hidden, seq.store.num_tokens - 1)[:, 0]
         return sample_batch(out.logits[:, -1], [seq])[0]
 
     def prefill_logits(self, seq: Sequence) -> torch.Tensor:
@@ -206,7 +207,7 @@ class ModelRunner:
         groups: dict[int, list[int]] = {}
         for i, seq in enumerate(seqs):
             if seq.draft_context is not None:
-                groups.setdefault(seq.draft_context.shape[0], []).append(i)
+                groups.setdefault(seq.draft_context.shape[1], []).append(i)
         model, c = self.model, self.model.config
         for members in groups.values():
             group = [seqs[i] for i in members]
@@ -226,8 +227,8 @@ class ModelRunner:
 
             starts = [seq.store.num_tokens for seq in group]  # the last sampled tokens'
             with native.active(self.cpu_kernels):
-                block = model.draft(
-                    model, torch.stack([seq.draft_context for seq in group]),
+                block = model.draft.block(
+                    model, torch.stack([seq.draft_context for seq in group], dim=1),
                     torch.tensor([seq.output_ids[-1] for seq in group], device=self.device),
                     torch.tensor(starts, device=self.device) - 1, draw)
             for row, (i, seq, start) in enumerate(zip(members, group, starts, strict=True)):
@@ -263,17 +264,20 @@ class ModelRunner:
         self.accepted_lengths[accepted] += 1
         return Verified(samples, hidden)
 
+    @torch.no_grad()
     def settle(self, seq: Sequence, verified: Verified, kept: int) -> None:
         """After the caller took `kept` of a verify's outputs: the store keeps the tokens
         that fed them (the last sampled one and the drafts before the last output) and
-        takes back the rest; the draft reads the kept tokens' target states next, if the
-        sequence goes on."""
+        takes back the rest; the kept tokens' window entries, made from their target states,
+        join the sequence's `draft_context` if it goes on."""
         seq.store.settle(kept)
         if seq.status is Status.FINISHED:
             return
-        rows = verified.target_hidden[:kept]
-        context = rows if seq.draft_context is None else torch.cat((seq.draft_context, rows))
-        seq.draft_context = context[-self.model.config.window_size :]
+        entries = self.model.draft.window(verified.target_hidden[None, :kept],
+                                          seq.store.num_tokens - 1)[:, 0]
+        if seq.draft_context is not None:
+            entries = torch.cat((seq.draft_context, entries), dim=1)
+        seq.draft_context = entries[:, -self.model.config.window_size :]
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> list[Sample]:

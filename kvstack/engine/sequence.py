@@ -50,8 +50,9 @@ class Sequence:
     suspect: bool = False  # its last batch failed: it decodes alone next
     prefilling: bool = False  # admitted, its prompt not yet all in cache
     detokenizer: "Detokenizer | None" = None  # its text, token by token
-    # What DSpark drafts from (the engine's speculative="dspark"): the target states
-    # [n <= window, targets * dim] of the last n tokens its store holds.
+    # What DSpark drafts from (the engine's speculative="dspark"): every draft stage's
+    # window entries [stages, n <= window, head_dim] of the last n tokens its store holds
+    # (`Draft.window`, made once as each token is kept).
     draft_context: torch.Tensor | None = None
     # Prompt tokens whose cache was reused: found in the prefix cache at admission, or held
     # by the kept cache of the conversation it continues.

@@ -147,15 +147,33 @@ class Draft(nn.Module):
         sample: picks a position's token from its logits [B, vocab] (greedy by default),
           which the next position's Markov bias depends on."""
         c = self.config
-        b, w, _ = target_hidden.shape
-        k = c.dspark_block_size
+        w = target_hidden.shape[1]
         first = int(torch.as_tensor(position).min())
         if not 0 < w <= min(c.window_size, first + 1):
             raise ValueError(f"target_hidden holds {w} positions; at position {first} the "
                              f"draft reads 1..{min(c.window_size, first + 1)} (its window)")
-        device = target_hidden.device
-        context = self.main_norm(self.main_proj(target_hidden))  # [B, W, dim]
-        window_at = token_positions(position - w + 1, w, device)  # [P, W]
+        return self.block(model, self.window(target_hidden, position), token, position,
+                          sample)
+
+    def window(self, target_hidden: torch.Tensor,
+               position: int | torch.Tensor) -> torch.Tensor:
+        """Every stage's window entries of target states [B, n, len(targets) * dim] at
+        positions p-n+1..p (p = `position`, an int or [B]): [S, B, n, D]. An entry depends
+        on its own position's states alone, so a sequence's entries can be made as its
+        tokens are kept and reused by every later draft (the engine's `draft_context`)."""
+        n = target_hidden.shape[1]
+        context = self.main_norm(self.main_proj(target_hidden))  # [B, n, dim]
+        at = token_positions(position - n + 1, n, target_hidden.device)  # [P, n]
+        return torch.stack([stage.attn.entries(context, at) for stage in self.stages])
+
+    def block(self, model: "Model", window: torch.Tensor, token: torch.Tensor,
+              position: int | torch.Tensor,
+              sample: Callable[[torch.Tensor], torch.Tensor] = greedy) -> DraftBlock:
+        """`forward` from the window entries [S, B, W, D] (`window`) of the states it
+        reads."""
+        c = self.config
+        b, k = window.shape[1], c.dspark_block_size
+        device = window.device
         block_at = token_positions(position + 1, k, device)  # [P, K]
         ids = torch.full((b, k), c.dspark_noise_token_id, dtype=torch.long, device=device)
         ids[:, 0] = token
@@ -165,9 +183,8 @@ class Draft(nn.Module):
             x = x.unsqueeze(2).expand(-1, -1, c.hc_mult, -1).contiguous()  # [B, K, h, dim]
             mix = x.new_zeros(x.shape[:3])  # a one-hot collapse on copy 0, as the trunk's
             mix[..., 0] = 1.0
-        for stage in self.stages:
-            window = stage.attn.entries(context, window_at)  # [B, W, D]
-            x, mix = stage(x, mix, block_at, window)
+        for stage, entries in zip(self.stages, window, strict=True):
+            x, mix = stage(x, mix, block_at, entries)
         if mix is not None:
             x = HyperConnection.collapse(x, mix)  # [B, K, dim]
         logits = model.head_logits(self.norm(x))  # [B, K, vocab]
