@@ -92,8 +92,9 @@ class ModelRunner:
             return sample_batch(self.prefill_logits(seq), [seq])[0]
         out = self._extend(seq.store, seq.all_ids[seq.store.num_tokens :], 1,
                            self.model.config.window_size, seq.images)
-        seq.draft_context = self.model.draft.window(
-            out.target_hidden, seq.store.num_tokens - 1)[:, 0]
+        with native.active(self.cpu_kernels):
+            seq.draft_context = self.model.draft.window(
+                out.target_hidden, seq.store.num_tokens - 1)[:, 0]
         return sample_batch(out.logits[:, -1], [seq])[0]
 
     def prefill_logits(self, seq: Sequence) -> torch.Tensor:
@@ -273,8 +274,9 @@ class ModelRunner:
         seq.store.settle(kept)
         if seq.status is Status.FINISHED:
             return
-        entries = self.model.draft.window(verified.target_hidden[None, :kept],
-                                          seq.store.num_tokens - 1)[:, 0]
+        with native.active(self.cpu_kernels):
+            entries = self.model.draft.window(verified.target_hidden[None, :kept],
+                                              seq.store.num_tokens - 1)[:, 0]
         if seq.draft_context is not None:
             entries = torch.cat((seq.draft_context, entries), dim=1)
         seq.draft_context = entries[:, -self.model.config.window_size :]
