@@ -1,16 +1,17 @@
 """DSpark speculative decoding against plain decoding, side by side in one run.
 
-For each batch size (`--batches`, default 1 4 16) the same requests -- `--batches` B prompts
+For each batch size (`--batches`, default 1 4 16) the same requests -- `--prompts` prompts
 of `--prompt-tokens` token ids, `--max-tokens` greedy tokens each (`--temperature` to
-sample) -- run through two engines on the same model: `speculative="none"` (one token a
-step) and `speculative="dspark"` (a draft block per sequence, its confident prefix verified
-in one target call). The two take turns for `--repeat` rounds and each keeps its best
-round. Reported per batch: output tokens/s of each (end to end, the prompts' prefill
-included, which is the same work in both), their ratio, and from the DSpark engine's runner
-the mean acceptance length (tokens a verify yields: accepted drafts + the target's own),
-how many drafts each verify accepted (a histogram), the verify lengths the confidence
-schedule chose, and the milliseconds of a draft call and of a verify call beside a plain
-step's; then what a batch-1 verify step costs by the rows it feeds.
+sample), at most B running at once -- run through two engines on the same model:
+`speculative="none"` (one token a step) and `speculative="dspark"` (a draft block per
+sequence, its confident prefix verified in one target call). The two take turns for
+`--repeat` rounds and each keeps its best round. Reported per batch: output tokens/s of
+each (end to end, the prompts' prefill included, which is the same work in both), their
+ratio, and from the DSpark engine's runner the mean acceptance length (tokens a verify
+yields: accepted drafts + the target's own), how many drafts each verify accepted (a
+histogram), the verify lengths the confidence schedule chose, and the milliseconds of a
+draft call and of a verify call beside a plain step's; then what a batch-1 verify step
+costs by the rows it feeds.
 
 The model is `--model`: a directory with DSpark's draft layers (`mtp.*`: DeepSeek's V4.1
 checkpoint, or a model trained with a drafter), or a preset with random weights (default
@@ -58,8 +59,7 @@ def run(args: argparse.Namespace, speculative: str, batch: int,
 
 
 def heldout_prompts(llm: LLM, args: argparse.Namespace) -> list[list[int]]:
-    """The first --prompt-tokens tokens of held-out standard-library files, as many as
-    the largest batch."""
+    """The first --prompt-tokens tokens of --prompts held-out standard-library files."""
     from kvstack.corpus.data import read_source, split_corpus, stdlib_root
 
     root = stdlib_root()
@@ -69,7 +69,7 @@ def heldout_prompts(llm: LLM, args: argparse.Namespace) -> list[list[int]]:
         ids = llm.encode(text) if text else []
         if len(ids) >= args.prompt_tokens:
             prompts.append(ids[: args.prompt_tokens])
-        if len(prompts) == max(args.batches):
+        if len(prompts) == args.prompts:
             return prompts
     raise ValueError(f"too few held-out files of {args.prompt_tokens} tokens")
 
@@ -112,6 +112,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-v41-dspark")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompts", type=int, default=16,
+                        help="requests run at every batch size (default: %(default)s)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -119,8 +121,8 @@ def main() -> None:
     parser.add_argument("--kv-budget", default="64MiB")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"model {args.model}, prompts of {args.prompt_tokens} tokens, {args.max_tokens} "
-          f"tokens each, temperature {args.temperature}, 1 torch thread, load "
+    print(f"model {args.model}, {args.prompts} prompts of {args.prompt_tokens} tokens, "
+          f"{args.max_tokens} tokens each, temperature {args.temperature}, 1 torch thread, load "
           f"{os.getloadavg()[0]:.2f}")
     plain = engine(args, "none", 1)
     vocab = plain.model.config.vocab_size
@@ -131,9 +133,9 @@ def main() -> None:
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for batch in args.batches:
-        prompts = held_out[:batch] if held_out is not None else torch.randint(
-            0, vocab, (batch, args.prompt_tokens),
-            generator=torch.Generator().manual_seed(batch)).tolist()
+        prompts = held_out if held_out is not None else torch.randint(
+            0, vocab, (args.prompts, args.prompt_tokens),
+            generator=torch.Generator().manual_seed(0)).tolist()
         best: dict[str, tuple[float, LLM | None]] = {"none": (0.0, None), "dspark": (0.0, None)}
         for _ in range(args.repeat):
             for speculative in best:
