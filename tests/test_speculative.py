@@ -7,6 +7,7 @@ import torch
 from kvstack import native
 from kvstack.cache.batch import DecodeBatch
 from kvstack.cache.paged import PagedCache
+from kvstack.cli import main
 from kvstack.config import preset
 from kvstack.engine import LLM, EngineConfig, SamplingParams
 from kvstack.engine.runner import verify_length
@@ -259,6 +260,25 @@ def test_dspark_on_a_model_without_draft_layers_is_refused():
         EngineConfig(speculative="eagle")
     with pytest.raises(ValueError, match="draft on a model split over ranks"):
         EngineConfig(speculative="dspark", tensor_parallel_size=2)
+
+
+def test_a_verify_feeds_at_most_speculative_tokens_and_more_than_the_block_is_refused(
+        plain, capsys):
+    block = preset("tiny-v41-dspark").dspark_block_size
+    with pytest.raises(ValueError, match=f"proposes blocks of {block} .*trained for"):
+        engine("dspark", speculative_tokens=block + 1)
+    with pytest.raises(ValueError, match="set it with speculative='dspark'"):
+        EngineConfig(speculative_tokens=2)
+    with pytest.raises(ValueError, match="speculative_tokens must be a positive integer"):
+        EngineConfig(speculative="dspark", speculative_tokens=0)
+    told = engine("dspark", speculative_tokens=1)
+    oracle(told, {p[0]: p + reply for p, reply in zip(PROMPTS, plain, strict=True)})
+    assert run(told, PROMPTS, GREEDY) == plain
+    lengths = told.runner.verify_lengths
+    assert lengths[1] > 0 and all(n <= 1 for n, count in lengths.items() if count)
+    assert main(["generate", "--model", "tiny-v41", "--random-init", "--speculative-tokens",
+                 "2", "--prompt", "hi"]) == 2
+    assert "set it with speculative='dspark'" in capsys.readouterr().err
 
 
 def test_speculative_sampling_draws_from_the_targets_distribution():

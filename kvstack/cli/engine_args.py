@@ -58,6 +58,10 @@ ENGINE_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                     "model's DSpark layers and verified in one target call "
                                     "(lossless); none: one token a step (default: "
                                     "%(default)s)")),
+    ("--speculative-tokens", "speculative_tokens",
+     dict(type=positive_int, metavar="N",
+          help="with --speculative dspark: at most N drafts verified a step (default: the "
+               "draft's block, dspark_block_size; more is refused)")),
     ("--max-num-batched-tokens", "max_num_batched_tokens",
      dict(type=positive_int, metavar="N",
           help="tokens one step runs: its decode batch's, its prompt parts' and the replay "

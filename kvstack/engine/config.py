@@ -110,6 +110,10 @@ class EngineConfig:
     # layers and verifies them in one target call (lossless: the outputs are the target's);
     # "none" decodes one token a step.
     speculative: str = "none"
+    # With speculative="dspark": at most this many drafts verified a step (SGLang's DSpark
+    # block size, vLLM's num_speculative_tokens); None: the draft's whole block
+    # (dspark_block_size, what it was trained to propose), which is also the most.
+    speculative_tokens: int | None = None
     # Ranks the model is split over (`kvstack.parallel`: heads, index heads, Engram rows
     # and vocabulary by rank), one process and one device each; with expert_parallel
     # the routed experts go whole by rank, else each expert is split by its inter dim.
@@ -135,7 +139,7 @@ class EngineConfig:
                 or isinstance(self.window_checkpoints, bool) or self.window_checkpoints < 0):
             raise ValueError("engine setting window_checkpoints must be a non-negative "
                              f"integer, got {self.window_checkpoints!r}")
-        for key in ("max_model_len", "threads"):
+        for key in ("max_model_len", "threads", "speculative_tokens"):
             if getattr(self, key) is not None:
                 positive(key)
         if self.replay not in REPLAY_MODES:
@@ -153,6 +157,9 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got "
                              f"{self.speculative!r}")
+        if self.speculative_tokens is not None and self.speculative == "none":
+            raise ValueError("speculative_tokens limits DSpark's verified drafts: set it "
+                             "with speculative='dspark'")
         if self.speculative != "none" and self.tensor_parallel_size > 1:
             raise ValueError("speculative='dspark' runs in one process: the draft on a "
                              "model split over ranks is not built")

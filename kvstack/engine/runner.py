@@ -50,6 +50,8 @@ class ModelRunner:
         self.compiled_graphs = 0  # graphs those steps made
         self.attention = _attention_backend(config.attention, model, self.device)
         self.speculative = _speculative(config.speculative, model)
+        # The most drafts a verify feeds (EngineConfig.speculative_tokens).
+        self.speculative_tokens = _speculative_tokens(config.speculative_tokens, model)
         self.max_model_len = config.model_len(model.config)
         # DSpark's verifies since start, the drafts they verified and those accepted; per
         # verify, how many drafts it verified and kept (count by length); the seconds
@@ -233,7 +235,7 @@ class ModelRunner:
                     torch.tensor([seq.output_ids[-1] for seq in group], device=self.device),
                     torch.tensor(starts, device=self.device) - 1, draw)
             for row, (i, seq, start) in enumerate(zip(members, group, starts, strict=True)):
-                limit = min(c.dspark_block_size, c.window_size - 1,
+                limit = min(self.speculative_tokens, c.window_size - 1,
                             seq.params.max_tokens - len(seq.output_ids) - 1,
                             self.max_model_len - start - 2)
                 n = verify_length(block.confidence[row], limit)
@@ -425,6 +427,17 @@ def _speculative(choice: str, model: Model) -> bool:
                          "(mtp.* in the checkpoint; n_mtp_layers and dspark_block_size "
                          "in its config)")
     return True
+
+
+def _speculative_tokens(choice: int | None, model: Model) -> int:
+    """The most drafts a verify feeds, for an EngineConfig.speculative_tokens choice: at
+    most the draft's block, the length it was trained to propose."""
+    block = model.config.dspark_block_size
+    if choice is not None and choice > block:
+        raise ValueError(f"speculative_tokens {choice}: the model's DSpark draft proposes "
+                         f"blocks of {block} (dspark_block_size, what it was trained for); "
+                         f"choose 1..{block}")
+    return block if choice is None else choice
 
 
 def _cpu_kernels(choice: str, device: torch.device) -> bool:
