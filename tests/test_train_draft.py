@@ -41,6 +41,13 @@ def test_the_draft_learns_the_target_and_only_the_draft_trains(target, tmp_path)
     context a few steps cannot learn in general) the draft's losses fall, and only
     `draft.*` moves."""
     trainer = DraftTrainer(settings(target), tmp_path)
+    # The rows: a window of corpus tokens, then what the target's engine writes greedily.
+    window = trainer.config.window_size
+    assert trainer.train_rows.shape == (6, window + 12)
+    written = LLM(target, kv_budget="8MiB", threads=1).generate(
+        trainer.train_rows[:, :window].tolist(),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in written] == trainer.train_rows[:, window:].tolist()
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     rows = trainer.train_rows[:2]
     seen = []
@@ -62,7 +69,10 @@ def test_a_killed_run_resumes_and_its_model_drafts_in_the_engine(target, tmp_pat
     a kill after step 4): the log holds each step once, and OUT/model is the target with
     its draft, whose greedy outputs with DSpark equal the target's."""
     DraftTrainer(settings(target), tmp_path).run(log=lambda line: None)
+    rows = tmp_path / "data" / "train-rows.npy"
+    made = rows.stat().st_mtime_ns
     scores = DraftTrainer(settings(target, steps=6), tmp_path).run(log=lambda line: None)
+    assert rows.stat().st_mtime_ns == made  # the target's rows are made once per run
     steps = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text()
              .splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6] and 1 <= scores["acceptance"] <= 4

@@ -124,7 +124,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Any] = loop.create_future()
 
-        def settle(result: Any, error: BaseException | None) -> None:
+        def reply(result: Any, error: BaseException | None) -> None:
             def put() -> None:
                 if done.done():  # the caller was cancelled
                     return
@@ -135,7 +135,7 @@ class AsyncLLM:
             with contextlib.suppress(RuntimeError):  # the caller's loop has closed
                 loop.call_soon_threadsafe(put)
 
-        self._inbox.put(("call", (method, args, settle)))
+        self._inbox.put(("call", (method, args, reply)))
         return await done
 
     def shutdown(self) -> None:
@@ -177,13 +177,13 @@ class AsyncLLM:
 
     def _take(self, kind: str, what: Any) -> None:
         if kind == "call":
-            method, args, settle = what
+            method, args, reply = what
             try:
                 result = method(*args)
             except Exception as error:  # the caller's to handle, not the engine's
-                settle(None, error)
+                reply(None, error)
             else:
-                settle(result, None)
+                reply(result, None)
             return
         if kind == "abort":
             self._deliver.pop(what, None)

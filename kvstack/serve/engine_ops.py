@@ -1,8 +1,7 @@
-"""What the server asks of its engine besides requests, run where the engine runs: in the
-engine's own process between steps (`kvstack.engine.process`), or, with an engine stepping
-in a thread of the server's process (`AsyncLLM`), by that thread between steps. The server reaches
-these methods by name (`engine.call("stats")`); arguments and results cross a pipe, so
-they are plain data."""
+"""What the server asks of its engine besides requests, run where the engine runs, between
+its steps: in the engine's own process (`kvstack.engine.process`), or by the engine's
+thread in the server's process (`AsyncLLM`). The server reaches these methods by name
+(`engine.call("stats")`); arguments and results cross a pipe, so they are plain data."""
 
 from typing import TYPE_CHECKING, Any
 
