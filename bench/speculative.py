@@ -2,16 +2,21 @@
 
 For each batch size (`--batches`, default 1 4 16) the same requests -- `--prompts` prompts
 of `--prompt-tokens` token ids, `--max-tokens` greedy tokens each (`--temperature` to
-sample), at most B running at once -- run through two engines on the same model:
+sample), at most B running at once -- run through engines on the same model:
 `speculative="none"` (one token a step) and `speculative="dspark"` (a draft block per
-sequence, its confident prefix verified in one target call). The two take turns for
-`--repeat` rounds and each keeps its best round. Reported per batch: output tokens/s of
-each (end to end, the prompts' prefill included, which is the same work in both), their
-ratio, and from the DSpark engine's runner the mean acceptance length (tokens a verify
-yields: accepted drafts + the target's own), how many drafts each verify accepted (a
-histogram), the verify lengths the confidence schedule chose, and the milliseconds of a
-draft call and of a verify call beside a plain step's; then what a batch-1 verify step
-costs by the rows it feeds.
+sequence, its confident prefix verified in one target call) under each of `--schedules`:
+"measured" (the default: a sequence drafts while its verifies pay, as timed in the
+engine's own steps) and "always" (every sequence drafts every step). Each engine first
+warms up on B of the prompts, 16 tokens each (alike for all: the measured schedule times
+its steps there, as a server does in its first seconds). The engines take turns for
+`--repeat` rounds and each keeps its best round. Reported per batch and
+schedule: output tokens/s (end to end, the prompts' prefill included, which is the same
+work in all), DSpark's ratio to plain, and from the DSpark engine's runner the share of
+sequence steps that drafted, the mean acceptance length (tokens a verify yields:
+accepted drafts + the target's own), how many drafts each verify accepted (a histogram),
+the verify lengths the confidence head chose, and the milliseconds of a step's draft call
+and verify call (steps that drafted) beside a plain step's; then what a batch-1 verify
+step costs by the rows it feeds.
 
 The model is `--model`: a directory with DSpark's draft layers (`mtp.*`: DeepSeek's V4.1
 checkpoint, or a model trained with a drafter), or a preset with random weights (default
@@ -38,20 +43,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvstack.engine import LLM, SamplingParams
 
 
-def engine(args: argparse.Namespace, speculative: str, batch: int) -> LLM:
+def engine(args: argparse.Namespace, speculative: str, batch: int,
+           schedule: str = "measured") -> LLM:
     model = Path(args.model)
     source = dict(model=str(model)) if model.is_dir() else dict(
         model=args.model, random_init=True, seed=0)
+    drafts = dict(speculative_schedule=schedule) if speculative == "dspark" else {}
     return LLM(**source, speculative=speculative, threads=1, kv_budget=args.kv_budget,
-               max_num_seqs=batch, enable_prefix_caching=False)
+               max_num_seqs=batch, enable_prefix_caching=False, **drafts)
 
 
-def run(args: argparse.Namespace, speculative: str, batch: int,
+def run(args: argparse.Namespace, engine_kind: str, batch: int,
         prompts: list[list[int]]) -> tuple[float, LLM]:
-    llm = engine(args, speculative, batch)
+    speculative, _, schedule = engine_kind.partition(" ")
+    llm = engine(args, speculative, batch, schedule or "measured")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=1 if args.temperature else None, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    # Warm-up, alike for every engine: a server's first steps, where the measured
+    # schedule times a plain and a drafting step of the batch's size.
+    llm.generate(prompts[:batch], SamplingParams(max_tokens=16, ignore_eos=True))
     started = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - started
@@ -118,6 +128,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--schedules", nargs="+", choices=("measured", "always"),
+                        default=["measured", "always"],
+                        help="DSpark's schedules to run beside plain decoding")
     parser.add_argument("--kv-budget", default="64MiB")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -128,27 +141,33 @@ def main() -> None:
     vocab = plain.model.config.vocab_size
     held_out = heldout_prompts(plain, args) if Path(args.model, "tokenizer.json").exists() \
         else None
-    header = ("| batch | plain tok/s | DSpark tok/s | DSpark ÷ plain | acceptance length "
-              "| accepted per verify | verify lengths | draft ms | verify ms | plain ms/token |")
+    header = ("| batch | schedule | plain tok/s | DSpark tok/s | DSpark ÷ plain | drafted "
+              "| acceptance length | accepted per verify | verify lengths | draft ms "
+              "| verify ms | plain ms/token |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
+    kinds = ["none", *(f"dspark {schedule}" for schedule in args.schedules)]
     for batch in args.batches:
         prompts = held_out if held_out is not None else torch.randint(
             0, vocab, (args.prompts, args.prompt_tokens),
             generator=torch.Generator().manual_seed(0)).tolist()
-        best: dict[str, tuple[float, LLM | None]] = {"none": (0.0, None), "dspark": (0.0, None)}
+        best: dict[str, tuple[float, LLM | None]] = {kind: (0.0, None) for kind in kinds}
         for _ in range(args.repeat):
-            for speculative in best:
-                rate, llm = run(args, speculative, batch, prompts)
-                if rate > best[speculative][0]:
-                    best[speculative] = (rate, llm)
-        plain, drafting, r = best["none"][0], best["dspark"][0], best["dspark"][1].runner
-        verifies = max(r.verifies, 1)
-        print(f"| {batch} | {plain:.1f} | {drafting:.1f} | {drafting / plain:.2f}× | "
-              f"{(r.accepted_tokens + r.verifies) / verifies:.2f} | "
-              f"{histogram(r.accepted_lengths)} | {histogram(r.verify_lengths)} | "
-              f"{1e3 * r.draft_seconds / verifies:.1f} | "
-              f"{1e3 * r.verify_seconds / verifies:.1f} | {1e3 / plain:.1f} |")
+            for kind in kinds:
+                rate, llm = run(args, kind, batch, prompts)
+                if rate > best[kind][0]:
+                    best[kind] = (rate, llm)
+        plain = best["none"][0]
+        for kind in kinds[1:]:
+            drafting, r = best[kind][0], best[kind][1].runner
+            verifies, steps = max(r.verifies, 1), max(r.drafting_steps, 1)
+            print(f"| {batch} | {kind.split()[1]} | {plain:.1f} | {drafting:.1f} | "
+                  f"{drafting / plain:.2f}× | "
+                  f"{100 * r.verifies / max(r.verifies + r.undrafted, 1):.0f}% | "
+                  f"{(r.accepted_tokens + r.verifies) / verifies:.2f} | "
+                  f"{histogram(r.accepted_lengths)} | {histogram(r.verify_lengths)} | "
+                  f"{1e3 * r.draft_seconds / steps:.1f} | "
+                  f"{1e3 * r.verify_seconds / steps:.1f} | {1e3 / plain:.1f} |")
     if engine(args, "dspark", 1).runner.verify_in_c:
         prompt = held_out[0] if held_out is not None else list(range(1, args.prompt_tokens))
         print(f"a batch-1 verify step by its rows: "

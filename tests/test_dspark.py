@@ -67,6 +67,32 @@ def test_per_sequence_positions_equal_each_sequence_alone(drafted):
     torch.testing.assert_close(both.confidence, torch.cat([a.confidence for a in alone]))
 
 
+def test_windows_of_several_lengths_padded_into_one_call_equal_each_alone(drafted):
+    """The engine drafts for every sequence in one call, a window shorter than the
+    longest left-padded (`padding`): the same block as each sequence's own window."""
+    model, c = drafted, drafted.config
+    g = torch.Generator().manual_seed(5)
+    lengths, positions = (c.window_size, 3, 11), (40, 2, 10)
+    hidden = [torch.randn(1, n, 3 * c.dim, generator=g) for n in lengths]
+    token = torch.randint(0, c.vocab_size, (3,), generator=g)
+    with torch.no_grad():
+        windows = [model.draft.window(h, p) for h, p in zip(hidden, positions, strict=True)]
+        alone = [model.draft.block(model, w, token[i : i + 1], p)
+                 for i, (w, p) in enumerate(zip(windows, positions, strict=True))]
+        width = max(lengths)
+        padded = torch.zeros(len(c.draft_layers), 3, width, c.head_dim)
+        padding = torch.ones(3, width, dtype=torch.bool)
+        for i, w in enumerate(windows):
+            padded[:, i, width - w.shape[2] :] = w[:, 0]
+            padding[i, width - w.shape[2] :] = False
+        padded[:, 1, 0] = 1e4  # what a padded slot holds is never read
+        both = model.draft.block(model, padded, token, torch.tensor(positions),
+                                 padding=padding)
+    assert torch.equal(both.tokens, torch.cat([a.tokens for a in alone]))
+    torch.testing.assert_close(both.logits, torch.cat([a.logits for a in alone]))
+    torch.testing.assert_close(both.confidence, torch.cat([a.confidence for a in alone]))
+
+
 def test_the_target_hands_over_its_target_layers_attention_inputs(drafted):
     model, c = drafted, drafted.config
     ids = torch.randint(0, c.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))

@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from kvstack.config import ATTENTION_BACKENDS, CPU_KERNELS, DTYPES, NUMERICS
-from kvstack.engine.config import SPECULATIVE, EngineConfig
+from kvstack.engine.config import SPECULATIVE, SPECULATIVE_SCHEDULES, EngineConfig
 from kvstack.units import format_bytes, positive_int
 
 if TYPE_CHECKING:  # the engine pulls in the model; parsing the command does not need it
@@ -62,6 +62,11 @@ ENGINE_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
      dict(type=positive_int, metavar="N",
           help="with --speculative dspark: at most N drafts verified a step (default: the "
                "draft's block, dspark_block_size; more is refused)")),
+    ("--speculative-schedule", "speculative_schedule",
+     dict(choices=SPECULATIVE_SCHEDULES,
+          help="with --speculative dspark: measured drafts for a sequence while its verifies "
+               "keep more tokens than plain steps would make in their time (timed as the "
+               "engine runs); always drafts every step (default: %(default)s)")),
     ("--max-num-batched-tokens", "max_num_batched_tokens",
      dict(type=positive_int, metavar="N",
           help="tokens one step runs: its decode batch's, its prompt parts' and the replay "

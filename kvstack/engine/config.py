@@ -21,6 +21,7 @@ from kvstack.units import parse_bytes
 
 log = logging.getLogger("kvstack")
 SPECULATIVE = ("none", "dspark")
+SPECULATIVE_SCHEDULES = ("measured", "always")
 
 
 def _check_device(device: str) -> None:
@@ -114,6 +115,10 @@ class EngineConfig:
     # block size, vLLM's num_speculative_tokens); None: the draft's whole block
     # (dspark_block_size, what it was trained to propose), which is also the most.
     speculative_tokens: int | None = None
+    # SPECULATIVE_SCHEDULES, with speculative="dspark": "measured" drafts for a sequence
+    # while its verifies keep more tokens than the time they take would make plainly,
+    # timed in the engine's own steps (kvstack.engine.pace); "always" drafts every step.
+    speculative_schedule: str = "measured"
     # Ranks the model is split over (`kvstack.parallel`: heads, index heads, Engram rows
     # and vocabulary by rank), one process and one device each; with expert_parallel
     # the routed experts go whole by rank, else each expert is split by its inter dim.
@@ -157,6 +162,10 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got "
                              f"{self.speculative!r}")
+        if self.speculative_schedule not in SPECULATIVE_SCHEDULES:
+            raise ValueError("speculative_schedule must be one of "
+                             f"{', '.join(SPECULATIVE_SCHEDULES)}, got "
+                             f"{self.speculative_schedule!r}")
         if self.speculative_tokens is not None and self.speculative == "none":
             raise ValueError("speculative_tokens limits DSpark's verified drafts: set it "
                              "with speculative='dspark'")

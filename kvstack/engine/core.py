@@ -266,6 +266,10 @@ class EngineCore:
         self._idle_steps = 0
         drafting = [seq for seq in plan.decode if self.runner.drafts(seq)]
         decoding = [seq for seq in plan.decode if not self.runner.drafts(seq)]
+        chosen = self.runner.drafting(drafting) if drafting else None
+        undrafted = bool(drafting) and chosen is None  # DSpark's, none drafting this step
+        if undrafted:  # one decode call for all
+            decoding, drafting = plan.decode, []
         # Prompts whose last part runs as rows of the decode step: one model call for all
         # (one whose batch failed prefills alone, so that it fails no other again).
         joining = [seq for seq, n in plan.prefill
@@ -275,6 +279,7 @@ class EngineCore:
                         if not any(seq is other for other in joining)]
         if decoding or joining:
             together = decoding + joining
+            started = time.perf_counter()
             try:
                 samples = (self.runner.decode_with_prompts(decoding, joining) if joining
                            else self.runner.decode(decoding))
@@ -287,9 +292,14 @@ class EngineCore:
                     seq.suspect, seq.faults = False, 0  # it steps again: start over
                     seq.prefilling = False
                     self._advance(seq, sampled)
+                if undrafted and not joining:  # DSpark's schedule times plain steps
+                    self.runner.pace.timed(len(decoding), 0, time.perf_counter() - started)
             outputs += self._outputs(together)
-        if drafting:
-            self._speculate(drafting)
+        if drafting and chosen is not None:
+            started = time.perf_counter()
+            if self._speculate(drafting, chosen):
+                self.runner.pace.timed(len(drafting), sum(chosen),
+                                       time.perf_counter() - started)
             outputs += self._outputs(drafting)
         for i, (seq, n) in enumerate(sorted(plan.prefill, key=self._prefill_cost)):
             if i and self.arrivals is not None and self.arrivals():
@@ -368,16 +378,18 @@ class EngineCore:
                 seq.suspect = len(seqs) > 1  # next time it decodes alone
                 self.scheduler.preempt(seq)
 
-    def _speculate(self, seqs: list[Sequence]) -> None:
-        """DSpark's step for seqs: each advances by the outputs its verify kept, up to
-        where it finishes, and its store keeps exactly the tokens that fed those."""
+    def _speculate(self, seqs: list[Sequence], chosen: list[bool]) -> bool:
+        """DSpark's step for seqs (those `chosen` drafting): each advances by the outputs
+        its verify kept, up to where it finishes, and its store keeps exactly the tokens
+        that fed those. Whether the step ran."""
         try:
-            verified = self.runner.speculate(seqs)
+            verified = self.runner.speculate(seqs, chosen)
         except EngineError as e:
             self._stop(e)
         except Exception as e:
             self._fault(seqs, e)
-            return
+            return False
+        settled = []
         for seq, outcome in zip(seqs, verified, strict=True):
             seq.suspect, seq.faults = False, 0
             store, kept = seq.store, 0
@@ -387,8 +399,11 @@ class EngineCore:
                 if seq.status is Status.FINISHED:
                     break
             if seq.store is store:  # still running, or kept for a follow-up turn
-                self.runner.settle(seq, outcome, kept)
-                self.cache.register_full_blocks(store)
+                settled.append((seq, outcome, kept))
+        self.runner.settle(settled)
+        for seq, _, _ in settled:
+            self.cache.register_full_blocks(seq.store)
+        return True
 
     def _advance(self, seq: Sequence, sampled: Sample, name_blocks: bool = True) -> None:
         """Append a sampled token; name_blocks: first name the store's full blocks in the
@@ -422,7 +437,8 @@ class EngineCore:
             seq.text = seq.detokenizer.text  # all of it: nothing can cut it any more
         keep = seq.keep_cache and reason in ("stop", "length")
         self.scheduler.finish(seq, reason, keep_cache=keep)
-        seq.draft_context = None  # nothing drafts for it any more (a next turn starts anew)
+        # Nothing drafts for it any more (a next turn starts anew).
+        seq.draft_context = seq.draft_states = None
         seq.finish_time = time.perf_counter()
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:

@@ -289,12 +289,13 @@ class LLM:
                                         "encoded": encoded.encoded}
         if self.runner.speculative:
             # DSpark's draft keeps no paged cache: each drafting sequence holds its draft
-            # stages' window entries (draft_context), float32, apart from the KV cache.
+            # stages' window entries (draft_context), float32, apart from the KV cache,
+            # and the target states of the tokens kept since its last draft.
             c = self.config
             with self.core.lock:
-                held = sum(seq.draft_context.numel() * seq.draft_context.element_size()
+                held = sum(t.numel() * t.element_size()
                            for seq in self.core.requests.values()
-                           if seq.draft_context is not None)
+                           for t in (seq.draft_context, seq.draft_states) if t is not None)
             report["draft"] = {
                 "context_bytes_per_sequence":
                     len(c.draft_layers) * c.window_size * c.head_dim * 4,

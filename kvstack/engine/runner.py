@@ -15,6 +15,7 @@ from kvstack import native
 from kvstack.cache.batch import DecodeBatch
 from kvstack.cache.paged import PagedSequenceStore
 from kvstack.engine.config import EngineConfig
+from kvstack.engine.pace import DraftPace
 from kvstack.engine.sampling import Sample, distribution, sample_batch, speculative_accept
 from kvstack.engine.sequence import Sequence, Status
 from kvstack.model import Model
@@ -52,13 +53,17 @@ class ModelRunner:
         self.speculative = _speculative(config.speculative, model)
         # The most drafts a verify feeds (EngineConfig.speculative_tokens).
         self.speculative_tokens = _speculative_tokens(config.speculative_tokens, model)
+        self.pace = DraftPace(config.speculative_schedule)
         self.max_model_len = config.model_len(model.config)
-        # DSpark's verifies since start, the drafts they verified and those accepted; per
-        # verify, how many drafts it verified and kept (count by length); the seconds
-        # its draft and verify calls took.
-        self.verifies = self.drafted_tokens = self.accepted_tokens = 0
+        # DSpark's verifies since start (a sequence's drafted step), the drafts they
+        # verified and those accepted; per verify, how many drafts it verified and kept
+        # (count by length); the steps of sequences that decoded without a draft (the
+        # schedule's pauses). Its steps where some sequence drafted, and the seconds their
+        # draft and verify calls took.
+        self.verifies = self.drafted_tokens = self.accepted_tokens = self.undrafted = 0
         self.verify_lengths: Counter[int] = Counter()
         self.accepted_lengths: Counter[int] = Counter()
+        self.drafting_steps = 0
         self.draft_seconds = self.verify_seconds = 0.0
         self.cpu_kernels = _cpu_kernels(config.cpu_kernels, self.device)
         # Several rows of a sequence in one decode step (DecodeBatch's counts) where the C
@@ -97,6 +102,7 @@ class ModelRunner:
         with native.active(self.cpu_kernels):
             seq.draft_context = self.model.draft.window(
                 out.target_hidden, seq.store.num_tokens - 1)[:, 0]
+        seq.draft_states = None
         return sample_batch(out.logits[:, -1], [seq])[0]
 
     def prefill_logits(self, seq: Sequence) -> torch.Tensor:
@@ -164,21 +170,31 @@ class ModelRunner:
         return (self.speculative and not p.penalised and p.logprobs is None
                 and not p.constrained)
 
-    def speculate(self, seqs: list[Sequence]) -> list[Verified]:
+    def drafting(self, seqs: list[Sequence]) -> list[bool] | None:
+        """Which of these sequences draft this step (`DraftPace.drafting`); None where
+        none does and they decode as plain ones do, keeping their target states
+        (`decode`)."""
+        chosen = self.pace.drafting(seqs)
+        return None if self.verify_in_c and not any(chosen) else chosen
+
+    @torch.no_grad()
+    def speculate(self, seqs: list[Sequence], chosen: list[bool]) -> list[Verified]:
         """One DSpark step of each sequence (it holds its prompt in cache and its
-        `draft_context`): draft a block after its last sampled token, verify the block's
-        worthwhile prefix (`verify_length`), and choose the outputs (greedy: the drafts
-        the target's argmax agrees with, then the target's own token; sampled:
+        `draft_context`): for those `chosen` (`drafting`), draft a
+        block after its last sampled token and keep the block's worthwhile prefix
+        (`verify_lengths`); then verify, and choose the outputs (greedy: the drafts the
+        target's argmax agrees with, then the target's own token; sampled:
         `speculative_accept`). The verify is one target call for every sequence, a
         `DecodeBatch` with a row per fed token (the last sampled one, then the drafts),
-        where the C kernels run the step; else one `Model.extend` each. The stores stay in
-        speculation (`PagedSequenceStore.speculate`): the caller settles each on the
-        outputs it keeps."""
+        where the C kernels run the step; else one `Model.extend` each. A sequence fed
+        drafts stays in speculation (`PagedSequenceStore.speculate`): `settle` keeps the
+        outputs the caller took."""
         started = time.perf_counter()
-        blocks = self._draft(seqs)
+        blocks = self._draft(seqs, chosen)
         drafted = time.perf_counter()
         for seq, (drafts, _) in zip(seqs, blocks, strict=True):
-            seq.store.speculate(len(drafts) + 1)
+            if drafts:
+                seq.store.speculate(len(drafts) + 1)
         fed = [[seq.output_ids[-1], *drafts] for seq, (drafts, _) in zip(seqs, blocks,
                                                                         strict=True)]
         if self.verify_in_c:
@@ -194,55 +210,111 @@ class ModelRunner:
             for seq, tokens in zip(seqs, fed, strict=True):
                 one = self._extend(seq.store, tokens, len(tokens), len(tokens), seq.images)
                 verified.append((one.logits[0], one.target_hidden[0]))
-        self.draft_seconds += drafted - started
-        self.verify_seconds += time.perf_counter() - drafted
-        return [self._accept(seq, drafts, proposed, logits, hidden)
-                for seq, (drafts, proposed), (logits, hidden)
-                in zip(seqs, blocks, verified, strict=True)]
+        if any(chosen):
+            self.drafting_steps += 1
+            self.draft_seconds += drafted - started
+            self.verify_seconds += time.perf_counter() - drafted
+        # The sequences that did not draft decode as a plain step would (one sampling
+        # pass for all); their target states are kept for later drafts.
+        plain = [i for i, drew in enumerate(chosen) if not drew]
+        samples = iter(())
+        if plain:
+            with native.active(self.cpu_kernels):
+                samples = iter(sample_batch(torch.cat([verified[i][0] for i in plain]),
+                                            [seqs[i] for i in plain]))
+        outcomes = []
+        for seq, drew, (drafts, proposed), (logits, hidden) in zip(
+                seqs, chosen, blocks, verified, strict=True):
+            if drew:
+                outcome = self._accept(seq, drafts, proposed, logits, hidden)
+                self.pace.verified(seq, len(seqs), len(outcome.samples))
+            else:
+                outcome = Verified([next(samples)], hidden)
+                self.pace.skipped(seq)
+                self.undrafted += 1
+            outcomes.append(outcome)
+        return outcomes
 
     @torch.no_grad()
-    def _draft(self, seqs: list[Sequence]) -> list[tuple[list[int], list[torch.Tensor]]]:
+    def _draft(self, seqs: list[Sequence], chosen: list[bool]
+               ) -> list[tuple[list[int], list[torch.Tensor]]]:
         """Each sequence's drafts worth verifying after its last sampled token, and, for
-        a sampled request, the draft's distribution at each (none without a draft context
-        yet, or where the schedule or the limits leave none). One draft call for the
-        sequences whose contexts are as long (all of them, once they hold a window)."""
+        a sampled request, the draft's distribution at each (none where not `chosen`,
+        without a draft context yet, or where the confidence or the limits leave none).
+        One draft call for every chosen sequence with a context: a context shorter than
+        the longest (a sequence that holds less than a window) is left-padded, its padding
+        masked."""
         blocks: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in seqs]
-        groups: dict[int, list[int]] = {}
-        for i, seq in enumerate(seqs):
-            if seq.draft_context is not None:
-                groups.setdefault(seq.draft_context.shape[1], []).append(i)
+        self.make_draft_contexts([seq for seq, drew in zip(seqs, chosen, strict=True) if drew])
+        members = [i for i, (seq, drew) in enumerate(zip(seqs, chosen, strict=True))
+                   if drew and seq.draft_context is not None]
+        if not members:
+            return blocks
         model, c = self.model, self.model.config
-        for members in groups.values():
-            group = [seqs[i] for i in members]
-            proposed: list[list[torch.Tensor]] = [[] for _ in group]
+        group = [seqs[i] for i in members]
+        contexts = [seq.draft_context for seq in group]  # [S, n, D] each
+        width = max(context.shape[1] for context in contexts)
+        window = contexts[0].new_zeros(contexts[0].shape[0], len(group), width,
+                                       contexts[0].shape[2])  # [S, B, W, D]
+        padding = torch.zeros(len(group), width, dtype=torch.bool)
+        for row, context in enumerate(contexts):
+            window[:, row, width - context.shape[1] :] = context
+            padding[row, : width - context.shape[1]] = True
+        proposed: list[list[torch.Tensor]] = [[] for _ in group]
 
-            def draw(logits: torch.Tensor, group: list[Sequence] = group,
-                     proposed: list[list[torch.Tensor]] = proposed) -> torch.Tensor:
-                """Each row's next draft [G] from logits [G, vocab]: greedy, or drawn
-                from its request's distribution."""
-                tokens = logits.argmax(-1)
-                for row, seq in enumerate(group):
-                    if seq.params.temperature > 0:
-                        proposed[row].append(distribution(logits[row], seq.params))
-                        tokens[row] = int(torch.multinomial(proposed[row][-1], 1,
-                                                            generator=seq.generator))
-                return tokens
+        def draw(logits: torch.Tensor) -> torch.Tensor:
+            """Each row's next draft [B] from logits [B, vocab]: greedy, or drawn from its
+            request's distribution."""
+            tokens = logits.argmax(-1)
+            for row, seq in enumerate(group):
+                if seq.params.temperature > 0:
+                    proposed[row].append(distribution(logits[row], seq.params))
+                    tokens[row] = int(torch.multinomial(proposed[row][-1], 1,
+                                                        generator=seq.generator))
+            return tokens
 
-            starts = [seq.store.num_tokens for seq in group]  # the last sampled tokens'
-            with native.active(self.cpu_kernels):
-                block = model.draft.block(
-                    model, torch.stack([seq.draft_context for seq in group], dim=1),
-                    torch.tensor([seq.output_ids[-1] for seq in group], device=self.device),
-                    torch.tensor(starts, device=self.device) - 1, draw)
-            for row, (i, seq, start) in enumerate(zip(members, group, starts, strict=True)):
-                limit = min(self.speculative_tokens, c.window_size - 1,
-                            seq.params.max_tokens - len(seq.output_ids) - 1,
-                            self.max_model_len - start - 2)
-                n = verify_length(block.confidence[row], limit)
-                if n and not seq.store.reserve(start + n + 1):
-                    n = 0
-                blocks[i] = (block.tokens[row, 1 : n + 1].tolist(), proposed[row][:n])
+        starts = [seq.store.num_tokens for seq in group]  # the last sampled tokens'
+        with native.active(self.cpu_kernels):
+            block = model.draft.block(
+                model, window,
+                torch.tensor([seq.output_ids[-1] for seq in group], device=self.device),
+                torch.tensor(starts, device=self.device) - 1, draw,
+                padding if bool(padding.any()) else None)
+        limits = [min(self.speculative_tokens, c.window_size - 1,
+                      seq.params.max_tokens - len(seq.output_ids) - 1,
+                      self.max_model_len - start - 2)
+                  for seq, start in zip(group, starts, strict=True)]
+        lengths = verify_lengths(block.confidence, limits)
+        for row, (i, seq, start) in enumerate(zip(members, group, starts, strict=True)):
+            n = lengths[row]
+            if n and not seq.store.reserve(start + n + 1):
+                n = 0
+            blocks[i] = (block.tokens[row, 1 : n + 1].tolist(), proposed[row][:n])
         return blocks
+
+    @torch.no_grad()
+    def make_draft_contexts(self, seqs: list[Sequence]) -> None:
+        """Each sequence's `draft_context` brought up to the tokens its store holds: the
+        window entries of its `draft_states` (the target states of tokens kept since its
+        last draft), made in one call for all, joined to it."""
+        pending = [seq for seq in seqs if seq.draft_states is not None]
+        if not pending:
+            return
+        states = torch.cat([seq.draft_states for seq in pending])  # [R, len(targets) * dim]
+        positions = torch.cat([  # each state's token position: the store's last ones
+            torch.arange(seq.store.num_tokens - len(seq.draft_states), seq.store.num_tokens)
+            for seq in pending]).to(self.device)
+        with native.active(self.cpu_kernels):
+            entries = self.model.draft.window(states[:, None], positions)[:, :, 0]
+        at = 0
+        for seq in pending:
+            n = len(seq.draft_states)
+            made = entries[:, at : at + n]  # [S, n, D]
+            at += n
+            if seq.draft_context is not None:
+                made = torch.cat((seq.draft_context, made), dim=1)
+            seq.draft_context = made[:, -self.model.config.window_size :]
+            seq.draft_states = None
 
     def _accept(self, seq: Sequence, drafts: list[int], proposed: list[torch.Tensor],
                 logits: torch.Tensor, hidden: torch.Tensor) -> Verified:
@@ -268,25 +340,30 @@ class ModelRunner:
         return Verified(samples, hidden)
 
     @torch.no_grad()
-    def settle(self, seq: Sequence, verified: Verified, kept: int) -> None:
-        """After the caller took `kept` of a verify's outputs: the store keeps the tokens
-        that fed them (the last sampled one and the drafts before the last output) and
-        takes back the rest; the kept tokens' window entries, made from their target states,
-        join the sequence's `draft_context` if it goes on."""
-        seq.store.settle(kept)
-        if seq.status is Status.FINISHED:
-            return
-        with native.active(self.cpu_kernels):
-            entries = self.model.draft.window(verified.target_hidden[None, :kept],
-                                              seq.store.num_tokens - 1)[:, 0]
-        if seq.draft_context is not None:
-            entries = torch.cat((seq.draft_context, entries), dim=1)
-        seq.draft_context = entries[:, -self.model.config.window_size :]
+    def settle(self, settled: list[tuple[Sequence, Verified, int]]) -> None:
+        """After the caller took `kept` of each verify's outputs (its sequence's store
+        still its own): the store keeps the tokens that fed them (the last sampled one and
+        the drafts before the last output) and takes back the rest; the kept tokens'
+        target states join the `draft_states` of each sequence that goes on, whose window
+        entries its next draft makes (`make_draft_contexts`): a sequence that decodes
+        plainly for a while makes them once, not every step."""
+        window = self.model.config.window_size
+        for seq, verified, kept in settled:
+            if seq.store.speculation is not None:
+                seq.store.settle(kept)
+            if seq.status is not Status.FINISHED:
+                states = verified.target_hidden[:kept]
+                if seq.draft_states is not None:
+                    states = torch.cat((seq.draft_states, states))
+                seq.draft_states = states[-window:]
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> list[Sample]:
         """Feed each sequence's last sampled token, all in one batch whatever their
-        positions; their next tokens."""
+        positions; their next tokens. Sequences DSpark drafts for keep their target
+        states (`decode_with_prompts`)."""
+        if self.verify_in_c and any(map(self.drafts, seqs)):
+            return self.decode_with_prompts(seqs, [])
         logits = self.decode_logits([s.store for s in seqs], [s.output_ids[-1] for s in seqs])
         with native.active(self.cpu_kernels):  # the greedy rows by one C pass
             return sample_batch(logits, seqs)
@@ -295,15 +372,17 @@ class ModelRunner:
         """Whether a prompt's last part of n tokens can run as rows of the decode step
         (`decode_with_prompts`): the C kernels run several rows of a sequence, the part is
         no longer than a window (CED prefill would run every layer over it too, and row by
-        row costs no more there), it holds no picture, nothing asks for more than its last
-        logits (DSpark's context comes from a prefill), and its store owes no replay: a
+        row costs no more there), it holds no picture, a prompt DSpark drafts for has the
+        target states of its last window in the part (what its drafts read, as a prefill
+        hands over), and its store owes no replay: a
         replay (a window of tokens through every layer, a prefix hit with no checkpoint)
         would hold up every stream and prompt of the call, so it runs as its own prefill
         after the call has handed out their tokens. One process: the ranks of a sharded
         model mirror a decode step and a prefill, not this joined call."""
         c = self.model.config
         return (self.rows_in_c and n <= c.window_size and not seq.images
-                and not seq.store.replay_owed and not self.drafts(seq)
+                and not seq.store.replay_owed
+                and (not self.drafts(seq) or n >= min(c.window_size, seq.num_tokens))
                 and self.config.tensor_parallel_size == 1)
 
     @torch.no_grad()
@@ -313,7 +392,9 @@ class ModelRunner:
         `DecodeBatch` with one row per decoding sequence and one per prompt token
         not yet in cache, each row seeing its sequence's earlier rows as sequential steps
         would; the head runs on each sequence's last row. The next token of each,
-        decoding sequences first. A prompt that started on cached blocks replays first."""
+        decoding sequences first. A prompt that started on cached blocks replays first.
+        A sequence DSpark drafts for (decoding plainly this step, or a prompt) keeps its
+        rows' target states (`draft_states`), which its next draft reads."""
         seqs = [*decoding, *prompts]
         with native.active(self.cpu_kernels):
             for seq in prompts:
@@ -322,10 +403,28 @@ class ModelRunner:
                 seq.all_ids[seq.store.num_tokens :] for seq in prompts]
             counts = [len(tokens) for tokens in fresh]
             last = [end - 1 for end in itertools.accumulate(counts)]
-            logits = self.model.decode([t for tokens in fresh for t in tokens],
-                                       DecodeBatch([s.store for s in seqs], counts=counts),
-                                       logit_rows=last)
-            return sample_batch(logits, seqs)
+            ids, batch = [t for tokens in fresh for t in tokens], DecodeBatch(
+                [s.store for s in seqs], counts=counts)
+            recording = [self.drafts(seq) for seq in seqs]
+            if not any(recording):
+                return sample_batch(self.model.decode(ids, batch, logit_rows=last), seqs)
+            out = self.model.verify(ids, batch, logit_rows=last)
+            samples = sample_batch(out.logits[:, 0], seqs)
+        window = self.model.config.window_size
+        for i, (seq, records, end, n) in enumerate(zip(seqs, recording, last, counts,
+                                                       strict=True)):
+            if not records:
+                continue
+            states = out.target_hidden[end + 1 - n : end + 1, 0]  # its rows'
+            if i < len(decoding):  # a step without a draft: its fed token joins the rest
+                self.pace.skipped(seq)
+                self.undrafted += 1
+                if seq.draft_states is not None:
+                    states = torch.cat((seq.draft_states, states))
+            else:  # a prompt's part holds its last window (`joins_decode`)
+                seq.draft_context = None
+            seq.draft_states = states[-window:]
+        return samples
 
     @torch.no_grad()
     def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:
@@ -401,12 +500,13 @@ def _attention_backend(choice: str, model: Model, device: torch.device) -> str:
     return "torch" if choice == "auto" else choice
 
 
-def verify_length(confidence: torch.Tensor, limit: int) -> int:
-    """How many of a block's drafts to verify, from the confidence head's logits [K]:
-    the leading drafts whose chance that they and every draft before them survive
-    (the product of their sigmoids) is at least MIN_SURVIVAL, at most `limit`."""
-    survival = torch.sigmoid(confidence.float()).cumprod(0)
-    return max(0, min(limit, int((survival >= MIN_SURVIVAL).sum())))
+def verify_lengths(confidence: torch.Tensor, limits: list[int]) -> list[int]:
+    """How many of each block's drafts to verify, from the confidence head's logits
+    [B, K]: the leading drafts whose chance that they and every draft before them survive
+    (the product of their sigmoids) is at least MIN_SURVIVAL, at most the row's limit."""
+    survival = torch.sigmoid(confidence.float()).cumprod(1)
+    confident = (survival >= MIN_SURVIVAL).sum(1).tolist()
+    return [max(0, min(limit, n)) for limit, n in zip(limits, confident, strict=True)]
 
 
 # A draft worth verifying: in a verify step each more row costs about 7 % of a one-row

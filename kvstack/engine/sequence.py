@@ -24,6 +24,17 @@ class Status(Enum):
 
 
 @dataclass
+class DraftPause:
+    """Where DSpark's measured schedule (`kvstack.engine.pace`) left a sequence."""
+
+    steps_left: int = 0  # plain steps before it may draft again
+    length: int = 1  # the pause after its next verify that does not pay
+    kept: int | None = None  # what its last verify kept, if that paid (None: it tries)
+    idle: int = 0  # steps since it last drafted
+    run_gain: float = 0.0  # tokens over break-even since its last try
+
+
+@dataclass
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -54,6 +65,10 @@ class Sequence:
     # window entries [stages, n <= window, head_dim] of the last n tokens its store holds
     # (`Draft.window`, made once as each token is kept).
     draft_context: torch.Tensor | None = None
+    # The target states [n, len(targets) * dim] of the last n tokens its store holds whose
+    # entries are not made yet (the tokens kept since its last draft).
+    draft_states: torch.Tensor | None = None
+    draft_pause: "DraftPause" = field(default_factory=lambda: DraftPause())
     # Prompt tokens whose cache was reused: found in the prefix cache at admission, or held
     # by the kept cache of the conversation it continues.
     num_cached_tokens: int = 0

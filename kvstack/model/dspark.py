@@ -64,15 +64,19 @@ class DraftAttention(Attention):
         return straight_through(kv, fmt)  # (a draft in training learns through the rounding)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
-                window: torch.Tensor) -> torch.Tensor:
+                window: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
         """Block states x [B, K, dim] at positions [P, K]; window [B, W, D] (`entries` of
-        the target's projected states): [B, K, dim]."""
+        the target's projected states); padding [B, W]: True at window slots no entry
+        fills (a shorter window, left-padded to W), which no query reads: [B, K, dim]."""
         c = self.config
         qr = self.q_norm(self.wq_a(x))
         q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)), positions,
                    self.freqs)  # [B, K, H, D]
         kv = torch.cat((window, self.entries(x, positions)), dim=1).float()  # [B, W + K, D]
         logits = torch.einsum("bqhd,bkd->bhqk", q.float(), kv) * c.head_dim**-0.5
+        if padding is not None:
+            unread = torch.cat((padding, padding.new_zeros(padding.shape[0], x.shape[1])), 1)
+            logits = logits.masked_fill(unread[:, None, None, :], float("-inf"))
         sink = self.sink.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
         probs = torch.cat((logits, sink), dim=-1).softmax(-1)[..., :-1]
         out = torch.einsum("bhqk,bkd->bqhd", probs, kv)  # [B, K, H, D]
@@ -96,16 +100,18 @@ class DraftStage(nn.Module):
         self.hc_ffn = HyperConnection(config) if config.hc_mult > 1 else None
 
     def forward(self, x: torch.Tensor, mix: torch.Tensor | None, positions: torch.Tensor,
-                window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                window: torch.Tensor, padding: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [B, K, h, dim] and the `pre` mix [B, K, h] that collapses it (single-pass, as
         the trunk's layers): the stage's output and the mix for the next sub-layer. One
-        residual copy: x [B, K, dim], no mix."""
+        residual copy: x [B, K, dim], no mix. window, padding: `DraftAttention`'s."""
         if self.hc_attn is None or self.hc_ffn is None:
-            x = x + self.attn(self.attn_norm(x), positions, window)
+            x = x + self.attn(self.attn_norm(x), positions, window, padding)
             return x + self.ffn(self.ffn_norm(x)), None
         attn_pre, post, comb = self.hc_attn.mixes(x)
         y = HyperConnection.collapse(x, mix)
-        x = self.hc_attn.post(self.attn(self.attn_norm(y), positions, window), x, post, comb)
+        x = self.hc_attn.post(self.attn(self.attn_norm(y), positions, window, padding), x,
+                              post, comb)
         ffn_pre, post, comb = self.hc_ffn.mixes(x)
         y = HyperConnection.collapse(x, attn_pre)
         return self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb), ffn_pre
@@ -168,9 +174,11 @@ class Draft(nn.Module):
 
     def block(self, model: "Model", window: torch.Tensor, token: torch.Tensor,
               position: int | torch.Tensor,
-              sample: Callable[[torch.Tensor], torch.Tensor] = greedy) -> DraftBlock:
+              sample: Callable[[torch.Tensor], torch.Tensor] = greedy,
+              padding: torch.Tensor | None = None) -> DraftBlock:
         """`forward` from the window entries [S, B, W, D] (`window`) of the states it
-        reads."""
+        reads; padding [B, W]: True at slots of a sequence's shorter window, left-padded
+        to W, that hold no entry (sequences of several window lengths in one call)."""
         c = self.config
         b, k = window.shape[1], c.dspark_block_size
         device = window.device
@@ -184,7 +192,7 @@ class Draft(nn.Module):
             mix = x.new_zeros(x.shape[:3])  # a one-hot collapse on copy 0, as the trunk's
             mix[..., 0] = 1.0
         for stage, entries in zip(self.stages, window, strict=True):
-            x, mix = stage(x, mix, block_at, entries)
+            x, mix = stage(x, mix, block_at, entries, padding)
         if mix is not None:
             x = HyperConnection.collapse(x, mix)  # [B, K, dim]
         logits = model.head_logits(self.norm(x))  # [B, K, vocab]

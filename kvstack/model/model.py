@@ -2432,18 +2432,20 @@ class Model(nn.Module):
         whose logits are wanted (the head runs on those alone), in that order."""
         s = self._decode_states(token_ids, cache)
         if logit_rows is not None:
-            rows = torch.tensor(logit_rows, device=s.x.device)
-            s = TokenStates(s.x.index_select(0, rows),
-                            None if s.mix is None else s.mix.index_select(0, rows))
+            s = _rows(s, logit_rows)
         return self._logits(s)[:, 0]
 
     @torch.no_grad()
-    def verify(self, token_ids: list[int], batch: DecodeBatch) -> Extension:
+    def verify(self, token_ids: list[int], batch: DecodeBatch,
+               logit_rows: list[int] | None = None) -> Extension:
         """One decode step of a batch with several tokens of a sequence (`DecodeBatch`'s
-        counts: DSpark's verify), token_ids one per row: every row's logits [rows, 1, V]
-        and DSpark's target states [rows, 1, len(targets) * dim]."""
+        counts: DSpark's verify), token_ids one per row: the logits [rows, 1, V] of every
+        row (or of `logit_rows`, in that order) and every row's DSpark target states
+        [rows, 1, len(targets) * dim]."""
         draft = self._draft_inputs(True)
         s = self._decode_states(token_ids, batch, draft)
+        if logit_rows is not None:
+            s = _rows(s, logit_rows)
         return Extension(self._logits(s), _target_hidden(draft, 1))
 
     def _decode_states(self, token_ids: torch.Tensor | list[int], cache: KVStore,
@@ -2584,6 +2586,13 @@ def _engram_hash(config: ModelConfig, token_map: torch.Tensor | None) -> EngramH
                       c.engram_max_ngram_size, c.engram_n_heads, c.engram_compressed_vocab_size,
                       c.engram_pad_id, token_map,
                       dead_id=c.image_token_id if c.has_vision else None)
+
+
+def _rows(s: TokenStates, rows: list[int]) -> TokenStates:
+    """The states of a decode step's rows `rows`, in that order."""
+    at = torch.tensor(rows, device=s.x.device)
+    mix = None if s.mix is None else s.mix.index_select(0, at)
+    return TokenStates(s.x.index_select(0, at), mix)
 
 
 def _draft_context(draft: dict[int, list[torch.Tensor]] | None) -> StepContext | None:

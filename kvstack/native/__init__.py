@@ -954,11 +954,35 @@ def _plan(keep: dict | None, name: str, key: tuple,
     # model) holds tensors at other addresses, which the sentinel's address tells.
     if plan is not None and plan[0] == key and plan[2].data_ptr() == plan[3]:
         return plan[1]
+    # keep[name] is the last call's plan (a decode recipe takes its blocks from there);
+    # a few recent small ones wait beside it, for a site whose shapes take turns (a
+    # speculative verify's rows change from step to step).
+    recent = None if keep is None else keep.setdefault(name + RECENT, {})
+    plan = None if recent is None else recent.get(key)
+    if plan is not None and plan[2].data_ptr() == plan[3]:
+        keep[name] = plan
+        return plan[1]
     keepable, made = make()
     if keep is not None and keepable:
         sentinel = _first_tensor(made)
         keep[name] = (key, made, sentinel, sentinel.data_ptr())
+        if _tensor_bytes(made) <= RECENT_PLAN_BYTES:
+            if len(recent) >= RECENT_PLANS:
+                del recent[next(iter(recent))]  # the oldest
+            recent[key] = keep[name]
     return made
+
+
+# A call site keeps up to RECENT_PLANS plans of other shapes whose buffers hold at most
+# RECENT_PLAN_BYTES each (a verify's few rows: not a prefill chunk's).
+RECENT, RECENT_PLANS, RECENT_PLAN_BYTES = "#recent", 8, 1 << 18
+
+
+def _tensor_bytes(made: object) -> int:
+    """The bytes of the tensors in a plan's nested tuples and lists."""
+    if isinstance(made, torch.Tensor):
+        return made.numel() * made.element_size()
+    return sum(map(_tensor_bytes, made)) if isinstance(made, tuple | list) else 0
 
 
 def _first_tensor(made: object) -> torch.Tensor | None:

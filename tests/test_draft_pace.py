@@ -1,0 +1,144 @@
+"""DSpark's measured schedule (`kvstack.engine.pace`): when a sequence drafts, from timings
+handed to it here (what the engine measures in its steps), and what it does to outputs."""
+
+from types import SimpleNamespace
+
+from kvstack.engine import SamplingParams
+from kvstack.engine.pace import MAX_PAUSE, DraftPace, size_class
+from kvstack.engine.sequence import DraftPause
+from tests.test_speculative import GREEDY, PROMPTS, engine, oracle, run
+
+
+def sequences(n: int) -> list:
+    return [SimpleNamespace(draft_pause=DraftPause()) for _ in range(n)]
+
+
+def plain_steps(pace: DraftPace, seqs: list) -> int:
+    """The steps the sequences decode plainly before the schedule drafts again."""
+    steps = 0
+    while not any(pace.drafting(seqs)):
+        for seq in seqs:
+            pace.skipped(seq)
+        steps += 1
+    return steps
+
+
+def measured(batch: int, plain: float, drafting: float) -> DraftPace:
+    """A schedule that timed a plain step and a drafting step of `batch` sequences."""
+    pace = DraftPace("measured")
+    seqs = sequences(batch)
+    assert pace.drafting(seqs) == [False] * batch  # nothing timed: a plain step first
+    pace.timed(batch, 0, plain * batch)
+    assert pace.drafting(seqs) == [True] * batch  # then a drafting one
+    pace.timed(batch, batch, drafting * batch)
+    return pace
+
+
+def test_size_classes_are_powers_of_two():
+    assert [size_class(b) for b in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
+
+
+def test_break_even_is_a_drafting_steps_time_over_a_plain_ones():
+    pace = measured(1, plain=0.002, drafting=0.005)
+    assert pace.break_even(1) == 2.5
+    assert pace.break_even(4) == 1.0  # not timed at that size
+    pace.timed(1, 1, 0.015)  # a running mean: a tenth of the new reading
+    assert abs(pace.break_even(1) - 3.0) < 1e-9
+
+
+def test_a_verify_that_pays_drafts_again_and_one_that_does_not_pauses_doubling():
+    pace = measured(1, plain=0.002, drafting=0.005)  # break-even 2.5
+    [seq] = seqs = sequences(1)
+    pace.verified(seq, 1, 4)  # a try that paid: in a run
+    assert pace.drafting(seqs) == [True]
+    pace.verified(seq, 1, 3)
+    assert pace.drafting(seqs) == [True]
+    pace.verified(seq, 1, 1)  # the run's end: 1.5 + 0.5 - 1.5 over break-even, in all
+    assert pace.try_gain[1] == 0.5
+    pauses = []
+    for _ in range(4):
+        pauses.append(plain_steps(pace, seqs))
+        pace.verified(seq, 1, 3)  # a try that pays a little (0.5), then a miss (-1.5)
+        pace.verified(seq, 1, 1)
+    assert pauses == [1, 1, 1, 1]  # a verify that paid set the pause back to one step
+    pace.try_gain[1] = 0.0
+    seq.draft_pause = DraftPause()
+    pauses = []
+    for _ in range(7):
+        pauses.append(plain_steps(pace, seqs))
+        pace.verified(seq, 1, 2)  # a miss
+        pace.try_gain[1] = 0.0  # as if tries paid on the whole
+    assert pauses == [0, 1, 2, 4, 8, 16, MAX_PAUSE]
+
+
+def test_where_tries_do_not_pay_a_sequence_tries_again_only_after_max_pause_steps():
+    pace = measured(1, plain=0.002, drafting=0.005)
+    [seq] = seqs = sequences(1)
+    pace.verified(seq, 1, 1)  # a try that missed: its run is worth -1.5
+    assert pace.try_gain[1] == -1.5
+    assert plain_steps(pace, seqs) == MAX_PAUSE
+
+
+def test_at_a_large_batch_a_few_sequences_in_a_run_do_not_pay_for_a_drafting_step():
+    pace = measured(16, plain=0.001, drafting=0.002)  # break-even 2.0
+    seqs = sequences(16)
+    for seq in seqs:
+        pace.verified(seq, 16, 1)  # every try missed: tries do not pay at this size
+    assert pace.try_gain[16] < 0
+    for seq in seqs:
+        pace.skipped(seq)  # their pauses end
+    for seq in seqs[:4]:
+        seq.draft_pause = DraftPause(kept=4)  # four in a run: 4 x 3 tokens over one each
+    assert pace.drafting(seqs) == [False] * 16  # the step costs 16 x 1 token
+    for seq in seqs[4:8]:
+        seq.draft_pause = DraftPause(kept=4)
+    assert pace.drafting(seqs) == [True] * 8 + [False] * 8  # 24 tokens: it pays
+
+
+def test_always_drafts_every_sequence_every_step():
+    pace = DraftPace("always")
+    seqs = sequences(3)
+    seqs[0].draft_pause.steps_left = 5
+    assert pace.drafting(seqs) == [True] * 3
+
+
+def test_the_measured_schedule_keeps_the_outputs_whether_or_not_drafting_pays():
+    """Greedy outputs equal a run that never drafted, batch 1 and 2: with the schedule's
+    own timings, with timings where drafting never pays (every step a plain decode call
+    that keeps the target states) and where it does (a draft that is right for a while:
+    runs of verifies, misses, pauses and tries)."""
+    want = run(engine(), PROMPTS, GREEDY)
+    assert run(engine("dspark", speculative_schedule="measured"), PROMPTS, GREEDY) == want
+    for drafting, pays in ((100.0, False), (1.2, True)):
+
+        def timed(drafting: float = drafting, pays: bool = pays):
+            """An engine of the measured schedule, handed these timings (each run on a
+            fresh one: a prompt run again hits the prefix cache, whose replay moves
+            logits)."""
+            llm = engine("dspark", speculative_schedule="measured")
+            if pays:
+                oracle(llm, {p[0]: p + reply for p, reply in zip(PROMPTS, want, strict=True)})
+            pace = llm.runner.pace
+            pace.plain_seconds = {1: 1.0, 2: 1.0}
+            pace.drafting_seconds = {1: drafting, 2: drafting}
+            pace.try_gain = {} if pays else {1: -1.0, 2: -1.0}
+            return llm
+
+        engines = [timed() for _ in range(len(PROMPTS) + 1)]
+        assert [run(llm, [p], GREEDY)[0]
+                for llm, p in zip(engines, PROMPTS, strict=False)] == want
+        assert run(engines[-1], PROMPTS, GREEDY) == want
+        for llm in engines:
+            assert (llm.runner.verifies > 0) == pays
+            assert llm.runner.undrafted > 0
+
+
+def test_a_sampled_request_under_the_measured_schedule_draws_as_plain_decoding_does():
+    """Where drafting never pays, a seeded sampled request decodes one token a step as a
+    run without DSpark does: the same tokens."""
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
+    want = run(engine(), PROMPTS[:1], sampled)
+    llm = engine("dspark", speculative_schedule="measured")
+    llm.runner.pace.plain_seconds, llm.runner.pace.drafting_seconds = {1: 1.0}, {1: 100.0}
+    llm.runner.pace.try_gain = {1: -1.0}
+    assert run(llm, PROMPTS[:1], sampled) == want
