@@ -71,12 +71,17 @@ def test_a_verify_that_pays_drafts_again_and_one_that_does_not_pauses_doubling()
     assert pauses == [0, 1, 2, 4, 8, 16, MAX_PAUSE]
 
 
-def test_where_tries_do_not_pay_a_sequence_tries_again_only_after_max_pause_steps():
+def test_where_tries_do_not_pay_a_sequence_tries_again_after_max_pause_steps_a_sequence():
     pace = measured(1, plain=0.002, drafting=0.005)
     [seq] = seqs = sequences(1)
     pace.verified(seq, 1, 1)  # a try that missed: its run is worth -1.5
     assert pace.try_gain[1] == -1.5
     assert plain_steps(pace, seqs) == MAX_PAUSE
+    pace = measured(2, plain=0.002, drafting=0.005)  # a try costs both sequences' step
+    seqs = sequences(2)
+    for seq in seqs:
+        pace.verified(seq, 2, 1)
+    assert plain_steps(pace, seqs) == 2 * MAX_PAUSE
 
 
 def test_at_a_large_batch_a_few_sequences_in_a_run_do_not_pay_for_a_drafting_step():

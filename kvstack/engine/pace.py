@@ -17,10 +17,11 @@ drafting adds to the whole step: a sequence whose last verify paid is expected t
 as many again; one that tries again (new, or back from a pause) to break even, while
 tries at this batch size have paid on the whole (the tokens over break-even of a try
 and the run of verifies it started, a running mean) or it has not drafted for
-MAX_PAUSE steps. So at batch 1 tries go on where the runs they find pay for the misses,
-and at a large batch, where a few sequences' drafts cannot pay for a step's draft call
-and verify, the batch decodes plainly. Until both timings exist for a batch size, its
-first step decodes plainly and its second drafts.
+MAX_PAUSE steps a sequence of the batch (a try costs the whole batch's step). So at
+batch 1 tries go on where the runs they find pay for the misses, and at a large batch,
+where a few sequences' drafts cannot pay for a step's draft call and verify, the batch
+decodes plainly. Until both timings exist for a batch size, its first step decodes
+plainly and its second drafts.
 """
 
 from kvstack.engine.sequence import DraftPause, Sequence
@@ -60,22 +61,25 @@ class DraftPace:
         if size not in self.drafting_seconds:
             return [True] * len(seqs)
         even = self.break_even(len(seqs))
-        tries_pay = self.try_gain.get(size, 0.0) >= 0
-        expected = [self._expected(seq.draft_pause, even, tries_pay) for seq in seqs]
+        # Where tries have not paid, a sequence tries again after MAX_PAUSE steps a
+        # sequence of the batch: a try costs the whole batch's step.
+        retry = None if self.try_gain.get(size, 0.0) >= 0 else MAX_PAUSE * size
+        expected = [self._expected(seq.draft_pause, even, retry) for seq in seqs]
         gain = sum(e - 1 for e in expected if e is not None)
         if gain <= 0 or gain < len(seqs) * (even - 1):
             return [False] * len(seqs)
         return [e is not None and e > 1 for e in expected]
 
     @staticmethod
-    def _expected(pause: DraftPause, even: float, tries_pay: bool) -> float | None:
+    def _expected(pause: DraftPause, even: float, retry: int | None) -> float | None:
         """What the sequence's verify is expected to keep if it drafts now; None while it
-        pauses."""
+        pauses. retry: the steps without a draft after which it tries even where tries
+        have not paid (None: they have)."""
         if pause.steps_left:
             return None
         if pause.kept is not None:  # in a run
             return pause.kept
-        return even if tries_pay or pause.idle >= MAX_PAUSE else 1.0
+        return even if retry is None or pause.idle >= retry else 1.0
 
     def skipped(self, seq: Sequence) -> None:
         """A step the sequence decoded plainly."""

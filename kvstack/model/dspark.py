@@ -30,11 +30,13 @@ from kvstack import native
 from kvstack.config import LayerSpec, ModelConfig
 from kvstack.formats import straight_through
 from kvstack.model.model import (
+    FUSED_PROJECTION_TOKENS,
     Attention,
     DenseFFN,
     HyperConnection,
     MoE,
     RMSNorm,
+    fused_ffn,
     rotate,
     token_positions,
 )
@@ -69,10 +71,18 @@ class DraftAttention(Attention):
         the target's projected states); padding [B, W]: True at window slots no entry
         fills (a shorter window, left-padded to W), which no query reads: [B, K, dim]."""
         c = self.config
-        qr = self.q_norm(self.wq_a(x))
-        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)), positions,
-                   self.freqs)  # [B, K, H, D]
-        kv = torch.cat((window, self.entries(x, positions)), dim=1).float()  # [B, W + K, D]
+        matrices = self._c_matrices(x)
+        if matrices is not None:  # the projections in (and out, below) as one C call each
+            _, q, block_kv = native.attention_in(
+                x, positions, matrices[0], self.q_norm.weight, matrices[1], matrices[2],
+                self.kv_norm.weight, c.norm_eps, self.freqs, self.n_local_heads)
+            block_kv = native.quantize(block_kv, c.window_format, rows=False)[1]
+        else:
+            qr = self.q_norm(self.wq_a(x))
+            q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
+                       positions, self.freqs)  # [B, K, H, D]
+            block_kv = self.entries(x, positions)
+        kv = torch.cat((window, block_kv), dim=1).float()  # [B, W + K, D]
         logits = torch.einsum("bqhd,bkd->bhqk", q.float(), kv) * c.head_dim**-0.5
         if padding is not None:
             unread = torch.cat((padding, padding.new_zeros(padding.shape[0], x.shape[1])), 1)
@@ -80,7 +90,21 @@ class DraftAttention(Attention):
         sink = self.sink.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
         probs = torch.cat((logits, sink), dim=-1).softmax(-1)[..., :-1]
         out = torch.einsum("bhqk,bkd->bqhd", probs, kv)  # [B, K, H, D]
+        if matrices is not None:
+            return native.attention_out(out, positions, self.freqs, matrices[3],
+                                        self.local_groups, matrices[4], None, self.c_calls,
+                                        spent=True)
         return self.project_out(out, positions)
+
+    def _c_matrices(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The projections' matrices where they run in C (`Attention.c_projections`): in
+        an engine step with the C kernels, for a few rows (a draft block, not a training
+        batch), where the window format has a C coding; else None."""
+        if (not native.fuses(x) or x.shape[0] * x.shape[1] > FUSED_PROJECTION_TOKENS
+                or self.freqs.dtype is not torch.float64
+                or not native.decodes(self.config.window_format)):
+            return None
+        return self.c_projections()
 
 
 class DraftStage(nn.Module):
@@ -98,6 +122,7 @@ class DraftStage(nn.Module):
                     else DenseFFN(config.dim, config.inter_dim, config.swiglu_limit))
         self.hc_attn = HyperConnection(config) if config.hc_mult > 1 else None
         self.hc_ffn = HyperConnection(config) if config.hc_mult > 1 else None
+        self.c_calls: dict = {}  # the feed-forward half's kept C call (`fused_ffn`)
 
     def forward(self, x: torch.Tensor, mix: torch.Tensor | None, positions: torch.Tensor,
                 window: torch.Tensor, padding: torch.Tensor | None = None
@@ -107,11 +132,15 @@ class DraftStage(nn.Module):
         residual copy: x [B, K, dim], no mix. window, padding: `DraftAttention`'s."""
         if self.hc_attn is None or self.hc_ffn is None:
             x = x + self.attn(self.attn_norm(x), positions, window, padding)
-            return x + self.ffn(self.ffn_norm(x)), None
+            fused = fused_ffn(self, x, None, self.c_calls)
+            return (fused[0] if fused is not None else x + self.ffn(self.ffn_norm(x))), None
         attn_pre, post, comb = self.hc_attn.mixes(x)
         y = HyperConnection.collapse(x, mix)
         x = self.hc_attn.post(self.attn(self.attn_norm(y), positions, window, padding), x,
                               post, comb)
+        fused = fused_ffn(self, x, attn_pre, self.c_calls)
+        if fused is not None:
+            return fused
         ffn_pre, post, comb = self.hc_ffn.mixes(x)
         y = HyperConnection.collapse(x, attn_pre)
         return self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb), ffn_pre

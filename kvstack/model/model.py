@@ -1540,23 +1540,8 @@ class Layer(nn.Module):
 
     def _ffn_in_c(self, x: torch.Tensor, collapse_pre: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The feed-forward half, hyper-connection (if any) and norm included, as one C
-        call (`native.ffn_block`) where the sublayer's own C call would run: (the new
-        residual, the mixes' pre or None without a hyper-connection); else None."""
-        mods = self._modules  # read from the dicts: see MoE.fused_parts
-        hc, ffn, norm = mods.get("hc_ffn"), mods["ffn"], mods["ffn_norm"]
-        parts = ffn.fused_parts(x) if isinstance(ffn, MoE | DenseFFN) else None
-        if parts is None:
-            return None
-        mixing, weight = (None if hc is None else hc.weights()), norm._parameters["weight"]
-        if not native.fuses(x, *(mixing or ()), weight):
-            return None
-        if hc is None:
-            return native.ffn_block(x, None, norm.eps, 0.0, 0, None, weight, *parts,
-                                    ffn.limit, self.c_calls)
-        c = hc.config
-        return native.ffn_block(x, mixing, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
-                                collapse_pre, weight, *parts, ffn.limit, self.c_calls)
+        """The feed-forward half as one C call (`fused_ffn`), or None."""
+        return fused_ffn(self, x, collapse_pre, self.c_calls)
 
     def write_window(self, s: TokenStates, start: int, store: KVStore) -> None:
         """Only what later tokens read of this layer at the tokens of s: their window
@@ -1574,6 +1559,29 @@ class Layer(nn.Module):
         if self.hc_attn is not None:
             x = self.hc_attn.collapse(x, s.mix if self.single_pass else self.hc_attn.mixes(x)[0])
         self.attn.compressor(self.attn_norm(x), start, store)
+
+
+def fused_ffn(layer: nn.Module, x: torch.Tensor, collapse_pre: torch.Tensor | None,
+              keep: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A layer's feed-forward half (its `ffn`, `ffn_norm` and `hc_ffn` modules: the trunk's
+    or a draft stage's), hyper-connection (if any) and norm included, as one C call
+    (`native.ffn_block`, its plan kept in `keep`) where the sublayer's own C call would
+    run: (the new residual, the mixes' pre or None without a hyper-connection); else
+    None."""
+    mods = layer._modules  # read from the dicts: see MoE.fused_parts
+    hc, ffn, norm = mods.get("hc_ffn"), mods["ffn"], mods["ffn_norm"]
+    parts = ffn.fused_parts(x) if isinstance(ffn, MoE | DenseFFN) else None
+    if parts is None:
+        return None
+    mixing, weight = (None if hc is None else hc.weights()), norm._parameters["weight"]
+    if not native.fuses(x, *(mixing or ()), weight):
+        return None
+    if hc is None:
+        return native.ffn_block(x, None, norm.eps, 0.0, 0, None, weight, *parts,
+                                ffn.limit, keep)
+    c = hc.config
+    return native.ffn_block(x, mixing, c.norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+                            collapse_pre, weight, *parts, ffn.limit, keep)
 
 
 class SelectionCalls:
