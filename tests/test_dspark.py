@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvstack import native
 from kvstack.cache.reference import ReferenceStore
 from kvstack.config import ModelConfig, preset
 from kvstack.model import Model
@@ -91,6 +92,39 @@ def test_windows_of_several_lengths_padded_into_one_call_equal_each_alone(drafte
     assert torch.equal(both.tokens, torch.cat([a.tokens for a in alone]))
     torch.testing.assert_close(both.logits, torch.cat([a.logits for a in alone]))
     torch.testing.assert_close(both.confidence, torch.cat([a.confidence for a in alone]))
+
+
+def one_copy_draft() -> Model:
+    """The bundled model's shape (one residual copy, a dense feed-forward) with a draft."""
+    torch.manual_seed(0)
+    return Model(preset("default").replace(
+        compress_ratios=[*preset("default").compress_ratios, 0], n_mtp_layers=1,
+        dspark_block_size=4, dspark_noise_token_id=2, dspark_target_layer_ids=[5, 6, 7],
+        dspark_markov_rank=16, max_seq_len=1024)).eval()
+
+
+@pytest.mark.parametrize("shape", ["hyper-connections", "one copy"])
+def test_a_draft_in_an_engine_step_equals_torchs_within_float_rounding(shape, drafted):
+    """In an engine step the C kernels run a draft stage's projections and feed-forward
+    half (the trunk's calls, float weights) or its packed matmuls (the V4.1 layout's):
+    the same block as torch's ops, within float rounding."""
+    model = drafted if shape == "hyper-connections" else one_copy_draft()
+    c = model.config
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(2, c.window_size, len(c.dspark_target_layer_ids) * c.dim, generator=g)
+    token = torch.randint(0, c.vocab_size, (2,), generator=g)
+    blocks = []
+    for kernels in (False, True):
+        with torch.no_grad(), native.active(kernels):
+            window = model.draft.window(hidden, torch.tensor([40, 70]))
+            blocks.append(model.draft.block(model, window, token, torch.tensor([40, 70])))
+    torch_ops, c_kernels = blocks
+    # Float weights take the trunk's calls (the checkpoint's FP8 ones its packed kernels).
+    assert bool(model.draft.stages[0].c_calls) == (shape == "one copy")
+    assert torch.equal(c_kernels.tokens, torch_ops.tokens)
+    torch.testing.assert_close(c_kernels.logits, torch_ops.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c_kernels.confidence, torch_ops.confidence, rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_the_target_hands_over_its_target_layers_attention_inputs(drafted):

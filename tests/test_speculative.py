@@ -399,8 +399,9 @@ def test_a_draft_for_a_model_of_one_residual_copy_and_a_dense_ffn():
     prompts = [[(7 * i) % 2000 + 3 for i in range(40)], [(5 * i) % 1999 + 3 for i in range(70)]]
     outs = {}
     for speculative in ("none", "dspark"):
+        drafts = dict(speculative_schedule="always") if speculative == "dspark" else {}
         llm = LLM(config, random_init=True, seed=0, kv_budget="32MiB", threads=1,
-                  speculative=speculative)
+                  speculative=speculative, **drafts)
         outs[speculative] = run(llm, prompts, GREEDY)
     assert outs["dspark"] == outs["none"]
     assert llm.runner.verifies > 0 and llm.runner.drafted_tokens > 0
