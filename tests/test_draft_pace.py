@@ -27,10 +27,12 @@ def measured(batch: int, plain: float, drafting: float) -> DraftPace:
     """A schedule that timed a plain step and a drafting step of `batch` sequences."""
     pace = DraftPace("measured")
     seqs = sequences(batch)
-    assert pace.drafting(seqs) == [False] * batch  # nothing timed: a plain step first
-    pace.timed(batch, 0, plain * batch)
-    assert pace.drafting(seqs) == [True] * batch  # then a drafting one
-    pace.timed(batch, batch, drafting * batch)
+    for _ in range(2):  # nothing timed: plain steps first (the first one not counted)
+        assert pace.drafting(seqs) == [False] * batch
+        pace.timed(batch, 0, plain * batch)
+    for _ in range(2):  # then drafting ones
+        assert pace.drafting(seqs) == [True] * batch
+        pace.timed(batch, batch, drafting * batch)
     return pace
 
 
@@ -44,6 +46,15 @@ def test_break_even_is_a_drafting_steps_time_over_a_plain_ones():
     assert pace.break_even(4) == 1.0  # not timed at that size
     pace.timed(1, 1, 0.015)  # a running mean: a tenth of the new reading
     assert abs(pace.break_even(1) - 3.0) < 1e-9
+
+
+def test_the_first_step_of_each_kind_at_a_size_is_not_timed():
+    pace = DraftPace("measured")
+    pace.timed(1, 0, 0.050)  # cold: the calls' buffers of new shapes made
+    pace.timed(1, 0, 0.002)
+    pace.timed(1, 1, 0.500)
+    pace.timed(1, 1, 0.005)
+    assert pace.break_even(1) == 2.5
 
 
 def test_a_verify_that_pays_drafts_again_and_one_that_does_not_pauses_doubling():

@@ -30,7 +30,7 @@ from kvstack.cache.prefix import chain_seed
 from kvstack.engine.config import EngineConfig
 from kvstack.engine.grammar import Grammars
 from kvstack.engine.output import Detokenizer, OutputRouter
-from kvstack.engine.runner import ModelRunner
+from kvstack.engine.runner import ModelRunner, Verified
 from kvstack.engine.sampling import Sample, SamplingParams
 from kvstack.engine.scheduler import Scheduler
 from kvstack.engine.sequence import RequestOutput, Sequence, Status, detokenizes_in_step
@@ -292,14 +292,15 @@ class EngineCore:
                     seq.suspect, seq.faults = False, 0  # it steps again: start over
                     seq.prefilling = False
                     self._advance(seq, sampled)
-                if undrafted and not joining:  # DSpark's schedule times plain steps
-                    self.runner.pace.timed(len(decoding), 0, time.perf_counter() - started)
+                if undrafted:  # DSpark's schedule learns from its steps
+                    self._paced(decoding, None, None,
+                                None if joining else time.perf_counter() - started)
             outputs += self._outputs(together)
         if drafting and chosen is not None:
             started = time.perf_counter()
-            if self._speculate(drafting, chosen):
-                self.runner.pace.timed(len(drafting), sum(chosen),
-                                       time.perf_counter() - started)
+            verified = self._speculate(drafting, chosen)
+            if verified is not None:
+                self._paced(drafting, chosen, verified, time.perf_counter() - started)
             outputs += self._outputs(drafting)
         for i, (seq, n) in enumerate(sorted(plan.prefill, key=self._prefill_cost)):
             if i and self.arrivals is not None and self.arrivals():
@@ -378,17 +379,31 @@ class EngineCore:
                 seq.suspect = len(seqs) > 1  # next time it decodes alone
                 self.scheduler.preempt(seq)
 
-    def _speculate(self, seqs: list[Sequence], chosen: list[bool]) -> bool:
+    def _paced(self, seqs: list[Sequence], chosen: list[bool] | None,
+               verified: list[Verified] | None, seconds: float | None) -> None:
+        """Hand DSpark's schedule a step of seqs (those `chosen` drafting, with what their
+        verifies yielded; None: a plain step, whose `seconds` are None where prompts
+        joined its call): its time first, against which each verify is judged."""
+        pace, drafted = self.runner.pace, 0 if chosen is None else sum(chosen)
+        if seconds is not None:
+            pace.timed(len(seqs), drafted, seconds)
+        for i, seq in enumerate(seqs):
+            if chosen is not None and verified is not None and chosen[i]:
+                pace.verified(seq, len(seqs), len(verified[i].samples))
+            elif self.runner.drafts(seq):
+                pace.skipped(seq)
+
+    def _speculate(self, seqs: list[Sequence], chosen: list[bool]) -> list[Verified] | None:
         """DSpark's step for seqs (those `chosen` drafting): each advances by the outputs
         its verify kept, up to where it finishes, and its store keeps exactly the tokens
-        that fed those. Whether the step ran."""
+        that fed those. What the verifies yielded (None: the step failed)."""
         try:
             verified = self.runner.speculate(seqs, chosen)
         except EngineError as e:
             self._stop(e)
         except Exception as e:
             self._fault(seqs, e)
-            return False
+            return None
         settled = []
         for seq, outcome in zip(seqs, verified, strict=True):
             seq.suspect, seq.faults = False, 0
@@ -403,7 +418,7 @@ class EngineCore:
         self.runner.settle(settled)
         for seq, _, _ in settled:
             self.cache.register_full_blocks(seq.store)
-        return True
+        return verified
 
     def _advance(self, seq: Sequence, sampled: Sample, name_blocks: bool = True) -> None:
         """Append a sampled token; name_blocks: first name the store's full blocks in the

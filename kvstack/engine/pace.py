@@ -20,8 +20,9 @@ and the run of verifies it started, a running mean) or it has not drafted for
 MAX_PAUSE steps a sequence of the batch (a try costs the whole batch's step). So at
 batch 1 tries go on where the runs they find pay for the misses, and at a large batch,
 where a few sequences' drafts cannot pay for a step's draft call and verify, the batch
-decodes plainly. Until both timings exist for a batch size, its first step decodes
-plainly and its second drafts.
+decodes plainly. Until both timings exist for a batch size, its first two steps decode
+plainly and the next two draft (the first of each kind is not timed: it makes the
+calls' buffers of new shapes).
 """
 
 from kvstack.engine.sequence import DraftPause, Sequence
@@ -50,6 +51,7 @@ class DraftPace:
         self.plain_seconds: dict[int, float] = {}
         self.drafting_seconds: dict[int, float] = {}
         self.try_gain: dict[int, float] = {}
+        self._seen: set[tuple[int, bool]] = set()  # (size, drafting) of the steps timed
 
     def drafting(self, seqs: list[Sequence]) -> list[bool]:
         """Whether each of a step's sequences drafts."""
@@ -116,8 +118,13 @@ class DraftPace:
         return max(1.0, drafting / plain)
 
     def timed(self, batch: int, drafted: int, seconds: float) -> None:
-        """A step of `batch` sequences, `drafted` of them drafting, took `seconds`."""
+        """A step of `batch` sequences, `drafted` of them drafting, took `seconds`. The
+        first step of each kind at a size is not counted: it makes the calls' buffers of
+        new shapes."""
         means = self.drafting_seconds if drafted else self.plain_seconds
         size, value = size_class(batch), seconds / batch
+        if (size, bool(drafted)) not in self._seen:
+            self._seen.add((size, bool(drafted)))
+            return
         old = means.get(size)
         means[size] = value if old is None else old + SMOOTHING * (value - old)

@@ -227,10 +227,8 @@ class ModelRunner:
                 seqs, chosen, blocks, verified, strict=True):
             if drew:
                 outcome = self._accept(seq, drafts, proposed, logits, hidden)
-                self.pace.verified(seq, len(seqs), len(outcome.samples))
             else:
                 outcome = Verified([next(samples)], hidden)
-                self.pace.skipped(seq)
                 self.undrafted += 1
             outcomes.append(outcome)
         return outcomes
@@ -406,9 +404,10 @@ class ModelRunner:
             ids, batch = [t for tokens in fresh for t in tokens], DecodeBatch(
                 [s.store for s in seqs], counts=counts)
             recording = [self.drafts(seq) for seq in seqs]
+            rows = last if prompts else None  # the head on each sequence's last row
             if not any(recording):
-                return sample_batch(self.model.decode(ids, batch, logit_rows=last), seqs)
-            out = self.model.verify(ids, batch, logit_rows=last)
+                return sample_batch(self.model.decode(ids, batch, logit_rows=rows), seqs)
+            out = self.model.verify(ids, batch, logit_rows=rows)
             samples = sample_batch(out.logits[:, 0], seqs)
         window = self.model.config.window_size
         for i, (seq, records, end, n) in enumerate(zip(seqs, recording, last, counts,
@@ -417,7 +416,6 @@ class ModelRunner:
                 continue
             states = out.target_hidden[end + 1 - n : end + 1, 0]  # its rows'
             if i < len(decoding):  # a step without a draft: its fed token joins the rest
-                self.pace.skipped(seq)
                 self.undrafted += 1
                 if seq.draft_states is not None:
                     states = torch.cat((seq.draft_states, states))
