@@ -2614,7 +2614,8 @@ def _draft_context(draft: dict[int, list[torch.Tensor]] | None) -> StepContext |
 def _target_hidden(draft: dict[int, list[torch.Tensor]], last: int) -> torch.Tensor:
     """The target layers' recorded inputs side by side over the last `last` positions
     that all of them ran: [B, <= last, len(targets) * dim]."""
-    rows = [torch.cat(chunks, 1) for chunks in draft.values()]
+    rows = [chunks[0] if len(chunks) == 1 else torch.cat(chunks, 1)
+            for chunks in draft.values()]
     last = min([last] + [r.shape[1] for r in rows])
     return torch.cat([r[:, r.shape[1] - last :] for r in rows], -1)
 
