@@ -507,9 +507,10 @@ def verify_lengths(confidence: torch.Tensor, limits: list[int]) -> list[int]:
     return [max(0, min(limit, n)) for limit, n in zip(limits, confident, strict=True)]
 
 
-# A draft worth verifying: in a verify step each more row costs about 7 % of a one-row
-# step (bench/speculative.py, tiny-v41-dspark at batch 1 on a CPU: 1.81 ms for one row,
-# 2.77 ms for eight; the step's weights are read once for all its rows), so a draft is
+# A draft worth verifying: in a verify step each more row costs about a tenth of a
+# one-row step (bench/speculative.py at batch 1 on a CPU: 2.22 ms for one row and 3.25 ms
+# for eight on tiny-v41-dspark, 1.88 and 3.84 on the bundled model's shape; the step's
+# weights are read once for all its rows), so a draft is
 # verified while the chance that it is kept is at least 0.1, the token it would add worth
 # more than the row it costs.
 MIN_SURVIVAL = 0.1
