@@ -223,11 +223,16 @@ def test_unknown_preset():
 def test_the_default_presets_are_the_shipped_models_configs():
     """`--preset default` / `dense-default` must reproduce what kvstack/data/default and
     kvstack/data/dense-default were trained with: the model cards' commands rely on it (the
-    bundled model's long-context stage adds its YaRN settings with --set)."""
+    bundled model's long-context stage adds its YaRN settings with --set, and
+    `kvstack train-draft --stages 2` its two draft stages)."""
     from kvstack.config import LONG_CONTEXT
 
     root = Path(__file__).resolve().parent.parent
     bundled = ModelConfig.from_json(root / "kvstack" / "data" / "default" / "config.json")
-    assert preset("default").replace(**LONG_CONTEXT) == bundled
+    trunk = preset("default").replace(**LONG_CONTEXT)
+    drafter = dict(compress_ratios=[*trunk.compress_ratios, 0, 0], n_mtp_layers=2,
+                   dspark_block_size=5, dspark_noise_token_id=2,
+                   dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=64)
+    assert trunk.replace(**drafter) == bundled
     control = ModelConfig.from_json(root / "kvstack" / "data" / "dense-default" / "config.json")
     assert preset("dense-default") == control
