@@ -48,13 +48,18 @@ def test_break_even_is_a_drafting_steps_time_over_a_plain_ones():
     assert abs(pace.break_even(1) - 3.0) < 1e-9
 
 
-def test_the_first_step_of_each_kind_at_a_size_is_not_timed():
+def test_the_first_step_of_each_kind_at_a_size_is_not_timed_nor_its_verifies_judged():
     pace = DraftPace("measured")
+    [seq] = sequences(1)
     pace.timed(1, 0, 0.050)  # cold: the calls' buffers of new shapes made
     pace.timed(1, 0, 0.002)
     pace.timed(1, 1, 0.500)
+    pace.verified(seq, 1, 1)  # no break-even yet: the verify is not judged
+    assert seq.draft_pause == DraftPause() and pace.try_gain == {}
     pace.timed(1, 1, 0.005)
     assert pace.break_even(1) == 2.5
+    pace.verified(seq, 1, 1)
+    assert pace.try_gain == {1: -1.5}
 
 
 def test_a_verify_that_pays_drafts_again_and_one_that_does_not_pauses_doubling():

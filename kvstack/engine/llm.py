@@ -295,7 +295,8 @@ class LLM:
             with self.core.lock:
                 held = sum(t.numel() * t.element_size()
                            for seq in self.core.requests.values()
-                           for t in (seq.draft_context, seq.draft_states) if t is not None)
+                           for t in (seq.draft_context, *(seq.draft_states or ()))
+                           if t is not None)
             report["draft"] = {
                 "context_bytes_per_sequence":
                     len(c.draft_layers) * c.window_size * c.head_dim * 4,

@@ -91,7 +91,10 @@ class DraftPace:
 
     def verified(self, seq: Sequence, batch: int, kept: int) -> None:
         """A verify of the sequence's drafts in a step of `batch` sequences kept `kept`
-        tokens (accepted drafts and the target's own)."""
+        tokens (accepted drafts and the target's own). Not judged before a drafting step
+        of that size is timed (the break-even is not known yet)."""
+        if size_class(batch) not in self.drafting_seconds:
+            return
         pause, even = seq.draft_pause, self.break_even(batch)
         if pause.kept is None:  # a try: its run starts
             pause.run_gain = 0.0

@@ -295,18 +295,18 @@ class ModelRunner:
         """Each sequence's `draft_context` brought up to the tokens its store holds: the
         window entries of its `draft_states` (the target states of tokens kept since its
         last draft), made in one call for all, joined to it."""
-        pending = [seq for seq in seqs if seq.draft_states is not None]
+        pending = [seq for seq in seqs if seq.draft_states]
         if not pending:
             return
-        states = torch.cat([seq.draft_states for seq in pending])  # [R, len(targets) * dim]
+        counts = [sum(map(len, seq.draft_states)) for seq in pending]
+        states = torch.cat([piece for seq in pending for piece in seq.draft_states])  # [R, F]
         positions = torch.cat([  # each state's token position: the store's last ones
-            torch.arange(seq.store.num_tokens - len(seq.draft_states), seq.store.num_tokens)
-            for seq in pending]).to(self.device)
+            torch.arange(seq.store.num_tokens - n, seq.store.num_tokens)
+            for seq, n in zip(pending, counts, strict=True)]).to(self.device)
         with native.active(self.cpu_kernels):
             entries = self.model.draft.window(states[:, None], positions)[:, :, 0]
         at = 0
-        for seq in pending:
-            n = len(seq.draft_states)
+        for seq, n in zip(pending, counts, strict=True):
             made = entries[:, at : at + n]  # [S, n, D]
             at += n
             if seq.draft_context is not None:
@@ -350,10 +350,7 @@ class ModelRunner:
             if seq.store.speculation is not None:
                 seq.store.settle(kept)
             if seq.status is not Status.FINISHED:
-                states = verified.target_hidden[:kept]
-                if seq.draft_states is not None:
-                    states = torch.cat((seq.draft_states, states))
-                seq.draft_states = states[-window:]
+                keep_states(seq, verified.target_hidden[:kept], window)
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> list[Sample]:
@@ -414,14 +411,11 @@ class ModelRunner:
                                                        strict=True)):
             if not records:
                 continue
-            states = out.target_hidden[end + 1 - n : end + 1, 0]  # its rows'
             if i < len(decoding):  # a step without a draft: its fed token joins the rest
                 self.undrafted += 1
-                if seq.draft_states is not None:
-                    states = torch.cat((seq.draft_states, states))
             else:  # a prompt's part holds its last window (`joins_decode`)
-                seq.draft_context = None
-            seq.draft_states = states[-window:]
+                seq.draft_context = seq.draft_states = None
+            keep_states(seq, out.target_hidden[end + 1 - n : end + 1, 0], window)
         return samples
 
     @torch.no_grad()
@@ -496,6 +490,18 @@ def _attention_backend(choice: str, model: Model, device: torch.device) -> str:
     # one-program-per-head kernel took 5x torch's time; its split-K rewrite has not been
     # timed on a GPU yet, so the default waits for a measurement.
     return "torch" if choice == "auto" else choice
+
+
+def keep_states(seq: Sequence, states: torch.Tensor, window: int) -> None:
+    """Add a step's kept target states [n, len(targets) * dim] to the sequence's
+    `draft_states`, a list of such pieces (copied: a piece of the step's output would hold
+    all of it), at most a window of them, each of at least one token's: no copy of what
+    is held, and nothing counted, per step."""
+    pieces = seq.draft_states if seq.draft_states is not None else []
+    pieces.append(states[-window:].clone())
+    if len(pieces) > window:
+        del pieces[0]
+    seq.draft_states = pieces
 
 
 def verify_lengths(confidence: torch.Tensor, limits: list[int]) -> list[int]:

@@ -65,9 +65,10 @@ class Sequence:
     # window entries [stages, n <= window, head_dim] of the last n tokens its store holds
     # (`Draft.window`, made once as each token is kept).
     draft_context: torch.Tensor | None = None
-    # The target states [n, len(targets) * dim] of the last n tokens its store holds whose
-    # entries are not made yet (the tokens kept since its last draft).
-    draft_states: torch.Tensor | None = None
+    # The target states of the last tokens its store holds whose entries are not made yet
+    # (the tokens kept since its last draft, the last window of steps'): pieces
+    # [n, len(targets) * dim], oldest first.
+    draft_states: list[torch.Tensor] | None = None
     draft_pause: "DraftPause" = field(default_factory=lambda: DraftPause())
     # Prompt tokens whose cache was reused: found in the prefix cache at admission, or held
     # by the kept cache of the conversation it continues.
