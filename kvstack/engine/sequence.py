@@ -69,7 +69,7 @@ class Sequence:
     # (the tokens kept since its last draft, the last window of steps'): pieces
     # [n, len(targets) * dim], oldest first.
     draft_states: list[torch.Tensor] | None = None
-    draft_pause: "DraftPause" = field(default_factory=lambda: DraftPause())
+    draft_pause: DraftPause = field(default_factory=DraftPause)
     # Prompt tokens whose cache was reused: found in the prefix cache at admission, or held
     # by the kept cache of the conversation it continues.
     num_cached_tokens: int = 0

@@ -30,12 +30,12 @@ from kvstack import native
 from kvstack.config import LayerSpec, ModelConfig
 from kvstack.formats import straight_through
 from kvstack.model.model import (
-    FUSED_PROJECTION_TOKENS,
     Attention,
     DenseFFN,
     HyperConnection,
     MoE,
     RMSNorm,
+    StepContext,
     fused_ffn,
     rotate,
     token_positions,
@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The most likely token of logits [B, vocab]: [B]."""
     return logits.argmax(-1)
+
+
+# What the draft's projections ask of a step: nothing (no instruments); only read.
+PLAIN_STEP = StepContext()
 
 
 class DraftAttention(Attention):
@@ -97,14 +101,12 @@ class DraftAttention(Attention):
         return self.project_out(out, positions)
 
     def _c_matrices(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """The projections' matrices where they run in C (`Attention.c_projections`): in
-        an engine step with the C kernels, for a few rows (a draft block, not a training
-        batch), where the window format has a C coding; else None."""
-        if (not native.fuses(x) or x.shape[0] * x.shape[1] > FUSED_PROJECTION_TOKENS
-                or self.freqs.dtype is not torch.float64
-                or not native.decodes(self.config.window_format)):
+        """The projections' matrices where they run in C, as the trunk's
+        (`Attention._c_projections_for`: an engine step with the C kernels, a few rows),
+        and the window format has a C coding; else None."""
+        if not native.decodes(self.config.window_format):
             return None
-        return self.c_projections()
+        return self._c_projections_for(x, PLAIN_STEP)
 
 
 class DraftStage(nn.Module):
