@@ -127,6 +127,55 @@ def test_a_draft_in_an_engine_step_equals_torchs_within_float_rounding(shape, dr
                                atol=1e-4)
 
 
+def test_padded_windows_in_c_kernels_equal_torchs_alone():
+    """The C draft attention (an engine step's) over windows of several lengths in one
+    call, a padded slot holding 1e4: each sequence's block as torch's ops make it from
+    its own window, within float rounding."""
+    model = one_copy_draft()
+    c = model.config
+    g = torch.Generator().manual_seed(8)
+    lengths, positions = (c.window_size, 3, 11), (200, 2, 10)
+    hidden = [torch.randn(1, n, 3 * c.dim, generator=g) for n in lengths]
+    token = torch.randint(0, c.vocab_size, (3,), generator=g)
+    with torch.no_grad():
+        windows = [model.draft.window(h, p) for h, p in zip(hidden, positions, strict=True)]
+        alone = [model.draft.block(model, w, token[i : i + 1], p)
+                 for i, (w, p) in enumerate(zip(windows, positions, strict=True))]
+        width = max(lengths)
+        padded = torch.zeros(len(c.draft_layers), 3, width, c.head_dim)
+        padding = torch.ones(3, width, dtype=torch.bool)
+        for i, w in enumerate(windows):
+            padded[:, i, width - w.shape[2] :] = w[:, 0]
+            padding[i, width - w.shape[2] :] = False
+        padded[:, 1, 0] = 1e4
+        with native.active(True):
+            both = model.draft.block(model, padded, token, torch.tensor(positions),
+                                     padding=padding)
+    assert model.draft.stages[0].attn.c_calls  # the C path ran
+    assert torch.equal(both.tokens, torch.cat([a.tokens for a in alone]))
+    torch.testing.assert_close(both.logits, torch.cat([a.logits for a in alone]),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(both.confidence, torch.cat([a.confidence for a in alone]),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_the_markov_rows_kept_follow_the_weights():
+    """A block's Markov bias comes from rows kept by token outside training: the same as
+    the head computes, and computed anew once the head's weights change."""
+    model = one_copy_draft()
+    draft = model.draft
+    tokens = torch.tensor([5, 9, 5])
+    with torch.no_grad():
+        fresh = draft.markov_head(draft.markov_embed(tokens)).float()
+        torch.testing.assert_close(draft.markov_bias(tokens), fresh)
+        assert set(draft._markov_rows) == {5, 9}
+        draft.markov_head.weight.mul_(2.0)
+        torch.testing.assert_close(draft.markov_bias(tokens), 2.0 * fresh)
+    draft.train()
+    biased = draft.markov_bias(tokens)  # training: no kept rows, the gradient flows
+    assert biased.requires_grad
+
+
 def test_the_target_hands_over_its_target_layers_attention_inputs(drafted):
     model, c = drafted, drafted.config
     ids = torch.randint(0, c.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))

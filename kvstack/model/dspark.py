@@ -19,6 +19,7 @@ The draft shares the target's embedding and head. It is not on the decode path: 
 engine's draft-verify loop is what would call it.
 """
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -51,6 +52,10 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+# The most the Markov head's kept rows hold (`Draft.markov_bias`): all of a small
+# vocabulary's, the last 64 tokens' of V4.1's 129,280.
+MARKOV_ROWS_BYTES = 32 << 20
+
 # What the draft's projections ask of a step: nothing (no instruments); only read.
 PLAIN_STEP = StepContext()
 
@@ -76,16 +81,22 @@ class DraftAttention(Attention):
         fills (a shorter window, left-padded to W), which no query reads: [B, K, dim]."""
         c = self.config
         matrices = self._c_matrices(x)
-        if matrices is not None:  # the projections in (and out, below) as one C call each
+        if matrices is not None:  # the projections in, the attention and out: C calls
             _, q, block_kv = native.attention_in(
                 x, positions, matrices[0], self.q_norm.weight, matrices[1], matrices[2],
                 self.kv_norm.weight, c.norm_eps, self.freqs, self.n_local_heads)
             block_kv = native.quantize(block_kv, c.window_format, rows=False)[1]
-        else:
-            qr = self.q_norm(self.wq_a(x))
-            q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
-                       positions, self.freqs)  # [B, K, H, D]
-            block_kv = self.entries(x, positions)
+            pad = (padding.sum(1) if padding is not None
+                   else torch.zeros(x.shape[0], dtype=torch.int64))
+            out = native.draft_attention(q, window, block_kv, pad, self.sink,
+                                         c.head_dim**-0.5)
+            return native.attention_out(out, positions, self.freqs, matrices[3],
+                                        self.local_groups, matrices[4], None, self.c_calls,
+                                        spent=True)
+        qr = self.q_norm(self.wq_a(x))
+        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
+                   positions, self.freqs)  # [B, K, H, D]
+        block_kv = self.entries(x, positions)
         kv = torch.cat((window, block_kv), dim=1).float()  # [B, W + K, D]
         logits = torch.einsum("bqhd,bkd->bhqk", q.float(), kv) * c.head_dim**-0.5
         if padding is not None:
@@ -94,10 +105,6 @@ class DraftAttention(Attention):
         sink = self.sink.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
         probs = torch.cat((logits, sink), dim=-1).softmax(-1)[..., :-1]
         out = torch.einsum("bhqk,bkd->bqhd", probs, kv)  # [B, K, H, D]
-        if matrices is not None:
-            return native.attention_out(out, positions, self.freqs, matrices[3],
-                                        self.local_groups, matrices[4], None, self.c_calls,
-                                        spent=True)
         return self.project_out(out, positions)
 
     def _c_matrices(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
@@ -172,6 +179,9 @@ class Draft(nn.Module):
         self.markov_embed = nn.Embedding(c.vocab_size, r)
         self.markov_head: nn.Linear | PackedLinear = nn.Linear(r, c.vocab_size, bias=False)
         self.confidence = nn.Linear(c.dim + r, 1, bias=False)
+        # The Markov head's rows kept by token (`markov_bias`), and the weights they are of.
+        self._markov_rows: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._markov_stamp: tuple = ()
 
     def forward(self, model: "Model", target_hidden: torch.Tensor, token: torch.Tensor,
                 position: int | torch.Tensor,
@@ -227,12 +237,38 @@ class Draft(nn.Module):
         if mix is not None:
             x = HyperConnection.collapse(x, mix)  # [B, K, dim]
         logits = model.head_logits(self.norm(x))  # [B, K, vocab]
-        tokens, embeds = [token.long()], []
+        tokens = [token.long()]
         for i in range(k):
-            e = self.markov_embed(tokens[-1]).float()  # [B, rank]
-            embeds.append(e)
-            logits[:, i] += self.markov_head(e).float()
+            logits[:, i] += self.markov_bias(tokens[-1])
             tokens.append(sample(logits[:, i]))
-        features = torch.cat((x.float(), torch.stack(embeds, dim=1)), dim=-1)
+        chosen = torch.stack(tokens, dim=1)  # [B, K + 1]
+        embeds = self.markov_embed(chosen[:, :-1]).float()  # [B, K, rank]
+        features = torch.cat((x.float(), embeds), dim=-1)
         confidence = self.confidence(features).float().squeeze(-1)
-        return DraftBlock(torch.stack(tokens, dim=1), logits, confidence)
+        return DraftBlock(chosen, logits, confidence)
+
+    def markov_bias(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The Markov head's logit bias after each of tokens [B]: [B, vocab] float32.
+        Outside training a token's row is computed once and kept (the last
+        MARKOV_ROWS_BYTES of them): a block asks for one a position, and computing it
+        reads the whole head (vocab x rank) where a kept row is vocab floats."""
+        if torch.is_grad_enabled() or self.training:
+            return self.markov_head(self.markov_embed(tokens)).float()
+        weights = (*self.markov_head.parameters(), *self.markov_head.buffers(),
+                   self.markov_embed.weight)
+        stamp = tuple((t.data_ptr(), t._version) for t in weights)
+        if stamp != self._markov_stamp:  # new or changed weights: no row kept holds
+            self._markov_rows.clear()
+            self._markov_stamp = stamp
+        rows, kept = [], self._markov_rows
+        for t in tokens.tolist():
+            row = kept.get(t)
+            if row is None:
+                row = self.markov_head(self.markov_embed.weight[t : t + 1]).float()[0]
+                kept[t] = row
+                if len(kept) * row.numel() * 4 > MARKOV_ROWS_BYTES:
+                    kept.popitem(last=False)
+            else:
+                kept.move_to_end(t)
+            rows.append(row)
+        return torch.stack(rows)

@@ -100,6 +100,8 @@ _SIGNATURES = {
                              ctypes.c_float, _P, ctypes.c_int],
     "kv_dense_attention": [_P, _P, _P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int, _P, _P, _I,
                            _I, _I, _I, ctypes.c_float, _P, _P, _P, _P],
+    "kv_draft_attention": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P,
+                           _P, ctypes.c_int],
     "kv_grouped_mm": [_P, _I, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int, ctypes.c_int],
     "kv_packed_linear": [_P, _I, ctypes.c_int, _P, _P, _I, _I, _I, _P, _P, ctypes.c_int, _P,
                          ctypes.c_int, ctypes.c_int],
@@ -615,6 +617,26 @@ def dense_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         k_pool.shape[2], v_pool.shape[2], _ptr(table), table.shape[1], _ptr(lengths), block,
         packed, _ptr(elem), _ptr(scale), b, h, kv_heads, d, d**-0.5, _ptr(keys), _ptr(values),
         _ptr(logits), _ptr(out))
+    return out
+
+
+def draft_attention(q: torch.Tensor, window: torch.Tensor, block: torch.Tensor,
+                    pad: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """A DSpark draft stage's attention (`DraftAttention`): block queries q [B, K, H, D]
+    over each sequence's window entries window [B, W, D], its first pad[b] (int64 [B])
+    left padding that no query reads, then the block's entries block [B, K, D], all of
+    them seen by every query, the sink [H] in the denominator: [B, K, H, D] float32,
+    within float rounding of the model's softmax."""
+    b, k, h, d = q.shape
+    w = window.shape[1]
+    q, window, block = _as(q, torch.float32), _as(window, torch.float32), _as(block, torch.float32)
+    pad, sink = _as(pad, torch.int64), _as(sink, torch.float32)
+    seen = torch.empty(w + k, dtype=torch.int64)  # row pointers
+    probs = torch.empty(h, w + k)
+    out = torch.empty(b, k, h, d)
+    _load().kv_draft_attention(_ptr(q), _ptr(window), _ptr(block), _ptr(pad), _ptr(sink), b,
+                               k, w, h, d, scale, _ptr(seen), _ptr(probs), _ptr(out),
+                               _threads())
     return out
 
 

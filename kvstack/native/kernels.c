@@ -604,3 +604,25 @@ void kv_prefill_attention(const float *q, const int64_t *positions, int64_t pos_
         free(probs);
     }
 }
+
+/* A DSpark draft stage's attention (kvstack.model.dspark.DraftAttention): each
+ * sequence's kq block queries q [b, kq, h, d] over its window entries window [b, w, d],
+ * the first pad[s] of them left padding that no query reads, then the block's own
+ * entries block [b, kq, d] (every query sees the whole block: no causal mask), with the
+ * sink's logit [h] in the denominator: out [b, kq, h, d]. Entries are keys and values
+ * alike, as in the trunk's layers. seen: [w + kq] row pointers, probs: [h, w + kq] of
+ * scratch. */
+void kv_draft_attention(const float *q, const float *window, const float *block,
+                        const int64_t *pad, const float *sink, int64_t b, int64_t kq,
+                        int64_t w, int64_t h, int64_t d, float scale, const float **seen,
+                        float *probs, float *out, int threads) {
+    for (int64_t s = 0; s < b; s++) {
+        int64_t n = 0;
+        for (int64_t i = pad[s]; i < w; i++) seen[n++] = window + (s * w + i) * d;
+        for (int64_t i = 0; i < kq; i++) seen[n++] = block + (s * kq + i) * d;
+        for (int64_t i = 0; i < kq; i++) {
+            const int64_t row = (s * kq + i) * h * d;
+            attend_heads(q + row, seen, n, h, d, sink, scale, probs, out + row, threads);
+        }
+    }
+}
