@@ -3,14 +3,20 @@ handed to it here (what the engine measures in its steps), and what it does to o
 
 from types import SimpleNamespace
 
+import torch
+
 from kvstack.engine import SamplingParams
 from kvstack.engine.pace import MAX_PAUSE, DraftPace, size_class
 from kvstack.engine.sequence import DraftPause
 from tests.test_speculative import GREEDY, PROMPTS, engine, oracle, run
 
+WINDOW = 64  # the states a draft reads, in the schedules made here
+
 
 def sequences(n: int) -> list:
-    return [SimpleNamespace(draft_pause=DraftPause()) for _ in range(n)]
+    """Sequences that hold target states for a draft."""
+    return [SimpleNamespace(draft_pause=DraftPause(), draft_context=None,
+                            draft_states=["a state"]) for _ in range(n)]
 
 
 def plain_steps(pace: DraftPace, seqs: list) -> int:
@@ -25,7 +31,7 @@ def plain_steps(pace: DraftPace, seqs: list) -> int:
 
 def measured(batch: int, plain: float, drafting: float) -> DraftPace:
     """A schedule that timed a plain step and a drafting step of `batch` sequences."""
-    pace = DraftPace("measured")
+    pace = DraftPace("measured", WINDOW)
     seqs = sequences(batch)
     for _ in range(2):  # nothing timed: plain steps first (the first one not counted)
         assert pace.drafting(seqs) == [False] * batch
@@ -49,7 +55,7 @@ def test_break_even_is_a_drafting_steps_time_over_a_plain_ones():
 
 
 def test_the_first_step_of_each_kind_at_a_size_is_not_timed_nor_its_verifies_judged():
-    pace = DraftPace("measured")
+    pace = DraftPace("measured", WINDOW)
     [seq] = sequences(1)
     pace.timed(1, 0, 0.050)  # cold: the calls' buffers of new shapes made
     pace.timed(1, 0, 0.002)
@@ -116,8 +122,31 @@ def test_at_a_large_batch_a_few_sequences_in_a_run_do_not_pay_for_a_drafting_ste
     assert pace.drafting(seqs) == [True] * 8 + [False] * 8  # 24 tokens: it pays
 
 
+def test_plain_steps_keep_the_states_a_draft_may_read_within_a_window():
+    pace = DraftPace("measured", WINDOW)
+    [seq] = seqs = sequences(1)
+    assert pace.keeps_states(seq, 16)  # nothing timed: a try comes soon
+    pace = measured(16, plain=0.001, drafting=0.002)
+    assert pace.keeps_states(seq, 16)  # tries have paid (none judged yet)
+    for other in sequences(16):
+        pace.verified(other, 16, 1)  # tries do not pay: the next after 16 x 32 steps
+    keeps = []
+    for _ in range(MAX_PAUSE * 16):
+        keeps.append(pace.keeps_states(seq, 16))
+        pace.skipped(seq)
+    assert keeps == [False] * (MAX_PAUSE * 16 - WINDOW) + [True] * WINDOW
+    seq.draft_pause = DraftPause(kept=3)  # in a run: it drafts next step
+    assert pace.keeps_states(seq, 16)
+    seq.draft_pause = DraftPause()
+    assert pace.keeps_states(seq, 1)  # at batch 1 a try is MAX_PAUSE <= a window away
+    assert DraftPace("always", WINDOW).keeps_states(seq, 16)
+    seq.draft_states = None  # it kept none: not ready to draft, however long its wait
+    seq.draft_pause.idle = 10 * MAX_PAUSE * 16
+    assert pace.drafting(seqs) == [False]
+
+
 def test_always_drafts_every_sequence_every_step():
-    pace = DraftPace("always")
+    pace = DraftPace("always", WINDOW)
     seqs = sequences(3)
     seqs[0].draft_pause.steps_left = 5
     assert pace.drafting(seqs) == [True] * 3
@@ -163,3 +192,42 @@ def test_a_sampled_request_under_the_measured_schedule_draws_as_plain_decoding_d
     llm.runner.pace.plain_seconds, llm.runner.pace.drafting_seconds = {1: 1.0}, {1: 100.0}
     llm.runner.pace.try_gain = {1: -1.0}
     assert run(llm, PROMPTS[:1], sampled) == want
+
+
+def test_a_try_after_steps_that_kept_no_states_reads_the_window_before_it():
+    """Where tries at a batch size have not paid, a sequence's plain steps keep no target
+    states until a window of steps before its next try (after MAX_PAUSE steps); the try
+    reads a whole window, the states of exactly the tokens before it (labelled here by
+    their positions), and the outputs are a plain run's."""
+    params = SamplingParams(max_tokens=3 * MAX_PAUSE, temperature=0, ignore_eos=True)
+    want = run(engine(), PROMPTS[:1], params)
+    llm = engine("dspark", speculative_schedule="measured")
+    pace, model, c = llm.runner.pace, llm.runner.model, llm.config
+    pace.plain_seconds, pace.drafting_seconds, pace.try_gain = {1: 1.0}, {1: 2.0}, {1: -1.0}
+    stages = len(c.draft_layers)
+
+    def labelled(target_hidden, position):
+        b, n, _ = target_hidden.shape
+        at = torch.as_tensor(position).reshape(-1, 1) - n + 1 + torch.arange(n)  # [P, n]
+        return at.float().expand(b, n)[None, ..., None].expand(stages, b, n, c.head_dim)
+
+    reads, own = [], model.draft.block
+
+    def block(_model, window, token, position, *rest, **settings):
+        reads.append((window[0, 0, :, 0].tolist(), int(torch.as_tensor(position).max())))
+        return own(_model, window, token, position, *rest, **settings)
+
+    held, skipped = [], pace.skipped
+
+    def skip(seq):
+        if seq.status.name != "FINISHED":  # (a finished one keeps nothing)
+            held.append((seq.draft_pause.idle, seq.draft_context is not None
+                         or bool(seq.draft_states)))
+        skipped(seq)
+
+    model.draft.window, model.draft.block, pace.skipped = labelled, block, skip
+    assert run(llm, PROMPTS[:1], params) == want
+    assert len(reads) == 2 and len(held) > 2 * MAX_PAUSE
+    for window, position in reads:
+        assert window == [float(p) for p in range(position - c.window_size + 1, position + 1)]
+    assert all(holds == (idle >= MAX_PAUSE - c.window_size) for idle, holds in held)

@@ -44,8 +44,9 @@ class DraftPace:
     sequence drafts every step (what SGLang's and vLLM's DSpark do); "measured": as the
     module says."""
 
-    def __init__(self, schedule: str) -> None:
-        self.schedule = schedule
+    def __init__(self, schedule: str, window: int) -> None:
+        """window: the states a draft reads (the model's window_size)."""
+        self.schedule, self.window = schedule, window
         # By size class: a step's seconds per sequence when none drafted, and when some
         # did; the running mean of what a try and its run added over break-even.
         self.plain_seconds: dict[int, float] = {}
@@ -66,7 +67,8 @@ class DraftPace:
         # Where tries have not paid, a sequence tries again after MAX_PAUSE steps a
         # sequence of the batch: a try costs the whole batch's step.
         retry = None if self.try_gain.get(size, 0.0) >= 0 else MAX_PAUSE * size
-        expected = [self._expected(seq.draft_pause, even, retry) for seq in seqs]
+        expected = [self._expected(seq.draft_pause, even, retry) if _holds_states(seq)
+                    else None for seq in seqs]
         gain = sum(e - 1 for e in expected if e is not None)
         if gain <= 0 or gain < len(seqs) * (even - 1):
             return [False] * len(seqs)
@@ -82,6 +84,20 @@ class DraftPace:
         if pause.kept is not None:  # in a run
             return pause.kept
         return even if retry is None or pause.idle >= retry else 1.0
+
+    def keeps_states(self, seq: Sequence, batch: int) -> bool:
+        """Whether a plain step of `batch` sequences keeps the sequence's target states
+        for its drafts: not where tries at that size have not paid and it will not try
+        for more than a window of steps (none of those states would be read: it keeps
+        them again from a window before its try). The states of a plain step cost a few
+        percent of it at batch 16, where no sequence may draft for hundreds of steps."""
+        if self.schedule == "always":
+            return True
+        size = size_class(batch)
+        if size not in self.drafting_seconds or self.try_gain.get(size, 0.0) >= 0:
+            return True
+        pause = seq.draft_pause
+        return pause.kept is not None or MAX_PAUSE * size - pause.idle <= self.window
 
     def skipped(self, seq: Sequence) -> None:
         """A step the sequence decoded plainly."""
@@ -131,3 +147,9 @@ class DraftPace:
             return
         old = means.get(size)
         means[size] = value if old is None else old + SMOOTHING * (value - old)
+
+
+def _holds_states(seq: Sequence) -> bool:
+    """Whether the sequence holds target states a draft can read (none right after
+    steps that kept none: `DraftPace.keeps_states`)."""
+    return seq.draft_context is not None or bool(seq.draft_states)

@@ -53,7 +53,7 @@ class ModelRunner:
         self.speculative = _speculative(config.speculative, model)
         # The most drafts a verify feeds (EngineConfig.speculative_tokens).
         self.speculative_tokens = _speculative_tokens(config.speculative_tokens, model)
-        self.pace = DraftPace(config.speculative_schedule)
+        self.pace = DraftPace(config.speculative_schedule, model.config.window_size)
         self.max_model_len = config.model_len(model.config)
         # DSpark's verifies since start (a sequence's drafted step), the drafts they
         # verified and those accepted; per verify, how many drafts it verified and kept
@@ -401,6 +401,16 @@ class ModelRunner:
             ids, batch = [t for tokens in fresh for t in tokens], DecodeBatch(
                 [s.store for s in seqs], counts=counts)
             recording = [self.drafts(seq) for seq in seqs]
+            for i, seq in enumerate(decoding):
+                if not recording[i]:
+                    continue
+                self.undrafted += 1  # a step without a draft
+                if not self.pace.keeps_states(seq, len(decoding)):
+                    # No draft reads this step's state: what the sequence kept no longer
+                    # ends at its last token, and its next draft reads what it keeps
+                    # from a later step on.
+                    seq.draft_context = seq.draft_states = None
+                    recording[i] = False
             rows = last if prompts else None  # the head on each sequence's last row
             if not any(recording):
                 return sample_batch(self.model.decode(ids, batch, logit_rows=rows), seqs)
@@ -411,9 +421,7 @@ class ModelRunner:
                                                        strict=True)):
             if not records:
                 continue
-            if i < len(decoding):  # a step without a draft: its fed token joins the rest
-                self.undrafted += 1
-            else:  # a prompt's part holds its last window (`joins_decode`)
+            if i >= len(decoding):  # a prompt's part holds its last window (`joins_decode`)
                 seq.draft_context = seq.draft_states = None
             keep_states(seq, out.target_hidden[end + 1 - n : end + 1, 0], window)
         return samples
