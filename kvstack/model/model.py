@@ -1063,7 +1063,8 @@ class Attention(nn.Module):
                                         wo_b, spread, self.c_calls, spent=True)
         if in_c:
             y = all_reduce(native.attention_out(out, positions, self.freqs, wo_a,
-                                                self.local_groups, wo_b, spent=True),
+                                                self.local_groups, wo_b, None, self.c_calls,
+                                                spent=True),
                            self.shard)
         else:
             y = self.project_out(out, positions)
