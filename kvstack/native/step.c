@@ -616,7 +616,8 @@ void kv_ring_write(const float *x, int64_t b, int64_t d, int element, int scale_
  * by row, each row attending right after its own write. Rows of one sequence at
  * consecutive positions (a verify of several tokens) then see each other as sequential
  * steps would: a row's later neighbours have not yet overwritten the ring rows it still
- * reads. */
+ * reads. Such rows share their decoded ring rows (kv_sparse_attention_cached): each is
+ * decoded once, and again only where a row of theirs wrote it. */
 void kv_ring_write_attend(const float *x, int element, int scale_kind, const float *q,
                           const float *sink, uint8_t *ring, int64_t ring_bytes,
                           int64_t *ring_pos, const int64_t *slots, const int64_t *positions,
@@ -629,17 +630,23 @@ void kv_ring_write_attend(const float *x, int element, int scale_kind, const flo
                           int64_t d, float scale, float *rows, float *logits, float *out,
                           int threads) {
     float *values = malloc((size_t)d * sizeof(float));
-    if (!values) abort();
+    float *ring_vals = malloc((size_t)(w * d) * sizeof(float));  /* a slot's decoded rows */
+    uint8_t *have = malloc((size_t)w);
+    if (!values || !ring_vals || !have) abort();
     for (int64_t s = 0; s < b; s++) {
+        if (s == 0 || slots[s] != slots[s - 1]) memset(have, 0, (size_t)w);
         kv_ring_write(x + s * d, 1, d, element, scale_kind, ring_block, ring_elem, ring_scale,
                       ring, ring_pos, w, slots + s, positions + s, values);
-        kv_sparse_attention(q + s * h * d, sink, ring, ring_bytes, ring_pos, slots + s,
-                            positions + s, w, window_size, ring_block, ring_packed, ring_elem,
-                            ring_scale, pool, per, kv_bytes, block_table + s * max_blocks,
-                            max_blocks, selected ? selected + s * k : NULL, k, kv_block,
-                            kv_packed, kv_elem, kv_scale, 1, h, d, scale, rows, logits,
-                            out + s * h * d, threads);
+        have[positions[s] % w] = 0;  /* rewritten: decoded again from its bytes */
+        kv_sparse_attention_cached(
+            q + s * h * d, sink, ring, ring_bytes, ring_pos, slots + s, positions + s, w,
+            window_size, ring_block, ring_packed, ring_elem, ring_scale, pool, per, kv_bytes,
+            block_table + s * max_blocks, max_blocks, selected ? selected + s * k : NULL, k,
+            kv_block, kv_packed, kv_elem, kv_scale, h, d, scale, rows, logits,
+            out + s * h * d, threads, ring_vals, have);
     }
+    free(have);
+    free(ring_vals);
     free(values);
 }
 
