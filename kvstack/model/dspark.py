@@ -81,31 +81,42 @@ class DraftAttention(Attention):
         fills (a shorter window, left-padded to W), which no query reads: [B, K, dim]."""
         c = self.config
         matrices = self._c_matrices(x)
-        if matrices is not None:  # the projections in, the attention and out: C calls
+        if matrices is not None:  # the projections in (and out, below) as one C call each
             _, q, block_kv = native.attention_in(
                 x, positions, matrices[0], self.q_norm.weight, matrices[1], matrices[2],
                 self.kv_norm.weight, c.norm_eps, self.freqs, self.n_local_heads)
             block_kv = native.quantize(block_kv, c.window_format, rows=False)[1]
+        else:
+            qr = self.q_norm(self.wq_a(x))
+            q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
+                       positions, self.freqs)  # [B, K, H, D]
+            block_kv = self.entries(x, positions)
+        if native.fuses(q, window, block_kv):  # an engine step's: one C call
             pad = (padding.sum(1) if padding is not None
                    else torch.zeros(x.shape[0], dtype=torch.int64))
             out = native.draft_attention(q, window, block_kv, pad, self.sink,
                                          c.head_dim**-0.5)
+        else:
+            out = self._attend(q, window, block_kv, padding)
+        if matrices is not None:
             return native.attention_out(out, positions, self.freqs, matrices[3],
                                         self.local_groups, matrices[4], None, self.c_calls,
                                         spent=True)
-        qr = self.q_norm(self.wq_a(x))
-        q = rotate(self.wq_b(qr).unflatten(-1, (self.n_local_heads, c.head_dim)),
-                   positions, self.freqs)  # [B, K, H, D]
-        block_kv = self.entries(x, positions)
+        return self.project_out(out, positions)
+
+    def _attend(self, q: torch.Tensor, window: torch.Tensor, block_kv: torch.Tensor,
+                padding: torch.Tensor | None) -> torch.Tensor:
+        """The block's queries q [B, K, H, D] over the window [B, W, D] (padding as
+        `forward`'s) and the block's entries [B, K, D], by torch's ops: [B, K, H, D]."""
+        c = self.config
         kv = torch.cat((window, block_kv), dim=1).float()  # [B, W + K, D]
         logits = torch.einsum("bqhd,bkd->bhqk", q.float(), kv) * c.head_dim**-0.5
         if padding is not None:
-            unread = torch.cat((padding, padding.new_zeros(padding.shape[0], x.shape[1])), 1)
+            unread = torch.cat((padding, padding.new_zeros(padding.shape[0], q.shape[1])), 1)
             logits = logits.masked_fill(unread[:, None, None, :], float("-inf"))
         sink = self.sink.float().view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
         probs = torch.cat((logits, sink), dim=-1).softmax(-1)[..., :-1]
-        out = torch.einsum("bhqk,bkd->bqhd", probs, kv)  # [B, K, H, D]
-        return self.project_out(out, positions)
+        return torch.einsum("bhqk,bkd->bqhd", probs, kv)  # [B, K, H, D]
 
     def _c_matrices(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The projections' matrices where they run in C, as the trunk's
