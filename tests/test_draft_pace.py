@@ -14,9 +14,10 @@ WINDOW = 64  # the states a draft reads, in the schedules made here
 
 
 def sequences(n: int) -> list:
-    """Sequences that hold target states for a draft."""
+    """Sequences that hold the target states a draft reads (a window's)."""
     return [SimpleNamespace(draft_pause=DraftPause(), draft_context=None,
-                            draft_states=["a state"]) for _ in range(n)]
+                            draft_states=[torch.zeros(WINDOW, 1)],
+                            store=SimpleNamespace(num_tokens=100)) for _ in range(n)]
 
 
 def plain_steps(pace: DraftPace, seqs: list) -> int:
@@ -140,9 +141,19 @@ def test_plain_steps_keep_the_states_a_draft_may_read_within_a_window():
     seq.draft_pause = DraftPause()
     assert pace.keeps_states(seq, 1)  # at batch 1 a try is MAX_PAUSE <= a window away
     assert DraftPace("always", WINDOW).keeps_states(seq, 16)
-    seq.draft_states = None  # it kept none: not ready to draft, however long its wait
-    seq.draft_pause.idle = 10 * MAX_PAUSE * 16
+    pace = measured(1, plain=0.002, drafting=0.005)
+    seq.draft_pause.idle = MAX_PAUSE  # a try is due
+    assert pace.drafting(seqs) == [True]
+    seq.draft_states = [torch.zeros(WINDOW - 1, 1)]  # short of a window: not ready to draft
     assert pace.drafting(seqs) == [False]
+    seq.draft_states = None
+    seq.draft_context = torch.zeros(2, WINDOW - 1, 8)
+    assert pace.drafting(seqs) == [False]
+    seq.draft_states = [torch.zeros(1, 1)]  # a window, kept partly as entries: ready
+    assert pace.drafting(seqs) == [True]
+    seq.store.num_tokens, seq.draft_states = 5, [torch.zeros(5, 1)]  # all of a short one
+    seq.draft_context = None
+    assert pace.drafting(seqs) == [True]
 
 
 def test_always_drafts_every_sequence_every_step():

@@ -67,8 +67,8 @@ class DraftPace:
         # Where tries have not paid, a sequence tries again after MAX_PAUSE steps a
         # sequence of the batch: a try costs the whole batch's step.
         retry = None if self.try_gain.get(size, 0.0) >= 0 else MAX_PAUSE * size
-        expected = [self._expected(seq.draft_pause, even, retry) if _holds_states(seq)
-                    else None for seq in seqs]
+        expected = [self._expected(seq.draft_pause, even, retry)
+                    if _holds_window(seq, self.window) else None for seq in seqs]
         gain = sum(e - 1 for e in expected if e is not None)
         if gain <= 0 or gain < len(seqs) * (even - 1):
             return [False] * len(seqs)
@@ -149,7 +149,11 @@ class DraftPace:
         means[size] = value if old is None else old + SMOOTHING * (value - old)
 
 
-def _holds_states(seq: Sequence) -> bool:
-    """Whether the sequence holds target states a draft can read (none right after
-    steps that kept none: `DraftPace.keeps_states`)."""
-    return seq.draft_context is not None or bool(seq.draft_states)
+def _holds_window(seq: Sequence, window: int) -> bool:
+    """Whether the sequence holds the target states of the last window of tokens its store
+    holds (all of them, if fewer), which its draft reads: not yet where plain steps kept
+    none for a while (`DraftPace.keeps_states`)."""
+    held = sum(map(len, seq.draft_states or ()))
+    if seq.draft_context is not None:
+        held += seq.draft_context.shape[1]
+    return held >= min(window, seq.store.num_tokens)
