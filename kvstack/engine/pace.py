@@ -23,6 +23,11 @@ where a few sequences' drafts cannot pay for a step's draft call and verify, the
 decodes plainly. Until both timings exist for a batch size, its first two steps decode
 plainly and the next two draft (the first of each kind is not timed: it makes the
 calls' buffers of new shapes).
+
+A plain step keeps a sequence's target states, which its next draft reads (a window of
+them), unless that draft is more than a window of steps away: there (a large batch where
+tries have not paid) its plain steps are the plain engine's, and it keeps them again a
+window before its try, which waits until it holds a whole window.
 """
 
 from kvstack.engine.sequence import DraftPause, Sequence
