@@ -401,11 +401,13 @@ class ModelRunner:
             ids, batch = [t for tokens in fresh for t in tokens], DecodeBatch(
                 [s.store for s in seqs], counts=counts)
             recording = [self.drafts(seq) for seq in seqs]
-            for i, seq in enumerate(decoding):
+            for i, seq in enumerate(seqs):
                 if not recording[i]:
                     continue
-                self.undrafted += 1  # a step without a draft
-                if not self.pace.keeps_states(seq, len(decoding)):
+                if i < len(decoding):
+                    self.undrafted += 1  # a step without a draft
+                if not self.pace.keeps_states(seq, len(decoding) if i < len(decoding)
+                                              else len(seqs)):
                     # No draft reads this step's state: what the sequence kept no longer
                     # ends at its last token, and its next draft reads what it keeps
                     # from a later step on.
