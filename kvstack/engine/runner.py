@@ -356,9 +356,11 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> list[Sample]:
         """Feed each sequence's last sampled token, all in one batch whatever their
         positions; their next tokens. Sequences DSpark drafts for keep their target
-        states (`decode_with_prompts`)."""
+        states where a draft may read them (`decode_with_prompts`)."""
         if self.verify_in_c and any(map(self.drafts, seqs)):
-            return self.decode_with_prompts(seqs, [])
+            recording = self._recording(seqs, [])
+            if any(recording):
+                return self.decode_with_prompts(seqs, [], recording)
         logits = self.decode_logits([s.store for s in seqs], [s.output_ids[-1] for s in seqs])
         with native.active(self.cpu_kernels):  # the greedy rows by one C pass
             return sample_batch(logits, seqs)
@@ -381,15 +383,16 @@ class ModelRunner:
                 and self.config.tensor_parallel_size == 1)
 
     @torch.no_grad()
-    def decode_with_prompts(self, decoding: list[Sequence],
-                            prompts: list[Sequence]) -> list[Sample]:
+    def decode_with_prompts(self, decoding: list[Sequence], prompts: list[Sequence],
+                            recording: list[bool] | None = None) -> list[Sample]:
         """One model call for the decode batch and the prompts' last parts: a
         `DecodeBatch` with one row per decoding sequence and one per prompt token
         not yet in cache, each row seeing its sequence's earlier rows as sequential steps
         would; the head runs on each sequence's last row. The next token of each,
         decoding sequences first. A prompt that started on cached blocks replays first.
         A sequence DSpark drafts for (decoding plainly this step, or a prompt) keeps its
-        rows' target states (`draft_states`), which its next draft reads."""
+        rows' target states (`draft_states`), which its next draft reads, where
+        `recording` (`_recording`'s, made here if None) says so."""
         seqs = [*decoding, *prompts]
         with native.active(self.cpu_kernels):
             for seq in prompts:
@@ -400,19 +403,8 @@ class ModelRunner:
             last = [end - 1 for end in itertools.accumulate(counts)]
             ids, batch = [t for tokens in fresh for t in tokens], DecodeBatch(
                 [s.store for s in seqs], counts=counts)
-            recording = [self.drafts(seq) for seq in seqs]
-            for i, seq in enumerate(seqs):
-                if not recording[i]:
-                    continue
-                if i < len(decoding):
-                    self.undrafted += 1  # a step without a draft
-                if not self.pace.keeps_states(seq, len(decoding) if i < len(decoding)
-                                              else len(seqs)):
-                    # No draft reads this step's state: what the sequence kept no longer
-                    # ends at its last token, and its next draft reads what it keeps
-                    # from a later step on.
-                    seq.draft_context = seq.draft_states = None
-                    recording[i] = False
+            if recording is None:
+                recording = self._recording(decoding, prompts)
             rows = last if prompts else None  # the head on each sequence's last row
             if not any(recording):
                 return sample_batch(self.model.decode(ids, batch, logit_rows=rows), seqs)
@@ -427,6 +419,23 @@ class ModelRunner:
                 seq.draft_context = seq.draft_states = None
             keep_states(seq, out.target_hidden[end + 1 - n : end + 1, 0], window)
         return samples
+
+    def _recording(self, decoding: list[Sequence], prompts: list[Sequence]) -> list[bool]:
+        """Which sequences of a plain step (decoding ones, then joining prompts) keep
+        their target states: those DSpark drafts for where a draft may read the states
+        (`DraftPace.keeps_states`). One that keeps none drops what it held: that no
+        longer ends at its last token. Counts the decoding ones' steps without a draft."""
+        recording = []
+        for i, seq in enumerate([*decoding, *prompts]):
+            keeps = self.drafts(seq)
+            if keeps and i < len(decoding):
+                self.undrafted += 1
+            size = len(decoding) if i < len(decoding) else len(decoding) + len(prompts)
+            if keeps and not self.pace.keeps_states(seq, size):
+                seq.draft_context = seq.draft_states = None
+                keeps = False
+            recording.append(keeps)
+        return recording
 
     @torch.no_grad()
     def decode_logits(self, stores: list[PagedSequenceStore], tokens: list[int]) -> torch.Tensor:
