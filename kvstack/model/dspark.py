@@ -264,7 +264,7 @@ class Draft(nn.Module):
         MARKOV_ROWS_BYTES of them): a block asks for one a position, and computing it
         reads the whole head (vocab x rank) where a kept row is vocab floats."""
         if torch.is_grad_enabled() or self.training:
-            return self.markov_head(self.markov_embed(tokens)).float()
+            return self.markov_head(self.markov_embed(tokens).float()).float()
         weights = (*self.markov_head.parameters(), *self.markov_head.buffers(),
                    self.markov_embed.weight)
         stamp = tuple((t.data_ptr(), t._version) for t in weights)
@@ -275,7 +275,7 @@ class Draft(nn.Module):
         for t in tokens.tolist():
             row = kept.get(t)
             if row is None:
-                row = self.markov_head(self.markov_embed.weight[t : t + 1]).float()[0]
+                row = self.markov_head(self.markov_embed.weight[t : t + 1].float()).float()[0]
                 kept[t] = row
                 if len(kept) * row.numel() * 4 > MARKOV_ROWS_BYTES:
                     kept.popitem(last=False)
