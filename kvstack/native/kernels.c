@@ -435,12 +435,12 @@ static void attend_heads(const float *q, const float *const *seen, int64_t r, in
     }
 }
 
-/* kv_sparse_attention's work, with a cache of decoded ring rows where ring_vals is not
- * NULL: ring_vals [w, d] holds ring row i decoded where have[i] is set (rows decoded here
- * are added), so that consecutive rows of one sequence (a verify's, in
- * kv_ring_write_attend) decode each ring row once. The same floats either way: a row is
- * decoded from its bytes by the same code. */
-static void sparse_attention_rows(
+/* kv_sparse_attention with a cache of decoded ring rows where ring_vals is not NULL:
+ * ring_vals [w, d] holds ring row i decoded where have[i] is set (rows decoded here are
+ * added), so that consecutive rows of one sequence (a verify's, in kv_ring_write_attend)
+ * decode each ring row once. The same floats either way: a row is decoded from its bytes
+ * by the same code. */
+void kv_sparse_attention_cached(
         const float *q, const float *sink, const uint8_t *ring, int64_t ring_bytes,
         const int64_t *ring_pos, const int64_t *slots, const int64_t *positions, int64_t w,
         int64_t window_size, int64_t ring_block, int ring_packed, const float *ring_elem,
@@ -497,29 +497,11 @@ void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
                          const float *kv_elem, const float *kv_scale, int64_t b, int64_t h,
                          int64_t d, float scale, float *rows, float *logits, float *out,
                          int threads) {
-    sparse_attention_rows(q, sink, ring, ring_bytes, ring_pos, slots, positions, w,
-                          window_size, ring_block, ring_packed, ring_elem, ring_scale, pool,
-                          per, kv_bytes, block_table, max_blocks, selected, k, kv_block,
-                          kv_packed, kv_elem, kv_scale, b, h, d, scale, rows, logits, out,
-                          threads, NULL, NULL);
-}
-
-/* kv_sparse_attention of one row through a cache of its sequence's decoded ring rows
- * (sparse_attention_rows' ring_vals and have). */
-void kv_sparse_attention_cached(
-        const float *q, const float *sink, const uint8_t *ring, int64_t ring_bytes,
-        const int64_t *ring_pos, const int64_t *slot, const int64_t *position, int64_t w,
-        int64_t window_size, int64_t ring_block, int ring_packed, const float *ring_elem,
-        const float *ring_scale, const uint8_t *pool, int64_t per, int64_t kv_bytes,
-        const int64_t *block_table, int64_t max_blocks, const int64_t *selected, int64_t k,
-        int64_t kv_block, int kv_packed, const float *kv_elem, const float *kv_scale,
-        int64_t h, int64_t d, float scale, float *rows, float *logits, float *out,
-        int threads, float *ring_vals, uint8_t *have) {
-    sparse_attention_rows(q, sink, ring, ring_bytes, ring_pos, slot, position, w,
-                          window_size, ring_block, ring_packed, ring_elem, ring_scale, pool,
-                          per, kv_bytes, block_table, max_blocks, selected, k, kv_block,
-                          kv_packed, kv_elem, kv_scale, 1, h, d, scale, rows, logits, out,
-                          threads, ring_vals, have);
+    kv_sparse_attention_cached(q, sink, ring, ring_bytes, ring_pos, slots, positions, w,
+                               window_size, ring_block, ring_packed, ring_elem, ring_scale,
+                               pool, per, kv_bytes, block_table, max_blocks, selected, k,
+                               kv_block, kv_packed, kv_elem, kv_scale, b, h, d, scale, rows,
+                               logits, out, threads, NULL, NULL);
 }
 
 /* One decode step's causal GQA of one dense layer (the dense control's attention): q

@@ -22,12 +22,12 @@ void kv_sparse_attention(const float *q, const float *sink, const uint8_t *ring,
 
 void kv_sparse_attention_cached(
         const float *q, const float *sink, const uint8_t *ring, int64_t ring_bytes,
-        const int64_t *ring_pos, const int64_t *slot, const int64_t *position, int64_t w,
+        const int64_t *ring_pos, const int64_t *slots, const int64_t *positions, int64_t w,
         int64_t window_size, int64_t ring_block, int ring_packed, const float *ring_elem,
         const float *ring_scale, const uint8_t *pool, int64_t per, int64_t kv_bytes,
         const int64_t *block_table, int64_t max_blocks, const int64_t *selected, int64_t k,
         int64_t kv_block, int kv_packed, const float *kv_elem, const float *kv_scale,
-        int64_t h, int64_t d, float scale, float *rows, float *logits, float *out,
+        int64_t b, int64_t h, int64_t d, float scale, float *rows, float *logits, float *out,
         int threads, float *ring_vals, uint8_t *have);
 
 void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_pool,

@@ -642,7 +642,7 @@ void kv_ring_write_attend(const float *x, int element, int scale_kind, const flo
             q + s * h * d, sink, ring, ring_bytes, ring_pos, slots + s, positions + s, w,
             window_size, ring_block, ring_packed, ring_elem, ring_scale, pool, per, kv_bytes,
             block_table + s * max_blocks, max_blocks, selected ? selected + s * k : NULL, k,
-            kv_block, kv_packed, kv_elem, kv_scale, h, d, scale, rows, logits,
+            kv_block, kv_packed, kv_elem, kv_scale, 1, h, d, scale, rows, logits,
             out + s * h * d, threads, ring_vals, have);
     }
     free(have);
