@@ -121,8 +121,8 @@ def test_sparse_attention_split_into_chunks_equals_one_softmax(heads, width, chu
     expected = attend(q, sink, ring, ring_positions, slots, positions, pool, block_table,
                       selected, window)
     assert torch.all(out[2] == 0)
-    for i in range(b):
-        assert torch.allclose(out[i], expected[i], atol=1e-5, rtol=1e-5), i
+    for i in range(b):  # sums of up to `width` products, in another order than torch's
+        assert torch.allclose(out[i], expected[i], atol=5e-5, rtol=1e-5), i
 
 
 def test_index_scores_equal_dequantise_then_score():

@@ -182,7 +182,7 @@ class Speculation:
     verify): where they start, and what writing them overwrote or passed by."""
 
     start: int  # tokens held before them
-    ring_rows: torch.Tensor  # [n]: the ring row each of the n fed tokens writes
+    fed: int  # how many were fed: each writes the ring row of its position
     rings: dict[int, tuple[torch.Tensor, torch.Tensor]]  # those rows before (copy_rows)
     partials: dict[int, tuple[torch.Tensor, torch.Tensor]]  # the partial groups before
     # source -> position -> (values, gate logits [D]): the fed tokens' rows that the
@@ -398,8 +398,8 @@ class PagedSequenceStore(KVStore):
             raise ValueError(f"a speculative call feeds 1..{self.rings.window} tokens (the "
                              f"window), got {n}")
         start = len(self._tokens)
-        rows = (start + torch.arange(n, device=self.device)) % self.rings.window
-        self.speculation = Speculation(start, rows, self.rings.copy_rows(self.slot, rows),
+        first = start % self.rings.window
+        self.speculation = Speculation(start, n, self.rings.copy_rows(self.slot, first, n),
                                        self.partials.copy_slot(self.slot),
                                        {source: {} for source in self._fill})
 
@@ -440,7 +440,8 @@ class PagedSequenceStore(KVStore):
                         block, offset = self._slots(layer, s.kind, entries)
                         self.pools.rows[layer, s.kind].data[block, offset] = 0
             self._len[layer] = kept
-        self.rings.load_rows(self.slot, spec.ring_rows, spec.rings, slice(n_kept, None))
+        self.rings.load_rows(self.slot, spec.start % self.rings.window, spec.fed, spec.rings,
+                             n_kept)
         for source in self._fill:
             # The kept tokens' partial group: rows from before the speculation (its start
             # lies in the same group) as they were, then the fed tokens' as computed.

@@ -159,18 +159,41 @@ class WindowRings:
         self.pos[layer][slots, positions % self.window] = positions
         return stored[:, None]
 
-    def copy_rows(self, slot: int, rows: torch.Tensor
-                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of some rows [n] of one slot's rings: layer -> (bytes, positions)."""
-        return {layer: (ring.data[slot, rows].clone(), self.pos[layer][slot, rows].clone())
-                for layer, ring in self.rows.items()}
+    def _runs(self, first: int, n: int) -> list[tuple[int, int]]:
+        """The ring rows of n consecutive positions from row `first` on, as [lo, hi) runs
+        (two where they wrap): slices, where a list of rows would be an indexing op."""
+        end = first + n
+        if end <= self.window:
+            return [(first, end)]
+        return [(first, self.window), (0, end - self.window)]
 
-    def load_rows(self, slot: int, rows: torch.Tensor,
-                  saved: dict[int, tuple[torch.Tensor, torch.Tensor]], keep: slice) -> None:
-        """Put back the `keep` part of rows that `copy_rows` took."""
+    def copy_rows(self, slot: int, first: int, n: int
+                  ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of n rows of one slot's rings from row `first` on (wrapping): layer ->
+        (bytes [n, row bytes], positions [n])."""
+        runs = self._runs(first, n)
+        saved = {}
+        for layer, ring in self.rows.items():
+            data, pos = ring.data[slot], self.pos[layer][slot]
+            if len(runs) == 1:
+                (lo, hi), = runs
+                saved[layer] = (data[lo:hi].clone(), pos[lo:hi].clone())
+            else:
+                saved[layer] = (torch.cat([data[lo:hi] for lo, hi in runs]),
+                                torch.cat([pos[lo:hi] for lo, hi in runs]))
+        return saved
+
+    def load_rows(self, slot: int, first: int, n: int,
+                  saved: dict[int, tuple[torch.Tensor, torch.Tensor]], keep: int) -> None:
+        """Put back the rows that `copy_rows(slot, first, n)` took, but for the first
+        `keep` of them."""
+        runs = self._runs((first + keep) % self.window, n - keep)
         for layer, (data, pos) in saved.items():
-            self.rows[layer].data[slot, rows[keep]] = data[keep]
-            self.pos[layer][slot, rows[keep]] = pos[keep]
+            ring, ring_pos, at = self.rows[layer].data[slot], self.pos[layer][slot], keep
+            for lo, hi in runs:
+                ring[lo:hi] = data[at : at + hi - lo]
+                ring_pos[lo:hi] = pos[at : at + hi - lo]
+                at += hi - lo
 
     def copy_slot(self, slot: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """A copy of one slot's rings: layer -> (rows [window, bytes], positions [window])."""

@@ -217,20 +217,18 @@ class ModelRunner:
         # The sequences that did not draft decode as a plain step would (one sampling
         # pass for all); their target states are kept for later drafts.
         plain = [i for i, drew in enumerate(chosen) if not drew]
-        samples = iter(())
-        if plain:
-            with native.active(self.cpu_kernels):
-                samples = iter(sample_batch(torch.cat([verified[i][0] for i in plain]),
-                                            [seqs[i] for i in plain]))
         outcomes = []
-        for seq, drew, (drafts, proposed), (logits, hidden) in zip(
-                seqs, chosen, blocks, verified, strict=True):
-            if drew:
-                outcome = self._accept(seq, drafts, proposed, logits, hidden)
-            else:
-                outcome = Verified([next(samples)], hidden)
-                self.undrafted += 1
-            outcomes.append(outcome)
+        with native.active(self.cpu_kernels):  # the greedy rows by one C pass
+            samples = iter(sample_batch(torch.cat([verified[i][0] for i in plain]),
+                                        [seqs[i] for i in plain]) if plain else ())
+            for seq, drew, (drafts, proposed), (logits, hidden) in zip(
+                    seqs, chosen, blocks, verified, strict=True):
+                if drew:
+                    outcome = self._accept(seq, drafts, proposed, logits, hidden)
+                else:
+                    outcome = Verified([next(samples)], hidden)
+                    self.undrafted += 1
+                outcomes.append(outcome)
         return outcomes
 
     @torch.no_grad()
@@ -252,12 +250,16 @@ class ModelRunner:
         group = [seqs[i] for i in members]
         contexts = [seq.draft_context for seq in group]  # [S, n, D] each
         width = max(context.shape[1] for context in contexts)
-        window = contexts[0].new_zeros(contexts[0].shape[0], len(group), width,
-                                       contexts[0].shape[2])  # [S, B, W, D]
-        padding = torch.zeros(len(group), width, dtype=torch.bool)
-        for row, context in enumerate(contexts):
-            window[:, row, width - context.shape[1] :] = context
-            padding[row, : width - context.shape[1]] = True
+        padding = None
+        if all(context.shape[1] == width for context in contexts):
+            window = torch.stack(contexts, 1)  # [S, B, W, D]
+        else:
+            window = contexts[0].new_zeros(contexts[0].shape[0], len(group), width,
+                                           contexts[0].shape[2])
+            padding = torch.zeros(len(group), width, dtype=torch.bool)
+            for row, context in enumerate(contexts):
+                window[:, row, width - context.shape[1] :] = context
+                padding[row, : width - context.shape[1]] = True
         proposed: list[list[torch.Tensor]] = [[] for _ in group]
 
         def draw(logits: torch.Tensor) -> torch.Tensor:
@@ -276,8 +278,7 @@ class ModelRunner:
             block = model.draft.block(
                 model, window,
                 torch.tensor([seq.output_ids[-1] for seq in group], device=self.device),
-                torch.tensor(starts, device=self.device) - 1, draw,
-                padding if bool(padding.any()) else None)
+                torch.tensor(starts, device=self.device) - 1, draw, padding)
         limits = [min(self.speculative_tokens, c.window_size - 1,
                       seq.params.max_tokens - len(seq.output_ids) - 1,
                       self.max_model_len - start - 2)

@@ -151,6 +151,9 @@ class DraftStage(nn.Module):
         the trunk's layers): the stage's output and the mix for the next sub-layer. One
         residual copy: x [B, K, dim], no mix. window, padding: `DraftAttention`'s."""
         if self.hc_attn is None or self.hc_ffn is None:
+            staged = self._in_c(x, positions, window, padding)
+            if staged is not None:
+                return staged, None
             x = x + self.attn(self.attn_norm(x), positions, window, padding)
             fused = fused_ffn(self, x, None, self.c_calls)
             return (fused[0] if fused is not None else x + self.ffn(self.ffn_norm(x))), None
@@ -164,6 +167,27 @@ class DraftStage(nn.Module):
         ffn_pre, post, comb = self.hc_ffn.mixes(x)
         y = HyperConnection.collapse(x, attn_pre)
         return self.hc_ffn.post(self.ffn(self.ffn_norm(y)), x, post, comb), ffn_pre
+
+    def _in_c(self, x: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
+              padding: torch.Tensor | None) -> torch.Tensor | None:
+        """The stage (one residual copy) as one C call (`native.draft_stage`: the kernels
+        the modules' own calls run, in their order) where its attention's projections and
+        its feed-forward half would each run in C; else None."""
+        attn, ffn = self.attn, self.ffn
+        matrices = attn._c_matrices(x)
+        parts = ffn.fused_parts(x) if matrices is not None else None
+        norms = (self.attn_norm.weight, attn.q_norm.weight, attn.kv_norm.weight,
+                 self.ffn_norm.weight)
+        if parts is None or not native.fuses(window, *norms):
+            return None
+        c = attn.config
+        pad = (padding.sum(1) if padding is not None
+               else torch.zeros(x.shape[0], dtype=torch.int64))
+        return native.draft_stage(
+            x, positions, norms[0], self.attn_norm.eps, matrices, norms[1], norms[2],
+            attn.freqs, attn.n_local_heads, attn.local_groups, c.window_format, window, pad,
+            attn.sink, c.head_dim**-0.5,
+            native.DraftFFN(norms[3], self.ffn_norm.eps, *parts, ffn.limit), self.c_calls)
 
 
 @dataclass
@@ -249,8 +273,10 @@ class Draft(nn.Module):
             x = HyperConnection.collapse(x, mix)  # [B, K, dim]
         logits = model.head_logits(self.norm(x))  # [B, K, vocab]
         tokens = [token.long()]
+        kept = self._kept_markov_rows()
         for i in range(k):
-            logits[:, i] += self.markov_bias(tokens[-1])
+            logits[:, i] += (self.markov_bias(tokens[-1]) if kept is None
+                             else self._kept_markov_bias(kept, tokens[-1]))
             tokens.append(sample(logits[:, i]))
         chosen = torch.stack(tokens, dim=1)  # [B, K + 1]
         embeds = self.markov_embed(chosen[:, :-1]).float()  # [B, K, rank]
@@ -263,15 +289,30 @@ class Draft(nn.Module):
         Outside training a token's row is computed once and kept (the last
         MARKOV_ROWS_BYTES of them): a block asks for one a position, and computing it
         reads the whole head (vocab x rank) where a kept row is vocab floats."""
-        if torch.is_grad_enabled() or self.training:
+        kept = self._kept_markov_rows()
+        if kept is None:
             return self.markov_head(self.markov_embed(tokens).float()).float()
+        return self._kept_markov_bias(kept, tokens)
+
+    def _kept_markov_rows(self) -> OrderedDict[int, torch.Tensor] | None:
+        """The Markov head's kept rows by token, emptied where the head's or the
+        embedding's tensors moved or changed since they were made; None in training
+        (nothing kept). A block asks once for its positions' rows."""
+        if torch.is_grad_enabled() or self.training:
+            return None
         weights = (*self.markov_head.parameters(), *self.markov_head.buffers(),
                    self.markov_embed.weight)
         stamp = tuple((t.data_ptr(), t._version) for t in weights)
-        if stamp != self._markov_stamp:  # new or changed weights: no row kept holds
+        if stamp != self._markov_stamp:
             self._markov_rows.clear()
             self._markov_stamp = stamp
-        rows, kept = [], self._markov_rows
+        return self._markov_rows
+
+    def _kept_markov_bias(self, kept: OrderedDict[int, torch.Tensor],
+                          tokens: torch.Tensor) -> torch.Tensor:
+        """`markov_bias` of tokens [B] from the rows kept (`_kept_markov_rows`), each
+        row missing computed and kept: [B, vocab]."""
+        rows = []
         for t in tokens.tolist():
             row = kept.get(t)
             if row is None:
@@ -282,4 +323,4 @@ class Draft(nn.Module):
             else:
                 kept.move_to_end(t)
             rows.append(row)
-        return torch.stack(rows)
+        return rows[0][None] if len(rows) == 1 else torch.stack(rows)

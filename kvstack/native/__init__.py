@@ -123,6 +123,9 @@ _SIGNATURES = {
                       _P],
     "kv_select_topk": [_P, _I, _I, _I, _P, _P],
     "kv_greedy": [_P, _I, _I, _P],
+    "kv_draft_stage": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _P, _I, _P, _I, _I, _P, _P, _P,
+                       _P, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _I,
+                       _P, _P, ctypes.c_float, _P, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int],
     "kv_moe": [_P, _I, _I, _P, _P, _I, ctypes.c_int, ctypes.c_float, _I, ctypes.c_int,
                ctypes.c_float, _P, _P, _P, _I, _P, _P, _P, _I, ctypes.c_float, ctypes.c_int,
                _P, _P, _P],
@@ -367,7 +370,8 @@ def _threads() -> int:
 # arguments (`<name>_args`): see ArgBlock.
 _BLOCK_CALLS = ("kv_ffn_block", "kv_attention_block_in", "kv_attention_out",
                 "kv_attention_out_spread", "kv_sparse_attention", "kv_ring_write_attend",
-                "kv_dense_attention_block", "kv_index_select", "kv_compress_write")
+                "kv_dense_attention_block", "kv_index_select", "kv_compress_write",
+                "kv_draft_stage")
 
 
 class ArgBlock:
@@ -637,6 +641,92 @@ def draft_attention(q: torch.Tensor, window: torch.Tensor, block: torch.Tensor,
     _load().kv_draft_attention(_ptr(q), _ptr(window), _ptr(block), _ptr(pad), _ptr(sink), b,
                                k, w, h, d, scale, _ptr(seen), _ptr(probs), _ptr(out),
                                _threads())
+    return out
+
+
+class DraftFFN(NamedTuple):
+    """A draft stage's feed-forward half as `draft_stage` takes it: its norm's weight and
+    epsilon, `ffn_block`'s router (None: dense) and shared (or dense) weights, the SwiGLU
+    limit."""
+
+    norm: torch.Tensor
+    eps: float
+    router: "Router | None"
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    limit: float
+
+
+def draft_stage(x: torch.Tensor, positions: torch.Tensor, attn_norm: torch.Tensor,
+                eps: float, matrices: tuple[torch.Tensor, ...], q_norm: torch.Tensor,
+                kv_norm: torch.Tensor, freqs: torch.Tensor, heads: int, groups: int,
+                window_fmt: str, window: torch.Tensor, pad: torch.Tensor, sink: torch.Tensor,
+                scale: float, ffn: DraftFFN, keep: dict) -> torch.Tensor:
+    """A DSpark draft stage without hyper-connections (`DraftStage.forward`) as one C
+    call, the kernels its modules' own calls run, in their order: the block x [B, K, dim]
+    at positions [B, K], its attention (matrices: wq_a, wq_b, wkv, wo_a, wo_b, all float32
+    or all bf16; the norms' weights, float64 RoPE freqs, `heads` heads in `groups` output
+    groups) over each sequence's window entries window [B, W, D] past its pad[b] (int64
+    [B]) left padding and the block's own entries rounded to window_fmt, the sink [H] in
+    the denominator and logits scaled by `scale`; then the feed-forward half: x + attention
+    + FFN, [B, K, dim], a buffer the plan in `keep` holds (the next call of this shape
+    writes it again)."""
+    b, k, dim = x.shape
+    w, d = window.shape[1], matrices[2].shape[0]
+    f = get_format(window_fmt)
+
+    def make() -> tuple[bool, tuple]:
+        wq_a, wq_b, wkv, wo_a, wo_b = matrices
+        rank, half, o_rank = wq_a.shape[0], freqs.shape[0], wo_a.shape[0] // groups
+        if (wq_a.shape[1] != dim or wq_b.shape != (heads * d, rank) or wkv.shape[1] != dim
+                or half > 512 or 2 * half > d or heads % groups
+                or wo_a.shape != (groups * o_rank, heads // groups * d)
+                or wo_b.shape != (dim, groups * o_rank) or window.shape != (b, w, d)):
+            raise ValueError(f"draft_stage: weights {[list(m.shape) for m in matrices]} in "
+                             f"{groups} groups do not fit {heads} heads, x {list(x.shape)} "
+                             f"and the window {list(window.shape)}")
+        check_width(f, d)
+        stored = _matrix_dtype(*matrices)
+        same, held = _converted((*matrices, attn_norm, q_norm, kv_norm, sink, freqs),
+                                (*(stored,) * 5, *(torch.float32,) * 4, torch.float64))
+        ffn_same, (ffn_call, ffn_held) = _ffn_block(b * k, 1, dim, None, ffn.eps, 0.0, 0,
+                                                    ffn.norm, ffn.router, ffn.shared,
+                                                    ffn.limit)
+        elem, scale_table = decode_tables(window_fmt)
+        n = b * k
+        # kv_draft_stage's scratch (its comment), the row pointers as two floats each
+        # after one float of alignment.
+        floats = (n * (3 * dim + rank + 2 * heads * d + 2 * d + groups * o_rank) + 1
+                  + 2 * (w + k) + heads * (w + k))
+        scratch, out, largest = torch.empty(floats), torch.empty(b, k, dim), torch.empty(1)
+        ptrs = [_ptr(t) for t in held]
+        # x, positions, the window, the pad and the threads (slots 0, 14, 23, 25, 36) are
+        # set each call.
+        block = ArgBlock("kv_draft_stage", (
+            0, b, k, dim, ptrs[5], eps, ptrs[0], ptrs[6], rank, ptrs[1], heads, d, ptrs[2],
+            ptrs[7], 0, ptrs[9], half, int(stored is torch.bfloat16),
+            int(f.element != "e2m1"), int(f.scale == "e4m3"), f.scale_block, _ptr(elem),
+            _ptr(scale_table), 0, w, 0, ptrs[8], scale, ptrs[3], groups, o_rank, ptrs[4],
+            ffn_call._address, _ptr(scratch), _ptr(out), _ptr(largest), 0))
+        return same and ffn_same, (block, out, largest,
+                                   (held, ffn_call, ffn_held, scratch, elem, scale_table))
+
+    routing = None if ffn.router is None else (
+        ffn.router.score_func, ffn.router.gate_temp, ffn.router.k, ffn.router.renormalise,
+        ffn.router.route_scale)
+    weights = (*matrices, attn_norm, q_norm, kv_norm, sink, freqs, ffn.norm,
+               *(ffn.shared or ()), *(() if ffn.router is None else (
+                   ffn.router.gate, ffn.router.bias, *ffn.router.experts)))
+    key = (x.shape, w, window_fmt, heads, groups, eps, scale, ffn.eps, ffn.limit, routing,
+           *map(_data_ptr, weights))
+    block, out, largest, _held = _plan(keep, "draft_stage", key, make)
+    x, window = _as(x, torch.float32), _as(window, torch.float32)
+    positions = _as(positions.expand(b, k), torch.int64)
+    pad = _as(pad, torch.int64)
+    at = block.slots
+    at[0], at[14], at[23], at[25], at[36] = (_ptr(x), _ptr(positions), _ptr(window), _ptr(pad),
+                                             _threads())
+    block()
+    check_magnitude(f, float(largest[0]))
     return out
 
 
@@ -1573,22 +1663,11 @@ def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tenso
     if router is not None:
         weights += [router.gate, router.bias, *router.experts]
 
-    matrices = (*(shared or ()), *(() if router is None else router.experts))
-
     def make() -> tuple[bool, tuple]:
         if (2 + h) * h > 64:
             raise ValueError(f"ffn_block: at most 6 residual copies, got {h}")
-        args, held = _ffn_args(n, dim, router, shared, limit)
-        # Kept only where _ffn_args converted no matrix (a copy hides in-place updates).
-        stored = _matrix_dtype(*matrices)
-        same = (all(t.is_contiguous() for t in weights)
-                and all(m.dtype is stored for m in matrices))
-        mixing = (0, 0, 0) if hc is None else tuple(_ptr(t.contiguous()) for t in hc)
-        norm_c = norm.contiguous()
-        # x, collapse_pre, pre, out and the threads (slots 0, 10, 32-34) are set each call.
-        block = ArgBlock("kv_ffn_block", (0, n, h, dim, *mixing, norm_eps, hc_eps, iters, 0,
-                                          _ptr(norm_c), *args, 0, 0, 0))
-        return same, (block, (held, norm_c, hc))
+        return _ffn_block(n, h, dim, hc, norm_eps, hc_eps, iters, norm, router, shared,
+                          limit)
 
     routing = None if router is None else (router.score_func, router.gate_temp, router.k,
                                            router.renormalise, router.route_scale)
@@ -1606,6 +1685,29 @@ def ffn_block(x: torch.Tensor, hc: tuple[torch.Tensor, torch.Tensor, torch.Tenso
     at[32], at[33], at[34] = 0 if pre is None else _ptr(pre), _ptr(out), _threads()
     block()
     return out, pre
+
+
+def _ffn_block(n: int, h: int, dim: int,
+               hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, norm_eps: float,
+               hc_eps: float, iters: int, norm: torch.Tensor, router: Router | None,
+               shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+               limit: float) -> tuple[bool, tuple]:
+    """A kv_ffn_block call's plan for n tokens of h copies (`ffn_block`'s): (whether it
+    may be kept, (its block, what the block points into)). Kept only where no matrix was
+    converted (a copy hides in-place updates)."""
+    args, held = _ffn_args(n, dim, router, shared, limit)
+    matrices = (*(shared or ()), *(() if router is None else router.experts))
+    weights = [*(hc or ()), norm, *matrices,
+               *(() if router is None else (router.gate, router.bias))]
+    stored = _matrix_dtype(*matrices)
+    same = (all(t.is_contiguous() for t in weights)
+            and all(m.dtype is stored for m in matrices))
+    mixing = (0, 0, 0) if hc is None else tuple(_ptr(t.contiguous()) for t in hc)
+    norm_c = norm.contiguous()
+    # x, collapse_pre, pre, out and the threads (slots 0, 10, 32-34) are set each call.
+    block = ArgBlock("kv_ffn_block", (0, n, h, dim, *mixing, norm_eps, hc_eps, iters, 0,
+                                      _ptr(norm_c), *args, 0, 0, 0))
+    return same, (block, (held, norm_c, hc))
 
 
 def _ffn_args(n: int, dim: int, router: Router | None,

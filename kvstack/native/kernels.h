@@ -37,6 +37,11 @@ void kv_dense_attention(const float *q, const uint8_t *k_pool, const uint8_t *v_
                         int64_t b, int64_t h, int64_t kv_heads, int64_t d, float scale,
                         float *keys, float *values, float *logits, float *out);
 
+void kv_draft_attention(const float *q, const float *window, const float *block,
+                        const int64_t *pad, const float *sink, int64_t b, int64_t kq,
+                        int64_t w, int64_t h, int64_t d, float scale, const float **seen,
+                        float *probs, float *out, int threads);
+
 /* weights.c's weight formats, and its y [N, O] = x W^T on a weight as stored (step.c's
  * compressor multiplies a checkpoint's bf16 weights by it). */
 enum { FMT_FP8 = 0, FMT_FP4 = 1, FMT_BF16 = 2 };

@@ -1080,8 +1080,60 @@ void kv_compress_write_args(const int64_t *a) {
                       (int)a[29], a[30], P(31), P(32), a[33], P(34), P(35), P(36), (int)a[37],
                       (int)a[38], (int)a[39]);
 }
+/* A DSpark draft stage without hyper-connections (kvstack.model.dspark.DraftStage) for
+ * the draft block x [b, kq, dim] at positions [b * kq], the calls its modules make one by
+ * one, in the same order, so the same floats:
+ *   y = RMSNorm(x) (attn_norm); qr, q, block = kv_attention_in(y);
+ *   block's entries rounded to the window's format (kv_quantize's values);
+ *   kv_draft_attention of q over window [b, w, d] (pad: each sequence's left padding)
+ *   and the block's entries; kv_attention_out of it (rotated back in place);
+ *   mid = x + that; then `ffn`, a kv_ffn_block argument block whose input (slot 0) and
+ *   output (slot 33) this call sets: out = mid + FFN(RMSNorm(mid)).
+ * scratch: y, mid [n, dim], qr [n, rank], q, heads' outputs [n, heads * d], block [n, d]
+ * twice, low [n, groups * o_rank], the projection [n, dim], then w + kq row pointers and
+ * heads * (w + kq) probabilities. largest [1]: the largest magnitude the rounding saw
+ * (for the caller's format check). */
+void kv_draft_stage(const float *x, int64_t b, int64_t kq, int64_t dim,
+                     const float *attn_norm, float eps, const void *wq_a, const float *q_norm,
+                     int64_t rank, const void *wq_b, int64_t heads, int64_t d,
+                     const void *wkv, const float *kv_norm, const int64_t *positions,
+                     const double *freqs, int64_t half, int wbf16, int element,
+                     int scale_kind, int64_t scale_block, const float *elem,
+                     const float *scale_table, const float *window, int64_t w,
+                     const int64_t *pad, const float *sink, float scale, const void *wo_a,
+                     int64_t groups, int64_t o_rank, const void *wo_b, int64_t *ffn,
+                     float *scratch, float *out, float *largest, int threads) {
+    const int64_t n = b * kq;
+    float *y = scratch, *mid = y + n * dim, *qr = mid + n * dim, *q = qr + n * rank;
+    float *heads_out = q + n * heads * d, *raw = heads_out + n * heads * d;
+    float *entries = raw + n * d, *low = entries + n * d, *projected = low + n * groups * o_rank;
+    const float **seen = (const float **)(((uintptr_t)(projected + n * dim) + 7) & ~(uintptr_t)7);
+    float *probs = (float *)(seen + w + kq);
+    kv_rmsnorm(x, n, dim, attn_norm, eps, y);
+    kv_attention_in(y, n, dim, wq_a, q_norm, rank, wq_b, heads, d, wkv, kv_norm, eps,
+                    positions, freqs, half, qr, q, raw, wbf16, threads);
+    *largest = kv_quantize(raw, n, d, element, scale_kind, scale_block, elem, scale_table,
+                           NULL, entries);
+    kv_draft_attention(q, window, entries, pad, sink, b, kq, w, heads, d, scale, seen, probs,
+                       heads_out, threads);
+    kv_attention_out(heads_out, n, heads, d, positions, freqs, half, wo_a, groups, o_rank,
+                     wo_b, dim, low, projected, wbf16, threads);
+    for (int64_t i = 0; i < n * dim; i++) mid[i] = x[i] + projected[i];
+    ffn[0] = (int64_t)(intptr_t)mid;
+    ffn[33] = (int64_t)(intptr_t)out;
+    ffn[34] = threads;
+    kv_ffn_block_args(ffn);
+}
+
+void kv_draft_stage_args(const int64_t *a) {
+    kv_draft_stage(P(0), a[1], a[2], a[3], P(4), F(5), P(6), P(7), a[8], P(9), a[10], a[11],
+                   P(12), P(13), P(14), P(15), a[16], (int)a[17], (int)a[18], (int)a[19],
+                   a[20], P(21), P(22), P(23), a[24], P(25), P(26), F(27), P(28), a[29],
+                   a[30], P(31), P(32), P(33), P(34), P(35), (int)a[36]);
+}
 #undef P
 #undef F
+
 
 /* Each row's greedy token of logits [rows, vocab]: the first index of the row's maximum
  * (torch.argmax's), or -1 where the row holds a NaN or an infinity (a fault the engine
