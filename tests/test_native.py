@@ -634,6 +634,36 @@ def test_a_kept_plan_is_reused_and_a_copied_one_makes_its_own_buffers():
     assert torch.equal(got, native.sparse_attention(q1, sink, *args))
 
 
+def test_plans_of_shapes_that_take_turns_are_kept_whatever_their_weights_bytes():
+    """A verify's rows change from step to step, so a call site keeps a few recent plans
+    beside the last one. What a plan is held to is the size of its own buffers: the
+    weights it points at (named by address in its key) are the model's, so a feed-forward
+    of more than RECENT_PLAN_BYTES of weights keeps its plans too. Shapes taking turns
+    then make no new call blocks, and each gives what a fresh call gives."""
+    g = torch.Generator().manual_seed(13)
+    dim, inter = 128, 384  # 590 KB of float32 weights
+    shared = tuple(torch.randn(*shape, generator=g) * 0.05
+                   for shape in ((inter, dim), (dim, inter), (inter, dim)))
+    assert sum(w.numel() * 4 for w in shared) > native.RECENT_PLAN_BYTES
+    norm = torch.rand(dim, generator=g) + 0.5
+    xs = {rows: torch.randn(rows, dim, generator=g) for rows in (1, 5, 3)}
+    keep: dict = {}
+    with native.active(True):
+        def call(rows: int) -> torch.Tensor:
+            return native.ffn_block(xs[rows], None, 1e-6, 0.0, 0, None, norm, None, shared,
+                                    0.0, keep)[0]
+
+        first = {rows: call(rows) for rows in xs}
+        blocks = {key: plan[1][0] for key, plan in keep["ffn_block#recent"].items()}
+        again = {rows: call(rows) for rows in (3, 1, 5, 1)}
+        fresh = {rows: native.ffn_block(xs[rows], None, 1e-6, 0.0, 0, None, norm, None,
+                                        shared, 0.0)[0] for rows in xs}
+    assert len(blocks) == 3
+    assert {key: plan[1][0] for key, plan in keep["ffn_block#recent"].items()} == blocks
+    for rows in xs:
+        assert torch.equal(first[rows], fresh[rows]) and torch.equal(again[rows], fresh[rows])
+
+
 @pytest.mark.parametrize("residual", ["single_pass", "per_site"])
 def test_a_layers_attention_half_ends_in_one_call_each_equal_torchs(residual):
     """Before the attention: the hyper-connection's mixes, the collapse (the previous

@@ -185,8 +185,8 @@ class DraftStage(nn.Module):
                else torch.zeros(x.shape[0], dtype=torch.int64))
         return native.draft_stage(
             x, positions, norms[0], self.attn_norm.eps, matrices, norms[1], norms[2],
-            attn.freqs, attn.n_local_heads, attn.local_groups, c.window_format, window, pad,
-            attn.sink, c.head_dim**-0.5,
+            attn.freqs, attn.n_local_heads, attn.local_groups, c.window_format, window,
+            max(c.window_size, window.shape[1]), pad, attn.sink, c.head_dim**-0.5,
             native.DraftFFN(norms[3], self.ffn_norm.eps, *parts, ffn.limit), self.c_calls)
 
 

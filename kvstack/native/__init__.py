@@ -659,14 +659,15 @@ class DraftFFN(NamedTuple):
 def draft_stage(x: torch.Tensor, positions: torch.Tensor, attn_norm: torch.Tensor,
                 eps: float, matrices: tuple[torch.Tensor, ...], q_norm: torch.Tensor,
                 kv_norm: torch.Tensor, freqs: torch.Tensor, heads: int, groups: int,
-                window_fmt: str, window: torch.Tensor, pad: torch.Tensor, sink: torch.Tensor,
-                scale: float, ffn: DraftFFN, keep: dict) -> torch.Tensor:
+                window_fmt: str, window: torch.Tensor, max_window: int, pad: torch.Tensor,
+                sink: torch.Tensor, scale: float, ffn: DraftFFN, keep: dict) -> torch.Tensor:
     """A DSpark draft stage without hyper-connections (`DraftStage.forward`) as one C
     call, the kernels its modules' own calls run, in their order: the block x [B, K, dim]
     at positions [B, K], its attention (matrices: wq_a, wq_b, wkv, wo_a, wo_b, all float32
     or all bf16; the norms' weights, float64 RoPE freqs, `heads` heads in `groups` output
-    groups) over each sequence's window entries window [B, W, D] past its pad[b] (int64
-    [B]) left padding and the block's own entries rounded to window_fmt, the sink [H] in
+    groups) over each sequence's window entries window [B, W, D] (W at most max_window,
+    for which the plan is made: a sequence's window grows step by step) past its pad[b]
+    (int64 [B]) left padding and the block's own entries rounded to window_fmt, the sink [H] in
     the denominator and logits scaled by `scale`; then the feed-forward half: x + attention
     + FFN, [B, K, dim], a buffer the plan in `keep` holds (the next call of this shape
     writes it again)."""
@@ -680,7 +681,7 @@ def draft_stage(x: torch.Tensor, positions: torch.Tensor, attn_norm: torch.Tenso
         if (wq_a.shape[1] != dim or wq_b.shape != (heads * d, rank) or wkv.shape[1] != dim
                 or half > 512 or 2 * half > d or heads % groups
                 or wo_a.shape != (groups * o_rank, heads // groups * d)
-                or wo_b.shape != (dim, groups * o_rank) or window.shape != (b, w, d)):
+                or wo_b.shape != (dim, groups * o_rank)):
             raise ValueError(f"draft_stage: weights {[list(m.shape) for m in matrices]} in "
                              f"{groups} groups do not fit {heads} heads, x {list(x.shape)} "
                              f"and the window {list(window.shape)}")
@@ -696,16 +697,16 @@ def draft_stage(x: torch.Tensor, positions: torch.Tensor, attn_norm: torch.Tenso
         # kv_draft_stage's scratch (its comment), the row pointers as two floats each
         # after one float of alignment.
         floats = (n * (3 * dim + rank + 2 * heads * d + 2 * d + groups * o_rank) + 1
-                  + 2 * (w + k) + heads * (w + k))
+                  + 2 * (max_window + k) + heads * (max_window + k))
         scratch, out, largest = torch.empty(floats), torch.empty(b, k, dim), torch.empty(1)
         ptrs = [_ptr(t) for t in held]
-        # x, positions, the window, the pad and the threads (slots 0, 14, 23, 25, 36) are
-        # set each call.
+        # x, positions, the window, its width, the pad and the threads (slots 0, 14,
+        # 23-25, 36) are set each call.
         block = ArgBlock("kv_draft_stage", (
             0, b, k, dim, ptrs[5], eps, ptrs[0], ptrs[6], rank, ptrs[1], heads, d, ptrs[2],
             ptrs[7], 0, ptrs[9], half, int(stored is torch.bfloat16),
             int(f.element != "e2m1"), int(f.scale == "e4m3"), f.scale_block, _ptr(elem),
-            _ptr(scale_table), 0, w, 0, ptrs[8], scale, ptrs[3], groups, o_rank, ptrs[4],
+            _ptr(scale_table), 0, 0, 0, ptrs[8], scale, ptrs[3], groups, o_rank, ptrs[4],
             ffn_call._address, _ptr(scratch), _ptr(out), _ptr(largest), 0))
         return same and ffn_same, (block, out, largest,
                                    (held, ffn_call, ffn_held, scratch, elem, scale_table))
@@ -716,15 +717,18 @@ def draft_stage(x: torch.Tensor, positions: torch.Tensor, attn_norm: torch.Tenso
     weights = (*matrices, attn_norm, q_norm, kv_norm, sink, freqs, ffn.norm,
                *(ffn.shared or ()), *(() if ffn.router is None else (
                    ffn.router.gate, ffn.router.bias, *ffn.router.experts)))
-    key = (x.shape, w, window_fmt, heads, groups, eps, scale, ffn.eps, ffn.limit, routing,
-           *map(_data_ptr, weights))
+    if window.shape[0] != b or window.shape[2] != d or w > max_window:
+        raise ValueError(f"draft_stage: the window must be [{b}, at most {max_window}, {d}], "
+                         f"got {list(window.shape)}")
+    key = (x.shape, max_window, window_fmt, heads, groups, eps, scale, ffn.eps, ffn.limit,
+           routing, *map(_data_ptr, weights))
     block, out, largest, _held = _plan(keep, "draft_stage", key, make)
     x, window = _as(x, torch.float32), _as(window, torch.float32)
     positions = _as(positions.expand(b, k), torch.int64)
     pad = _as(pad, torch.int64)
     at = block.slots
-    at[0], at[14], at[23], at[25], at[36] = (_ptr(x), _ptr(positions), _ptr(window), _ptr(pad),
-                                             _threads())
+    at[0], at[14], at[23], at[24] = _ptr(x), _ptr(positions), _ptr(window), w
+    at[25], at[36] = _ptr(pad), _threads()
     block()
     check_magnitude(f, float(largest[0]))
     return out
@@ -1078,7 +1082,7 @@ def _plan(keep: dict | None, name: str, key: tuple,
     if keep is not None and keepable:
         sentinel = _first_tensor(made)
         keep[name] = (key, made, sentinel, sentinel.data_ptr())
-        if _tensor_bytes(made) <= RECENT_PLAN_BYTES:
+        if _tensor_bytes(made, set(key)) <= RECENT_PLAN_BYTES:
             if len(recent) >= RECENT_PLANS:
                 del recent[next(iter(recent))]  # the oldest
             recent[key] = keep[name]
@@ -1090,11 +1094,15 @@ def _plan(keep: dict | None, name: str, key: tuple,
 RECENT, RECENT_PLANS, RECENT_PLAN_BYTES = "#recent", 8, 1 << 18
 
 
-def _tensor_bytes(made: object) -> int:
-    """The bytes of the tensors in a plan's nested tuples and lists."""
+def _tensor_bytes(made: object, named: set) -> int:
+    """The bytes of the tensors in a plan's nested tuples and lists but for those whose
+    address its key names (the caller's weights, which a kept plan points at, unconverted:
+    not buffers of its own)."""
     if isinstance(made, torch.Tensor):
-        return made.numel() * made.element_size()
-    return sum(map(_tensor_bytes, made)) if isinstance(made, tuple | list) else 0
+        return 0 if made.data_ptr() in named else made.numel() * made.element_size()
+    if isinstance(made, tuple | list):
+        return sum(_tensor_bytes(part, named) for part in made)
+    return 0
 
 
 def _first_tensor(made: object) -> torch.Tensor | None:
