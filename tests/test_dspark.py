@@ -79,9 +79,11 @@ def one_copy_draft() -> Model:
 
 @pytest.mark.parametrize("shape", ["hyper-connections", "one copy"])
 def test_a_draft_in_an_engine_step_equals_torchs_within_float_rounding(shape, drafted):
-    """In an engine step the C kernels run a draft stage's projections and feed-forward
-    half (the trunk's calls, float weights) or its packed matmuls (the V4.1 layout's):
-    the same block as torch's ops, within float rounding."""
+    """In an engine step the C kernels run a draft stage (one C call where it has one
+    residual copy and float weights) or its packed matmuls (the V4.1 layout's), and,
+    where its Markov embedding is float32, a greedy block's head, Markov choices and
+    confidence (one C call, the Markov head's columns kept): the same block as torch's
+    ops, within float rounding."""
     model = drafted if shape == "hyper-connections" else one_copy_draft()
     c = model.config
     g = torch.Generator().manual_seed(6)
@@ -95,6 +97,9 @@ def test_a_draft_in_an_engine_step_equals_torchs_within_float_rounding(shape, dr
     torch_ops, c_kernels = blocks
     # Float weights take the trunk's calls (the checkpoint's FP8 ones its packed kernels).
     assert bool(model.draft.stages[0].c_calls) == (shape == "one copy")
+    # The head's C call ran where the Markov embedding is float32 (the checkpoint's bf16
+    # one takes torch's ops).
+    assert (model.draft._markov_columns is not None) == (shape == "one copy")
     assert torch.equal(c_kernels.tokens, torch_ops.tokens)
     torch.testing.assert_close(c_kernels.logits, torch_ops.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(c_kernels.confidence, torch_ops.confidence, rtol=1e-4,

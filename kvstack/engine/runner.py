@@ -19,6 +19,7 @@ from kvstack.engine.pace import DraftPace
 from kvstack.engine.sampling import Sample, distribution, sample_batch, speculative_accept
 from kvstack.engine.sequence import Sequence, Status
 from kvstack.model import Model
+from kvstack.model.dspark import greedy
 from kvstack.model.model import Compressor, Extension
 from kvstack.model.packed import PackedExperts, PackedLinear
 from kvstack.model.vision import ImageSegment
@@ -274,11 +275,13 @@ class ModelRunner:
             return tokens
 
         starts = [seq.store.num_tokens for seq in group]  # the last sampled tokens'
+        # All greedy: the draft's own greedy choice, which its C path takes.
+        choose = greedy if all(seq.params.temperature == 0 for seq in group) else draw
         with native.active(self.cpu_kernels):
             block = model.draft.block(
                 model, window,
                 torch.tensor([seq.output_ids[-1] for seq in group], device=self.device),
-                torch.tensor(starts, device=self.device) - 1, draw, padding)
+                torch.tensor(starts, device=self.device) - 1, choose, padding)
         limits = [min(self.speculative_tokens, c.window_size - 1,
                       seq.params.max_tokens - len(seq.output_ids) - 1,
                       self.max_model_len - start - 2)

@@ -37,6 +37,7 @@ from kvstack.model.model import (
     MoE,
     RMSNorm,
     StepContext,
+    c_matrix,
     fused_ffn,
     rotate,
     token_positions,
@@ -217,6 +218,8 @@ class Draft(nn.Module):
         # The Markov head's rows kept by token (`markov_bias`), and the weights they are of.
         self._markov_rows: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._markov_stamp: tuple = ()
+        # The Markov head transposed, float32 [rank, vocab] (`_kept_markov_columns`).
+        self._markov_columns: torch.Tensor | None = None
 
     def forward(self, model: "Model", target_hidden: torch.Tensor, token: torch.Tensor,
                 position: int | torch.Tensor,
@@ -271,6 +274,10 @@ class Draft(nn.Module):
             x, mix = stage(x, mix, block_at, entries, padding)
         if mix is not None:
             x = HyperConnection.collapse(x, mix)  # [B, K, dim]
+        if sample is greedy:
+            made = self._head_in_c(model, x, token)
+            if made is not None:
+                return made
         logits = model.head_logits(self.norm(x))  # [B, K, vocab]
         tokens = [token.long()]
         kept = self._kept_markov_rows()
@@ -283,6 +290,38 @@ class Draft(nn.Module):
         features = torch.cat((x.float(), embeds), dim=-1)
         confidence = self.confidence(features).float().squeeze(-1)
         return DraftBlock(chosen, logits, confidence)
+
+    def _head_in_c(self, model: "Model", x: torch.Tensor,
+                   token: torch.Tensor) -> DraftBlock | None:
+        """A greedy block's head, Markov choices and confidence from the last stage's x
+        [B, K, dim] as one C call (`native.draft_head`) where the head is float32 or bf16
+        on this rank, the confidence float32 and the Markov head's columns are kept;
+        else None."""
+        head, confidence = c_matrix(model.head), c_matrix(self.confidence)
+        embed = self.markov_embed.weight
+        if (head is None or confidence is None or confidence.dtype is not torch.float32
+                or model.shard is not None
+                or not native.fuses(x, self.norm.weight, embed, confidence)):
+            return None
+        columns = self._kept_markov_columns()
+        if columns is None:
+            return None
+        logits, tokens, scores = native.draft_head(
+            x, token, self.norm.weight, self.norm.eps, head, columns, embed, confidence[0])
+        return DraftBlock(tokens, logits, scores)
+
+    def _kept_markov_columns(self) -> torch.Tensor | None:
+        """The Markov head transposed, float32 [rank, vocab], made once and kept with the
+        rows (`_kept_markov_rows`: dropped when the weights change) where it holds at most
+        MARKOV_ROWS_BYTES; else None."""
+        kept = self._kept_markov_rows()
+        rank = self.markov_embed.weight.shape[1]
+        if kept is None or rank * self.config.vocab_size * 4 > MARKOV_ROWS_BYTES:
+            return None
+        if self._markov_columns is None:
+            eye = torch.eye(rank, device=self.markov_embed.weight.device)
+            self._markov_columns = self.markov_head(eye).float().contiguous()
+        return self._markov_columns
 
     def markov_bias(self, tokens: torch.Tensor) -> torch.Tensor:
         """The Markov head's logit bias after each of tokens [B]: [B, vocab] float32.
@@ -305,6 +344,7 @@ class Draft(nn.Module):
         stamp = tuple((t.data_ptr(), t._version) for t in weights)
         if stamp != self._markov_stamp:
             self._markov_rows.clear()
+            self._markov_columns = None
             self._markov_stamp = stamp
         return self._markov_rows
 

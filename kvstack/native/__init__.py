@@ -123,6 +123,8 @@ _SIGNATURES = {
                       _P],
     "kv_select_topk": [_P, _I, _I, _I, _P, _P],
     "kv_greedy": [_P, _I, _I, _P],
+    "kv_draft_head": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _P, _P, _I, _P, ctypes.c_int,
+                      _P, _P, _P, _P, _P, ctypes.c_int],
     "kv_draft_stage": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _P, _I, _P, _I, _I, _P, _P, _P,
                        _P, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I, _P, _P, _P, _I,
                        _P, _P, ctypes.c_float, _P, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int],
@@ -732,6 +734,39 @@ def draft_stage(x: torch.Tensor, positions: torch.Tensor, attn_norm: torch.Tenso
     block()
     check_magnitude(f, float(largest[0]))
     return out
+
+
+def draft_head(x: torch.Tensor, token: torch.Tensor, norm: torch.Tensor, eps: float,
+               head: torch.Tensor, markov_columns: torch.Tensor, markov_embed: torch.Tensor,
+               confidence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy draft block's outputs from its last stage's x [B, K, dim] and the given
+    tokens [B] (`Draft.block`'s): the final norm (weight, eps) and the head [vocab, dim]
+    (float32 or bf16); at each position the Markov head's bias after the token before
+    (markov_columns [rank, vocab], the head transposed, times the token's markov_embed
+    [vocab, rank] row) added and the largest logit chosen; the confidence head's [dim +
+    rank] logit over (x, that embedding). (logits [B, K, vocab] float32, tokens [B, K + 1]
+    int64, the given ones first, confidence [B, K]) within float rounding of torch's."""
+    b, k, dim = x.shape
+    vocab, rank = head.shape[0], markov_embed.shape[1]
+    if (head.shape[1] != dim or markov_columns.shape != (rank, vocab)
+            or markov_embed.shape[0] != vocab or confidence.shape != (dim + rank,)):
+        raise ValueError(f"draft_head: head {list(head.shape)}, Markov columns "
+                         f"{list(markov_columns.shape)} and embedding "
+                         f"{list(markov_embed.shape)}, confidence {list(confidence.shape)} "
+                         f"do not fit x {list(x.shape)}")
+    stored = _matrix_dtype(head)
+    head, markov_columns = _as(head, stored), _as(markov_columns, torch.float32)
+    x, norm = _as(x, torch.float32), _as(norm, torch.float32)
+    markov_embed, confidence = _as(markov_embed, torch.float32), _as(confidence, torch.float32)
+    first = _as(token, torch.int64)
+    scratch = torch.empty(k * dim + vocab)
+    logits, tokens = torch.empty(b, k, vocab), torch.empty(b, k + 1, dtype=torch.int64)
+    scores = torch.empty(b, k)
+    _load().kv_draft_head(_ptr(x), b, k, dim, _ptr(norm), eps, _ptr(head), vocab,
+                          _ptr(markov_embed), _ptr(markov_columns), rank, _ptr(confidence),
+                          int(stored is torch.bfloat16), _ptr(first), _ptr(scratch),
+                          _ptr(logits), _ptr(tokens), _ptr(scores), _threads())
+    return logits, tokens, scores
 
 
 def dense_attention_block(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor,

@@ -1125,6 +1125,49 @@ void kv_draft_stage(const float *x, int64_t b, int64_t kq, int64_t dim,
     kv_ffn_block_args(ffn);
 }
 
+/* A draft block's tokens from its last stage's output x [b, k, dim] (greedy drafts,
+ * kvstack.model.dspark.Draft.block): logits [b, k, vocab] = head(RMSNorm(x)) (norm_w,
+ * eps; head [vocab, dim], float32 or, where wbf16 says so, bf16); then position by
+ * position the Markov head's bias after the previous token (the first previous token
+ * first[s]) added to its logits and the largest of them chosen (the first index of the
+ * maximum over the finite logits; 0 if none is): tokens [b, k + 1], the given token
+ * first. The bias is the token's markov_embed [vocab, rank] row times markov_columns
+ * [rank, vocab], the head transposed: a sum of rank rows of vocab floats, where the
+ * head's own rows are rank-long dot products. confidence [b, k]: conf_w [dim + rank] .
+ * (x, the Markov embedding of the token before). scratch: k * dim + vocab floats. */
+void kv_draft_head(const float *x, int64_t b, int64_t k, int64_t dim, const float *norm_w,
+                   float eps, const void *head, int64_t vocab, const float *markov_embed,
+                   const float *markov_columns, int64_t rank, const float *conf_w, int wbf16,
+                   const int64_t *first, float *scratch, float *logits, int64_t *tokens,
+                   float *confidence, int threads) {
+    float *normed = scratch, *bias = scratch + k * dim;
+    for (int64_t s = 0; s < b; s++) {
+        const float *xs = x + s * k * dim;
+        float *ls = logits + s * k * vocab;
+        int64_t *ts = tokens + s * (k + 1);
+        kv_rmsnorm(xs, k, dim, norm_w, eps, normed);
+        small_linear(normed, k, dim, head, wbf16, vocab, ls, threads);
+        ts[0] = first[s];
+        for (int64_t i = 0; i < k; i++) {
+            const float *embed = markov_embed + ts[i] * rank;
+            float *row = ls + i * vocab;
+            for (int64_t v = 0; v < vocab; v++) bias[v] = embed[0] * markov_columns[v];
+            for (int64_t j = 1; j < rank; j++) {
+                const float e = embed[j], *column = markov_columns + j * vocab;
+                for (int64_t v = 0; v < vocab; v++) bias[v] += e * column[v];
+            }
+            int64_t best = -1;
+            for (int64_t v = 0; v < vocab; v++) {
+                row[v] += bias[v];
+                if (isfinite(row[v]) && (best < 0 || row[v] > row[best])) best = v;
+            }
+            ts[i + 1] = best < 0 ? 0 : best;
+            confidence[s * k + i] = dot_lanes(xs + i * dim, conf_w, dim) +
+                                    dot_lanes(embed, conf_w + dim, rank);
+        }
+    }
+}
+
 void kv_draft_stage_args(const int64_t *a) {
     kv_draft_stage(P(0), a[1], a[2], a[3], P(4), F(5), P(6), P(7), a[8], P(9), a[10], a[11],
                    P(12), P(13), P(14), P(15), a[16], (int)a[17], (int)a[18], (int)a[19],
