@@ -143,8 +143,9 @@ def test_windows_of_several_lengths_padded_into_one_call_equal_each_alone(kernel
 
 
 def test_the_markov_rows_kept_follow_the_weights():
-    """A block's Markov bias comes from rows kept by token outside training: the same as
-    the head computes, and computed anew once the head's weights change."""
+    """A block's Markov bias comes from rows kept by token outside training (and, for the
+    C path, the head's columns kept): the same as the head computes, and computed anew
+    once the head's weights change."""
     model = one_copy_draft()
     draft = model.draft
     tokens = torch.tensor([5, 9, 5])
@@ -152,8 +153,10 @@ def test_the_markov_rows_kept_follow_the_weights():
         fresh = draft.markov_head(draft.markov_embed(tokens)).float()
         torch.testing.assert_close(draft.markov_bias(tokens), fresh)
         assert set(draft._markov_rows) == {5, 9}
+        torch.testing.assert_close(draft._kept_markov_columns(), draft.markov_head.weight.T)
         draft.markov_head.weight.mul_(2.0)
         torch.testing.assert_close(draft.markov_bias(tokens), 2.0 * fresh)
+        torch.testing.assert_close(draft._kept_markov_columns(), draft.markov_head.weight.T)
     draft.train()
     biased = draft.markov_bias(tokens)  # training: no kept rows, the gradient flows
     assert biased.requires_grad
