@@ -303,10 +303,12 @@ class ModelRunner:
         if not pending:
             return
         counts = [sum(map(len, seq.draft_states)) for seq in pending]
-        states = torch.cat([piece for seq in pending for piece in seq.draft_states])  # [R, F]
-        positions = torch.cat([  # each state's token position: the store's last ones
-            torch.arange(seq.store.num_tokens - n, seq.store.num_tokens)
-            for seq, n in zip(pending, counts, strict=True)]).to(self.device)
+        pieces = [piece for seq in pending for piece in seq.draft_states]
+        states = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # [R, F]
+        spans = [torch.arange(seq.store.num_tokens - n, seq.store.num_tokens,
+                              device=self.device)  # each state's token position
+                 for seq, n in zip(pending, counts, strict=True)]
+        positions = spans[0] if len(spans) == 1 else torch.cat(spans)
         with native.active(self.cpu_kernels):
             entries = self.model.draft.window(states[:, None], positions)[:, :, 0]
         at = 0
