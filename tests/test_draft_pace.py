@@ -71,6 +71,9 @@ def test_the_first_step_of_each_kind_at_a_size_is_not_timed_nor_its_verifies_jud
 
 def test_a_verify_that_pays_drafts_again_and_one_that_does_not_pauses_doubling():
     pace = measured(1, plain=0.002, drafting=0.005)  # break-even 2.5
+    # A hundred verifies at this size kept 2.0 on the whole, less than break-even: the runs
+    # decide.
+    pace.kept_mean[1], pace.kept_count[1] = 2.0, 100
     [seq] = seqs = sequences(1)
     pace.verified(seq, 1, 4)  # a try that paid: in a run
     assert pace.drafting(seqs) == [True]
@@ -92,6 +95,25 @@ def test_a_verify_that_pays_drafts_again_and_one_that_does_not_pauses_doubling()
         pace.verified(seq, 1, 2)  # a miss
         pace.try_gain[1] = 0.0  # as if tries paid on the whole
     assert pauses == [0, 1, 2, 4, 8, 16, MAX_PAUSE]
+
+
+def test_where_verifies_keep_more_than_break_even_on_the_whole_every_sequence_drafts():
+    """Single misses among verifies that pay on the whole are the text's noise: every
+    sequence that holds a window drafts every step, a paused one and one that never tried
+    alike, and plain steps keep their states; a string of misses that brings the running
+    mean below break-even hands the choice back to the runs."""
+    pace = measured(4, plain=0.002, drafting=0.005)  # break-even 2.5
+    seqs = sequences(3)
+    for kept in (4, 4, 1):  # a mean of 3.0
+        pace.verified(seqs[0], 3, kept)
+    assert pace.pays(4) and seqs[0].draft_pause.steps_left == 1  # the miss paused it
+    seqs[2].draft_states = None  # holds no window
+    assert pace.drafting(seqs) == [True, True, False]
+    assert all(pace.keeps_states(seq, 3) for seq in seqs)
+    for _ in range(12):
+        pace.verified(seqs[0], 3, 1)
+    assert not pace.pays(4)
+    assert pace.drafting(seqs) == [False] * 3  # paused; no try pays for the step
 
 
 def test_where_tries_do_not_pay_a_sequence_tries_again_after_max_pause_steps_a_sequence():

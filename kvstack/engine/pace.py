@@ -24,6 +24,11 @@ decodes plainly. Until both timings exist for a batch size, its first two steps 
 plainly and the next two draft (the first of each kind is not timed: it makes the
 calls' buffers of new shapes).
 
+Where the verifies at a batch size keep more than break-even on the whole (a running mean
+over all of them), every sequence that holds a window drafts every step: single misses
+are then the text's noise, not the end of a run that paid, and pausing at each would
+give up steps that pay on average.
+
 A plain step keeps a sequence's target states, which its next draft reads (a window of
 them), unless that draft is more than a window of steps away: there (a large batch where
 tries have not paid) its plain steps are the plain engine's, and it keeps them again a
@@ -36,6 +41,10 @@ from kvstack.engine.sequence import DraftPause, Sequence
 MAX_PAUSE = 32
 # Weight of a new reading in the running means (machine noise moves single steps).
 SMOOTHING = 0.1
+# Weight of a verify's kept tokens in their running mean by batch size: what one verify
+# keeps varies by more than a token (one keeps none of five drafts, the next all), so the
+# mean that decides whether drafting pays on the whole reads the last fifty or so.
+KEPT_SMOOTHING = 0.02
 
 
 def size_class(batch: int) -> int:
@@ -57,6 +66,9 @@ class DraftPace:
         self.plain_seconds: dict[int, float] = {}
         self.drafting_seconds: dict[int, float] = {}
         self.try_gain: dict[int, float] = {}
+        # What verifies keep: their running mean (KEPT_SMOOTHING) and how many there were.
+        self.kept_mean: dict[int, float] = {}
+        self.kept_count: dict[int, int] = {}
         self._seen: set[tuple[int, bool]] = set()  # (size, drafting) of the steps timed
 
     def drafting(self, seqs: list[Sequence]) -> list[bool]:
@@ -69,6 +81,8 @@ class DraftPace:
         if size not in self.drafting_seconds:
             return [True] * len(seqs)
         even = self.break_even(len(seqs))
+        if self.pays(size):
+            return [_holds_window(seq, self.window) for seq in seqs]
         # Where tries have not paid, a sequence tries again after MAX_PAUSE steps a
         # sequence of the batch: a try costs the whole batch's step.
         retry = None if self.try_gain.get(size, 0.0) >= 0 else MAX_PAUSE * size
@@ -99,7 +113,8 @@ class DraftPace:
         if self.schedule == "always":
             return True
         size = size_class(batch)
-        if size not in self.drafting_seconds or self.try_gain.get(size, 0.0) >= 0:
+        if (size not in self.drafting_seconds or self.try_gain.get(size, 0.0) >= 0
+                or self.pays(size)):
             return True
         pause = seq.draft_pause
         return pause.kept is not None or MAX_PAUSE * size - pause.idle <= self.window
@@ -114,8 +129,12 @@ class DraftPace:
         """A verify of the sequence's drafts in a step of `batch` sequences kept `kept`
         tokens (accepted drafts and the target's own). Not judged before a drafting step
         of that size is timed (the break-even is not known yet)."""
-        if size_class(batch) not in self.drafting_seconds:
+        size = size_class(batch)
+        if size not in self.drafting_seconds:
             return
+        count = self.kept_count[size] = self.kept_count.get(size, 0) + 1
+        mean = self.kept_mean.get(size, 0.0)  # the plain mean of the first ones, then a running one
+        self.kept_mean[size] = mean + max(1 / count, KEPT_SMOOTHING) * (kept - mean)
         pause, even = seq.draft_pause, self.break_even(batch)
         if pause.kept is None:  # a try: its run starts
             pause.run_gain = 0.0
@@ -124,12 +143,17 @@ class DraftPace:
         if kept >= even:
             pause.steps_left, pause.length, pause.kept = 0, 1, kept
             return
-        size = size_class(batch)
         old = self.try_gain.get(size)
         self.try_gain[size] = (pause.run_gain if old is None
                                else old + SMOOTHING * (pause.run_gain - old))
         pause.steps_left, pause.kept = pause.length, None
         pause.length = min(2 * pause.length, MAX_PAUSE)
+
+    def pays(self, size: int) -> bool:
+        """Whether the verifies at this size class keep at least break-even on the whole
+        (then every sequence drafts every step)."""
+        kept = self.kept_mean.get(size)
+        return kept is not None and kept >= self.break_even(size)
 
     def break_even(self, batch: int) -> float:
         """The tokens a sequence's verify must keep, on average over a step of `batch`
