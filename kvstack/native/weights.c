@@ -34,8 +34,9 @@
  * the block-diagonal wo_a), threads over tiles. Within a tile, one or two tokens meet
  * four rows at a time (eight chains of multiply-adds hide their latency while the next
  * codes decode); three or four tokens meet two rows at a time on the AVX2 path and four
- * on the AVX-512 path, so each decoded weight serves up to four multiply-adds. Decoding
- * is the cost at batch 1, the multiply-adds at larger batches.
+ * on the AVX-512 path, which also takes five to eight tokens in one pass over two rows,
+ * so each decoded weight serves up to eight multiply-adds. Decoding is the cost at
+ * batch 1, the multiply-adds at larger batches.
  */
 #include "kernels.h"
 #include <math.h>
@@ -65,9 +66,24 @@ typedef struct {
     const uint8_t *codes, *scales;
     int64_t O, K;
     const float *elem, *scale; /* decode tables: value by code, scale by byte */
+    const float *fp4_values;   /* FP4 on the AVX-512 path: fp4_values(), else NULL */
 } weight_t;
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* n floats on a 64-byte boundary: the vectors' loads of x then never straddle two cache
+ * lines (a straddling load costs two). */
+static float *aligned_floats(size_t n) {
+    return aligned_alloc(64, (n * sizeof(float) + 63) & ~(size_t)63);
+}
+
+/* values[b * 16 + n] = elem[n] * scale[b]: each E2M1 code's value under each scale byte,
+ * the very products the codecs make (16 KB, made once a call), which the AVX-512 path
+ * looks up instead of multiplying a table by the scale every 32 weights. */
+static void fp4_values(const float *elem, const float *scale, float *values) {
+    for (int b = 0; b < 256; b++)
+        for (int n = 0; n < 16; n++) values[b * 16 + n] = elem[n] * scale[b];
+}
 
 /* E2M1 decode tables, one per UE8M0 scale byte b: entry n is the high byte of the fp16
  * number nibble n's value times 2^(b - 127) times 2^10 (low byte 0). The value is
@@ -278,8 +294,9 @@ static void registers(const weight_t *w, int check, int T, const int64_t *rows, 
  *   - E2M1: the codes' bytes widen to sixteen 32-bit lanes, and one permute each picks
  *     the low nibbles' values (even columns: the permute reads an index's low four bits)
  *     and, shifted, the high nibbles' (odd columns) from a sixteen-entry table: the
- *     codec's values times the block's scale, the very products the portable path makes,
- *     so every scale byte (NaN included) is exact and no tile needs a range check;
+ *     codec's values times the block's scale (fp4_values), the very products the
+ *     portable path makes, so every scale byte (NaN included) is exact and no tile
+ *     needs a range check;
  *   - E4M3: the fp16 reading of the AVX2 path, thirty-two codes at a time;
  *   - bf16: a 16-bit shift. */
 typedef struct {
@@ -290,8 +307,7 @@ static inline z32 decode32_512(const weight_t *w, int fmt, const uint8_t *row,
                                const uint8_t *scales, int64_t k, __m256i *seen, int check) {
     z32 out;
     if (fmt == FMT_FP4) {
-        const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(w->elem),
-                                           _mm512_set1_ps(w->scale[scales[k / 32]]));
+        const __m512 table = _mm512_loadu_ps(w->fp4_values + 16 * scales[k / 32]);
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k / 2)));
         out.v[0] = _mm512_permutexvar_ps(bytes, table);
         out.v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
@@ -311,37 +327,38 @@ static inline z32 decode32_512(const weight_t *w, int fmt, const uint8_t *row,
     return out;
 }
 
-/* rows_times_tokens on the AVX-512 path: four rows for up to four tokens. Its 32 vector
- * registers hold the four rows' decoded weights while each token's inputs, loaded once,
- * meet all four: a token's inputs stream from the second-level cache once per four rows
- * (once per row, the loads, not the multiply-adds, set the pace from three tokens on). */
+/* rows_times_tokens on the AVX-512 path: R rows times T tokens, R * T <= 16 (rows_512).
+ * Its 32 vector registers hold the rows' decoded weights while each token's inputs,
+ * loaded once, meet all R rows: four rows for up to four tokens (a token's inputs stream
+ * from the second-level cache once per four rows), two for five to eight (every token
+ * in one pass, so that a weight, FP8's costly to decode, decodes once). */
 static inline __attribute__((always_inline)) void rows_times_tokens_512(
-    const weight_t *w, int fmt, int check, int T, const int64_t *rows, int64_t kv,
+    const weight_t *w, int fmt, int check, int R, int T, const int64_t *rows, int64_t kv,
     const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
     const uint8_t *codes[QUAD], *scales[QUAD];
     __m256i seen[QUAD];
-    __m512 acc[QUAD][4];
-    for (int i = 0; i < QUAD; i++) {
+    __m512 acc[QUAD][TOKENS];
+    for (int i = 0; i < R; i++) {
         codes[i] = row_codes(w, rows[i]);
         scales[i] = w->scales + rows[i] * (w->K / 32);
         seen[i] = _mm256_setzero_si256();
-        for (int t = 0; t < 4; t++) acc[i][t] = _mm512_setzero_ps();
+        for (int t = 0; t < TOKENS; t++) acc[i][t] = _mm512_setzero_ps();
     }
-    /* The rows four below, which the next call reads: fetched while these decode, so
-     * that short rows (wq_b's 1,280 bytes) do not wait on each new stream. */
-    const int64_t ahead = QUAD * column_bytes(fmt, w->K);
+    /* The rows R below, which the next call reads: fetched while these decode, so that
+     * short rows (wq_b's 1,280 bytes) do not wait on each new stream. */
+    const int64_t ahead = R * column_bytes(fmt, w->K);
     for (int64_t k = 0; k < kv; k += 32) {
         z32 v[QUAD];
-        for (int i = 0; i < QUAD; i++) {
+        for (int i = 0; i < R; i++) {
             _mm_prefetch((const char *)(codes[i] + ahead + column_bytes(fmt, k)), _MM_HINT_T0);
             v[i] = decode32_512(w, fmt, codes[i], scales[i], k, &seen[i], check);
         }
         for (int t = 0; t < T; t++) {
             __m512 even = _mm512_loadu_ps(x[t] + k), odd = _mm512_loadu_ps(x[t] + k + 16);
             /* Held in registers: left alone, the compiler folds the loads into each
-             * row's multiply-adds, loading them four times. */
+             * row's multiply-adds, loading them R times. */
             __asm__("" : "+v"(even), "+v"(odd));
-            for (int i = 0; i < QUAD; i++) {
+            for (int i = 0; i < R; i++) {
                 if (T == 1) { /* two chains, so that a row's adds overlap */
                     acc[i][0] = _mm512_fmadd_ps(even, v[i].v[0], acc[i][0]);
                     acc[i][1] = _mm512_fmadd_ps(odd, v[i].v[1], acc[i][1]);
@@ -352,7 +369,7 @@ static inline __attribute__((always_inline)) void rows_times_tokens_512(
             }
         }
     }
-    for (int i = 0; i < QUAD; i++) {
+    for (int i = 0; i < R; i++) {
         if (T == 1) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][1]);
         for (int t = 0; t < T; t++) sums[i][t] += _mm512_reduce_add_ps(acc[i][t]);
         if (fmt == FMT_FP8 && check)
@@ -362,11 +379,18 @@ static inline __attribute__((always_inline)) void rows_times_tokens_512(
 
 #define SHAPES(FMT, CHECK)                                                                 \
     switch (T) {                                                                           \
-    case 1: rows_times_tokens_512(w, FMT, CHECK, 1, rows, kv, x, sums, nan); break;        \
-    case 2: rows_times_tokens_512(w, FMT, CHECK, 2, rows, kv, x, sums, nan); break;        \
-    case 3: rows_times_tokens_512(w, FMT, CHECK, 3, rows, kv, x, sums, nan); break;        \
-    default: rows_times_tokens_512(w, FMT, CHECK, 4, rows, kv, x, sums, nan);              \
+    case 1: rows_times_tokens_512(w, FMT, CHECK, 4, 1, rows, kv, x, sums, nan); break;     \
+    case 2: rows_times_tokens_512(w, FMT, CHECK, 4, 2, rows, kv, x, sums, nan); break;     \
+    case 3: rows_times_tokens_512(w, FMT, CHECK, 4, 3, rows, kv, x, sums, nan); break;     \
+    case 4: rows_times_tokens_512(w, FMT, CHECK, 4, 4, rows, kv, x, sums, nan); break;     \
+    case 5: rows_times_tokens_512(w, FMT, CHECK, 2, 5, rows, kv, x, sums, nan); break;     \
+    case 6: rows_times_tokens_512(w, FMT, CHECK, 2, 6, rows, kv, x, sums, nan); break;     \
+    case 7: rows_times_tokens_512(w, FMT, CHECK, 2, 7, rows, kv, x, sums, nan); break;     \
+    default: rows_times_tokens_512(w, FMT, CHECK, 2, 8, rows, kv, x, sums, nan);           \
     }
+
+/* Rows a pass of T tokens meets at a time on the AVX-512 path (R * T accumulators). */
+static inline int rows_512(int T) { return T <= 4 ? QUAD : 2; }
 
 static void registers_512(const weight_t *w, int check, int T, const int64_t *rows, int64_t kv,
                           const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
@@ -448,13 +472,19 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
                 xin[t] = x_split + (t0 + t) * x_stride + x_col;
             }
         }
-        /* The vectors' share, up to four tokens a pass: one or two meet four rows at a
-         * time, three or four two rows. */
+        /* The vectors' share: on the AVX-512 path every token in one pass (rows_512); on
+         * the AVX2 path up to four tokens a pass, one or two meeting four rows at a time,
+         * three or four two rows. */
         float sums[TILE][TOKENS] = {{0}};
         int nan[TILE] = {0};
 #if HAVE_AVX2
         for (int64_t t = 0; vector && t < tn;) {
-            const int T = (int)min64(4, tn - t), R = T <= 2 || isa == ISA_AVX512 ? QUAD : 2;
+            const int T = (int)min64(isa == ISA_AVX512 ? TOKENS : 4, tn - t);
+#if HAVE_AVX512
+            const int R = isa == ISA_AVX512 ? rows_512(T) : T <= 2 ? QUAD : 2;
+#else
+            const int R = T <= 2 ? QUAD : 2;
+#endif
             for (int64_t q = 0; q < nr; q += QUAD) {
                 int64_t rows[QUAD]; /* a short quad repeats its last row, not stored */
                 for (int i = 0; i < QUAD; i++) rows[i] = r0 + q + min64(i, nr - q - 1);
@@ -503,7 +533,7 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
  * can take the vectors (a width not a multiple of 32, or the portable path). */
 static float *split_columns(const float *x, int64_t N, int64_t width, int isa, int threads) {
     if (isa < ISA_AVX2 || !HAVE_AVX2 || width % 32) return NULL;
-    float *out = malloc((size_t)(N * width) * sizeof(float));
+    float *out = aligned_floats((size_t)(N * width));
     if (!out) return NULL;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < N; r++)
@@ -537,7 +567,7 @@ static void tile_bounds(int64_t block, int64_t O, int64_t group_rows, int64_t *s
  * outruns decoding each weight once per few tokens. */
 void kv_fp8_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t O, int64_t K,
                        const float *elem, const float *scale, float *out, int threads) {
-    const weight_t w = {FMT_FP8, codes, scales, O, K, elem, scale};
+    const weight_t w = {FMT_FP8, codes, scales, O, K, elem, scale, NULL};
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = 0; r < O; r++) {
         float *row = out + r * K;
@@ -586,11 +616,11 @@ void kv_packed_linear(const float *x, int64_t N, int fmt, const uint8_t *codes,
                       const uint8_t *scales, int64_t O, int64_t K, int64_t groups,
                       const float *elem, const float *scale, int nan_codes, float *y, int isa,
                       int threads) {
-    const weight_t w = {fmt, codes, scales, O, K, elem, scale};
+    const weight_t w = {fmt, codes, scales, O, K, elem, scale, NULL};
     const int64_t group_rows = O / groups, blocks = (O + TILE - 1) / TILE;
 #pragma omp parallel num_threads(threads)
     {
-        float *scratch = malloc(scratch_floats(&w) * sizeof(float));
+        float *scratch = aligned_floats(scratch_floats(&w));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t starts[TILE + 1], count;
@@ -613,11 +643,13 @@ void kv_fp4_grouped(const float *x, int64_t K, const int64_t *pointers, const in
                     const int32_t *ends, int64_t G, int64_t O, const float *elem,
                     const float *scale, float *y, int isa, int threads) {
     const int64_t blocks = (O + TILE - 1) / TILE;
-    const weight_t shape = {FMT_FP4, 0, 0, O, K, elem, scale};
+    float values[256 * 16];
+    fp4_values(elem, scale, values);
+    const weight_t shape = {FMT_FP4, 0, 0, O, K, elem, scale, values};
     float *x_split = split_columns(x, G ? ends[G - 1] : 0, K, isa, threads);
 #pragma omp parallel num_threads(threads)
     {
-        float *scratch = malloc(scratch_floats(&shape) * sizeof(float));
+        float *scratch = aligned_floats(scratch_floats(&shape));
 #pragma omp for collapse(2) schedule(static)
         for (int64_t g = 0; g < G; g++) {
             for (int64_t b = 0; b < blocks; b++) {
