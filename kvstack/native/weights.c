@@ -297,7 +297,9 @@ static void registers(const weight_t *w, int check, int T, const int64_t *rows, 
  *     codec's values times the block's scale (fp4_values), the very products the
  *     portable path makes, so every scale byte (NaN included) is exact and no tile
  *     needs a range check;
- *   - E4M3: the fp16 reading of the AVX2 path, thirty-two codes at a time;
+ *   - E4M3: the fp16 reading of the AVX2 path, thirty-two codes at a time (where the
+ *     CPU has AVX512-VBMI, one byte permute puts each code in its 16-bit lane's high
+ *     byte, where a widening and a shift would take two instructions);
  *   - bf16: a 16-bit shift. */
 typedef struct {
     __m512 v[2];
@@ -314,7 +316,16 @@ static inline z32 decode32_512(const weight_t *w, int fmt, const uint8_t *row,
     } else if (fmt == FMT_FP8) {
         const __m256i b = _mm256_loadu_si256((const __m256i *)(row + k));
         if (check) *seen = _mm256_max_epu8(*seen, _mm256_and_si256(b, _mm256_set1_epi8(0x7F)));
+#if defined(__AVX512VBMI__)
+        const __m512i spread = _mm512_set_epi8(
+            31, 0, 30, 0, 29, 0, 28, 0, 27, 0, 26, 0, 25, 0, 24, 0, 23, 0, 22, 0, 21, 0, 20, 0,
+            19, 0, 18, 0, 17, 0, 16, 0, 15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7,
+            0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+        const __m512i high = _mm512_maskz_permutexvar_epi8(0xAAAAAAAAAAAAAAAAull, spread,
+                                                           _mm512_castsi256_si512(b));
+#else
         const __m512i high = _mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8);
+#endif
         const __m512i half = _mm512_and_si512(_mm512_srai_epi16(high, 1),
                                               _mm512_set1_epi16((short)0xBFFF));
         out.v[0] = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
