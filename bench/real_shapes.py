@@ -235,6 +235,25 @@ def moe_by_path(model: Model, repeat: int) -> list[dict]:
     return rows
 
 
+def expert_rates(model: Model, repeat: int) -> list[dict]:
+    """Layer 0's expert 0, w1, times 1 .. 8 tokens in one grouped call (its codes hot in
+    the caches): G multiply-adds a second by the tokens an expert gets, what sets the MoE's
+    pace at batch 8 (three an expert on average), beside torch's GEMM rate."""
+    experts = model.layers[0].ffn.experts
+    addresses = experts.addresses(torch.device("cpu"))[0]
+    inter, dim = experts[0].w1_codes.shape[0], model.config.dim
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    with kernels(True):
+        for tokens in range(1, 9):
+            x = torch.randn(tokens, dim, generator=g)
+            t = best_time(lambda x=x, n=tokens: native.fp4_grouped(
+                x, addresses, torch.tensor([0]), torch.tensor([n]), inter), repeat)
+            rows.append({"tokens": tokens, "ms": 1e3 * t,
+                         "g_multiply_adds_s": tokens * inter * dim / t / GB})
+    return rows
+
+
 def fill_context(model: Model, cache: ContiguousCache, n_tokens: int) -> None:
     """A context of n_tokens as the cache stores it, without running a prefill at these
     widths: random ids, stream rows and window entries written through the store (so
@@ -384,6 +403,7 @@ def main() -> None:
             result["moe"] = [moe_block(model, batch, bandwidth, madd_rate, args.repeat)
                              for batch in (1, 8)]
             result["moe_by_path"] = moe_by_path(model, args.repeat)
+            result["expert_rates"] = expert_rates(model, 4 * args.repeat)
             result["layers"] = [r for batch in (1, 8) for r in
                                 whole_layers(model, batch, args.context, bandwidth, args.repeat)]
             # Two threads against one on whole layers, batch 1, kernels only; beside what
@@ -432,6 +452,10 @@ def main() -> None:
           f"{b8['compute_floor_ms'] / alternated[1]:.2f}x at torch's GEMM rate here "
           f"({result['gemm_gflop_s']:.1f} GFLOP/s), so batch 8 runs at "
           f"{alternated[8] / b8['compute_floor_ms']:.2f}x its compute floor")
+    rates = ", ".join(f"{r['tokens']}: {r['g_multiply_adds_s']:.0f}"
+                      for r in result["expert_rates"])
+    print(f"One FP4 expert (layer 0's expert 0, w1, hot) by the tokens it gets: {rates} G "
+          f"multiply-adds/s; torch's GEMM {result['gemm_gflop_s'] / 2:.0f}")
     print(f"Two threads run the whole layers {result['two_threads_speedup']:.2f}x as fast as one "
           f"(torch's copy {result['two_threads_copy_speedup']:.2f}x, its GEMM "
           f"{result['two_threads_gemm_speedup']:.2f}x)")
