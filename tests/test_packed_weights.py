@@ -18,10 +18,10 @@ from kvstack.model.packed import PackedExpert, PackedExperts, PackedLinear
 pytestmark = pytest.mark.skipif(not native.resolve("auto"), reason="no C compiler here")
 
 PATHS = list(native.ISAS)
-# Token counts that take each way through a tile: on the AVX-512 path up to four tokens
-# meet four rows at a time and five to eight two rows in one pass; on the AVX2 path one and
-# two meet four rows, three two rows, five and eight passes of four and what is left; nine
-# spills into a second group of eight.
+# Token counts that take each way through a tile: on the AVX-512 path up to eight tokens
+# meet four rows at a time in one pass (from five, with accumulators spilled); on the AVX2
+# path one and two meet four rows, three two rows, five and eight passes of four and what
+# is left; nine spills into a second group of eight.
 BATCHES = [1, 2, 3, 5, 8, 9]
 
 

@@ -34,9 +34,9 @@
  * the block-diagonal wo_a), threads over tiles. Within a tile, one or two tokens meet
  * four rows at a time (eight chains of multiply-adds hide their latency while the next
  * codes decode); three or four tokens meet two rows at a time on the AVX2 path and four
- * on the AVX-512 path, which also takes five to eight tokens in one pass over two rows,
- * so each decoded weight serves up to eight multiply-adds. Decoding is the cost at
- * batch 1, the multiply-adds at larger batches.
+ * on the AVX-512 path, which takes up to eight tokens in one pass, so each decoded
+ * weight serves up to eight multiply-adds. Decoding is the cost at batch 1, the
+ * multiply-adds at larger batches.
  */
 #include "kernels.h"
 #include <math.h>
@@ -338,38 +338,39 @@ static inline z32 decode32_512(const weight_t *w, int fmt, const uint8_t *row,
     return out;
 }
 
-/* rows_times_tokens on the AVX-512 path: R rows times T tokens, R * T <= 16 (rows_512).
- * Its 32 vector registers hold the rows' decoded weights while each token's inputs,
- * loaded once, meet all R rows: four rows for up to four tokens (a token's inputs stream
- * from the second-level cache once per four rows), two for five to eight (every token
- * in one pass, so that a weight, FP8's costly to decode, decodes once). */
+/* rows_times_tokens on the AVX-512 path: four rows times T <= 8 tokens, every token in
+ * one pass so that each weight decodes once. The four rows' decoded weights meet each
+ * token's inputs, loaded once: a token's inputs stream from the second-level cache once
+ * per four rows. From five tokens the accumulators outnumber the 32 vector registers and
+ * some wait in the first-level cache, which still runs faster than two rows at a time
+ * (FP4, eight tokens: 66 G multiply-adds a second against 52) or two passes of four. */
 static inline __attribute__((always_inline)) void rows_times_tokens_512(
-    const weight_t *w, int fmt, int check, int R, int T, const int64_t *rows, int64_t kv,
+    const weight_t *w, int fmt, int check, int T, const int64_t *rows, int64_t kv,
     const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
     const uint8_t *codes[QUAD], *scales[QUAD];
     __m256i seen[QUAD];
     __m512 acc[QUAD][TOKENS];
-    for (int i = 0; i < R; i++) {
+    for (int i = 0; i < QUAD; i++) {
         codes[i] = row_codes(w, rows[i]);
         scales[i] = w->scales + rows[i] * (w->K / 32);
         seen[i] = _mm256_setzero_si256();
         for (int t = 0; t < TOKENS; t++) acc[i][t] = _mm512_setzero_ps();
     }
-    /* The rows R below, which the next call reads: fetched while these decode, so that
-     * short rows (wq_b's 1,280 bytes) do not wait on each new stream. */
-    const int64_t ahead = R * column_bytes(fmt, w->K);
+    /* The rows four below, which the next call reads: fetched while these decode, so
+     * that short rows (wq_b's 1,280 bytes) do not wait on each new stream. */
+    const int64_t ahead = QUAD * column_bytes(fmt, w->K);
     for (int64_t k = 0; k < kv; k += 32) {
         z32 v[QUAD];
-        for (int i = 0; i < R; i++) {
+        for (int i = 0; i < QUAD; i++) {
             _mm_prefetch((const char *)(codes[i] + ahead + column_bytes(fmt, k)), _MM_HINT_T0);
             v[i] = decode32_512(w, fmt, codes[i], scales[i], k, &seen[i], check);
         }
         for (int t = 0; t < T; t++) {
             __m512 even = _mm512_loadu_ps(x[t] + k), odd = _mm512_loadu_ps(x[t] + k + 16);
             /* Held in registers: left alone, the compiler folds the loads into each
-             * row's multiply-adds, loading them R times. */
+             * row's multiply-adds, loading them four times. */
             __asm__("" : "+v"(even), "+v"(odd));
-            for (int i = 0; i < R; i++) {
+            for (int i = 0; i < QUAD; i++) {
                 if (T == 1) { /* two chains, so that a row's adds overlap */
                     acc[i][0] = _mm512_fmadd_ps(even, v[i].v[0], acc[i][0]);
                     acc[i][1] = _mm512_fmadd_ps(odd, v[i].v[1], acc[i][1]);
@@ -380,7 +381,7 @@ static inline __attribute__((always_inline)) void rows_times_tokens_512(
             }
         }
     }
-    for (int i = 0; i < R; i++) {
+    for (int i = 0; i < QUAD; i++) {
         if (T == 1) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][1]);
         for (int t = 0; t < T; t++) sums[i][t] += _mm512_reduce_add_ps(acc[i][t]);
         if (fmt == FMT_FP8 && check)
@@ -390,18 +391,15 @@ static inline __attribute__((always_inline)) void rows_times_tokens_512(
 
 #define SHAPES(FMT, CHECK)                                                                 \
     switch (T) {                                                                           \
-    case 1: rows_times_tokens_512(w, FMT, CHECK, 4, 1, rows, kv, x, sums, nan); break;     \
-    case 2: rows_times_tokens_512(w, FMT, CHECK, 4, 2, rows, kv, x, sums, nan); break;     \
-    case 3: rows_times_tokens_512(w, FMT, CHECK, 4, 3, rows, kv, x, sums, nan); break;     \
-    case 4: rows_times_tokens_512(w, FMT, CHECK, 4, 4, rows, kv, x, sums, nan); break;     \
-    case 5: rows_times_tokens_512(w, FMT, CHECK, 2, 5, rows, kv, x, sums, nan); break;     \
-    case 6: rows_times_tokens_512(w, FMT, CHECK, 2, 6, rows, kv, x, sums, nan); break;     \
-    case 7: rows_times_tokens_512(w, FMT, CHECK, 2, 7, rows, kv, x, sums, nan); break;     \
-    default: rows_times_tokens_512(w, FMT, CHECK, 2, 8, rows, kv, x, sums, nan);           \
+    case 1: rows_times_tokens_512(w, FMT, CHECK, 1, rows, kv, x, sums, nan); break;        \
+    case 2: rows_times_tokens_512(w, FMT, CHECK, 2, rows, kv, x, sums, nan); break;        \
+    case 3: rows_times_tokens_512(w, FMT, CHECK, 3, rows, kv, x, sums, nan); break;        \
+    case 4: rows_times_tokens_512(w, FMT, CHECK, 4, rows, kv, x, sums, nan); break;        \
+    case 5: rows_times_tokens_512(w, FMT, CHECK, 5, rows, kv, x, sums, nan); break;        \
+    case 6: rows_times_tokens_512(w, FMT, CHECK, 6, rows, kv, x, sums, nan); break;        \
+    case 7: rows_times_tokens_512(w, FMT, CHECK, 7, rows, kv, x, sums, nan); break;        \
+    default: rows_times_tokens_512(w, FMT, CHECK, 8, rows, kv, x, sums, nan);              \
     }
-
-/* Rows a pass of T tokens meets at a time on the AVX-512 path (R * T accumulators). */
-static inline int rows_512(int T) { return T <= 4 ? QUAD : 2; }
 
 static void registers_512(const weight_t *w, int check, int T, const int64_t *rows, int64_t kv,
                           const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
@@ -483,19 +481,15 @@ static void tile_rows(const weight_t *w, int isa, int check, int64_t r0, int64_t
                 xin[t] = x_split + (t0 + t) * x_stride + x_col;
             }
         }
-        /* The vectors' share: on the AVX-512 path every token in one pass (rows_512); on
-         * the AVX2 path up to four tokens a pass, one or two meeting four rows at a time,
-         * three or four two rows. */
+        /* The vectors' share: on the AVX-512 path every token in one pass over four rows
+         * at a time; on the AVX2 path up to four tokens a pass, one or two meeting four
+         * rows at a time, three or four two rows. */
         float sums[TILE][TOKENS] = {{0}};
         int nan[TILE] = {0};
 #if HAVE_AVX2
         for (int64_t t = 0; vector && t < tn;) {
             const int T = (int)min64(isa == ISA_AVX512 ? TOKENS : 4, tn - t);
-#if HAVE_AVX512
-            const int R = isa == ISA_AVX512 ? rows_512(T) : T <= 2 ? QUAD : 2;
-#else
-            const int R = T <= 2 ? QUAD : 2;
-#endif
+            const int R = T <= 2 || isa == ISA_AVX512 ? QUAD : 2;
             for (int64_t q = 0; q < nr; q += QUAD) {
                 int64_t rows[QUAD]; /* a short quad repeats its last row, not stored */
                 for (int i = 0; i < QUAD; i++) rows[i] = r0 + q + min64(i, nr - q - 1);
