@@ -287,3 +287,11 @@ def test_a_prefill_chunk_multiplies_a_transient_float_copy_equal_to_the_codecs(g
     for group in range(groups):
         rows = slice(group * w.shape[1], (group + 1) * w.shape[1])
         assert_rounding_close(out[:, rows], x[:, group], w[group])
+
+
+def test_packed_linear_names_a_format_it_does_not_multiply():
+    """FP4 weights are routed experts (fp4_grouped); packed_linear takes fp8 or bf16 and
+    says so, where its kernels would read a decode table FP4 calls alone make."""
+    weight = quantize(torch.randn(8, 64), "fp4_ue8m0_32")
+    with pytest.raises(ValueError, match="fp8 or bf16 weights, not 'fp4'"):
+        native.packed_linear(torch.randn(1, 64), "fp4", weight.codes, weight.scales)

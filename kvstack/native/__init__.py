@@ -906,6 +906,8 @@ def packed_linear(x: torch.Tensor, fmt: str, codes: torch.Tensor,
     (`fp8_has_nan`), and the kernel does not look for them. An FP8 call of GEMM_TOKENS
     tokens or more, or a bf16 one of BF16_GEMM_TOKENS of a weight up to BF16_GEMM_ELEMENTS,
     multiplies a transient float32 copy of the weight instead."""
+    if fmt not in ("fp8", "bf16"):  # FP4 weights are experts: fp4_grouped
+        raise ValueError(f"packed_linear multiplies fp8 or bf16 weights, not {fmt!r}")
     o, k = codes.shape
     if o % groups:
         raise ValueError(f"a weight of {o} rows does not split into {groups} groups")

@@ -343,7 +343,8 @@ static inline z32 decode32_512(const weight_t *w, int fmt, const uint8_t *row,
  * token's inputs, loaded once: a token's inputs stream from the second-level cache once
  * per four rows. From five tokens the accumulators outnumber the 32 vector registers and
  * some wait in the first-level cache, which still runs faster than two rows at a time
- * (FP4, eight tokens: 66 G multiply-adds a second against 52) or two passes of four. */
+ * (FP4, eight tokens: 66 G multiply-adds a second against 52-54) or two passes of four
+ * (55). */
 static inline __attribute__((always_inline)) void rows_times_tokens_512(
     const weight_t *w, int fmt, int check, int T, const int64_t *rows, int64_t kv,
     const float *const *x, float sums[QUAD][TOKENS], int nan[QUAD]) {
