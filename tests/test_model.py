@@ -595,6 +595,29 @@ def test_selected_entries_read_in_pieces_equal_a_plain_gather(monkeypatch, share
                           atol=1e-5)
 
 
+def test_each_sequence_reads_its_own_selected_entries_once():
+    """The C attention's rows: per sequence, the distinct entries it selected, each once
+    (a batch's sequences share none: rows distinct over the batch made each read about B
+    times its own), and every choice's column names its own entry's row."""
+    from kvstack.model.model import _selected_rows
+
+    c = preset("tiny")
+    cache = ContiguousCache(c, batch_size=3, max_tokens=64)
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(3, 40, 32, generator=g)
+    cache.append_stream(4, {"kv": kv, "index": torch.randn(3, 40, 32, generator=g)})
+    selected = torch.stack([torch.randperm(40, generator=g)[:8].view(2, 4) for _ in range(3)])
+    selected[1, 1] = selected[1, 0]  # a sequence whose two queries choose alike
+    selected[2, 0, 3] = -1  # a missing entry
+    rows, columns = _selected_rows(cache, 4, selected, 32)
+    assert rows.shape[:2] == (3, 8)  # the most one sequence chose, not the batch's 20
+    assert torch.equal(columns < 0, selected < 0)
+    stored = cache.gather_stream(4, "kv", selected.clamp(min=0))  # [3, 2, 4, 32]
+    at = columns.clamp(min=0)
+    for b in range(3):
+        assert torch.equal(rows[b][at[b]][selected[b] >= 0], stored[b][selected[b] >= 0])
+
+
 def test_trunk_picks_rank_entries_by_the_layers_own_attention_logits(monkeypatch):
     """What a perfect indexer would buy: each picking layer's top-k is the entries with
     the highest attention logits (logsumexp over heads), not its indexer's; a factor on a

@@ -798,20 +798,27 @@ def _joined(tiles: list[torch.Tensor]) -> torch.Tensor:
 
 def _selected_rows(store: KVStore, source: int, chosen: torch.Tensor,
                    width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct entries chosen [B, q, k] (-1 for none) select from a stream, read
-    once each: rows [B, U, width] and, for each choice, its row's column [B, q, k] (-1
-    for none). Distinct over the batch, so every sequence reads the same U entries."""
+    """The distinct entries each sequence's chosen [B, q, k] (-1 for none) select from a
+    stream, read once each: rows [B, U, width], U the most any sequence selects (fewer
+    padded with its entry 0), and for each choice its row's column [B, q, k] (-1 for
+    none). Distinct per sequence: a decode batch's sequences share no entries, and rows
+    distinct over the whole batch made each of B sequences read about B times its own k."""
     b = chosen.shape[0]
     valid = chosen >= 0
     if not bool(valid.any()):
         return chosen.new_empty(b, 0, width, dtype=torch.float32), torch.full_like(chosen, -1)
-    flat = chosen.clamp(min=0)
-    marked = torch.zeros(int(flat.max()) + 1, dtype=torch.bool, device=chosen.device)
-    marked[flat[valid]] = True
-    distinct = marked.nonzero().flatten()
-    columns = torch.where(valid, (marked.cumsum(0) - 1)[flat], -1)
-    rows = store.gather_stream(source, "kv", distinct.view(1, 1, -1).expand(b, 1, -1))[:, 0]
-    return rows, columns
+    none = torch.iinfo(chosen.dtype).max  # sorts after every entry
+    keys, order = torch.where(valid, chosen, none).reshape(b, -1).sort(dim=-1)
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[:, 1:] = keys[:, 1:] != keys[:, :-1]
+    first &= keys != none
+    rank = first.cumsum(-1) - 1  # [B, q * k]: each sorted choice's distinct row
+    u = int(first.sum(-1).max())
+    distinct = keys.new_zeros(b, u + 1)  # column u takes the repeats, then is dropped
+    distinct.scatter_(1, torch.where(first, rank, u), torch.where(first, keys, 0))
+    columns = torch.empty_like(rank).scatter_(1, order, rank).view_as(chosen)
+    rows = store.gather_stream(source, "kv", distinct[:, None, :u])[:, 0]
+    return rows, torch.where(valid, columns, -1)
 
 
 def _visible(positions: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
