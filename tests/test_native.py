@@ -409,13 +409,15 @@ def test_the_attention_projections_in_and_out_equal_torchs(tokens):
                              config.o_groups + 1, attention.wo_b.weight)
 
 
-def test_prefill_attention_equals_the_masked_softmax_over_window_and_entries(threads):
+@pytest.mark.parametrize("d", [40, 64])
+def test_prefill_attention_equals_the_masked_softmax_over_window_and_entries(threads, d):
     """Queries of two sequences (positions shared, then each its own), window keys too old,
     too new and never written, selections with holes and none at all, a sink that
-    dominates and one that vanishes, nine heads; and one query alone (its heads spread
+    dominates and one that vanishes, nine heads (the AVX-512 path takes eight of them in
+    groups, at a head width of 64 and not of 40); and one query alone (its heads spread
     over the threads): torch's softmax over what each query sees."""
     g = torch.Generator().manual_seed(2)
-    b, n, h, d, m, u, k, window = 2, 7, 9, 40, 12, 9, 4, 5
+    b, n, h, m, u, k, window = 2, 7, 9, 12, 9, 4, 5
     q = torch.randn(b, n, h, d, generator=g) * 2
     keys, rows = torch.randn(b, m, d, generator=g), torch.randn(b, u, d, generator=g)
     key_positions = torch.stack([torch.arange(m) - 3, torch.randperm(m, generator=g)])

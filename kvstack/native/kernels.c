@@ -355,17 +355,74 @@ static inline void decode_any(const uint8_t *row, int64_t width, int64_t block, 
     }
 }
 
+#if defined(__AVX512F__)
+/* attend_rows' logits on the AVX-512 path, d a multiple of 16: four heads times four rows
+ * a pass, sixteen sums in flight, so each row's values are read once per four heads
+ * (V4.1's 64 heads of 512 share each row: one head at a time read every row 64 times,
+ * from the second-level cache). Rows past the last four are left to the caller. */
+static int64_t logits_4x4(const float *q, const float *const *seen, int64_t r, int64_t hd,
+                          int64_t d, float scale, float *probs) {
+    int64_t j = 0;
+    for (; j + 4 <= r; j += 4) {
+        __m512 a[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int u = 0; u < 4; u++) a[i][u] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < d; e += 16) {
+            __m512 row[4];
+            for (int u = 0; u < 4; u++) row[u] = _mm512_loadu_ps(seen[j + u] + e);
+            for (int i = 0; i < 4; i++) {
+                const __m512 qv = _mm512_loadu_ps(q + (hd + i) * d + e);
+                for (int u = 0; u < 4; u++) a[i][u] = _mm512_fmadd_ps(qv, row[u], a[i][u]);
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int u = 0; u < 4; u++)
+                probs[(hd + i) * r + j + u] = _mm512_reduce_add_ps(a[i][u]) * scale;
+    }
+    return j;
+}
+
+/* attend_rows' weighted sum on the AVX-512 path, d a multiple of 32: eight heads times
+ * thirty-two of a row's values a pass (sixteen sums in flight), so each row is read once
+ * per eight heads. */
+static void weighted_8x32(const float *const *seen, int64_t r, int64_t hd, int64_t d,
+                          const float *probs, float *out) {
+    for (int64_t e = 0; e < d; e += 32) {
+        __m512 a[8][2];
+        for (int i = 0; i < 8; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < r; j++) {
+            const __m512 lo = _mm512_loadu_ps(seen[j] + e), hi = _mm512_loadu_ps(seen[j] + e + 16);
+            for (int i = 0; i < 8; i++) {
+                const __m512 p = _mm512_set1_ps(probs[(hd + i) * r + j]);
+                a[i][0] = _mm512_fmadd_ps(p, lo, a[i][0]);
+                a[i][1] = _mm512_fmadd_ps(p, hi, a[i][1]);
+            }
+        }
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(out + (hd + i) * d + e, a[i][0]);
+            _mm512_storeu_ps(out + (hd + i) * d + e + 16, a[i][1]);
+        }
+    }
+}
+#endif
+
 /* One query's softmax over the rows it sees (seen [r], each d values, keys their own
  * values) with the sink's logit [h] in the denominator, for its heads q [h, d]: out [h, d].
- * probs: [h, r] of scratch. The AVX2 path (d a multiple of 16) keeps four sums in
- * flight in the logits (four rows a pass) and eight in the weighted sum (two eights of a
- * row's values by four heads). */
+ * probs: [h, r] of scratch. The AVX-512 path (d a multiple of 32) takes four heads by four
+ * rows in the logits and eight heads in the weighted sum at a time; the AVX2 path (d a
+ * multiple of 16) keeps four sums in flight in the logits (four rows a pass) and eight in
+ * the weighted sum (two eights of a row's values by four heads). */
 static void attend_rows(const float *q, const float *const *seen, int64_t r, int64_t h,
                         int64_t d, const float *sink, float scale, float *probs, float *out) {
     for (int64_t hd = 0; hd < h; hd++) {
         const float *qh = q + hd * d;
         float *logit = probs + hd * r;
         int64_t j = 0;
+#if defined(__AVX512F__)
+        /* The first of four heads fills all four's logits; the other three skip them. */
+        if (d % 32 == 0 && hd % 4 == 0 && hd + 4 <= h) j = logits_4x4(q, seen, r, hd, d, scale, probs);
+        else if (d % 32 == 0 && hd / 4 * 4 + 4 <= h) j = r - r % 4;
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
         if (d % 16 == 0)
             for (; j + 4 <= r; j += 4) {
@@ -389,6 +446,10 @@ static void attend_rows(const float *q, const float *const *seen, int64_t r, int
         for (j = 0; j < r; j++) logit[j] /= total;
     }
     int64_t hd = 0;
+#if defined(__AVX512F__)
+    if (d % 32 == 0)
+        for (; hd + 8 <= h; hd += 8) weighted_8x32(seen, r, hd, d, probs, out);
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (d % 16 == 0)
         for (; hd + 4 <= h; hd += 4)
