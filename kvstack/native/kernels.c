@@ -481,13 +481,18 @@ static void attend_rows(const float *q, const float *const *seen, int64_t r, int
     }
 }
 
-/* attend_rows over `threads`, the heads in runs of four (a query's heads are
- * independent, and four is what its vector path takes at a time): a decode step of one
- * or a few sequences has too few queries to spread. */
+/* attend_rows over `threads`, the heads in runs of eight with AVX-512, else four (a
+ * query's heads are independent, and that is what its vector path takes at a time): a
+ * decode step of one or a few sequences has too few queries to spread. */
+#if defined(__AVX512F__)
+#define HEADS_A_RUN 8
+#else
+#define HEADS_A_RUN 4
+#endif
 static void attend_heads(const float *q, const float *const *seen, int64_t r, int64_t h,
                          int64_t d, const float *sink, float scale, float *probs, float *out,
                          int threads) {
-    enum { HEADS = 4 };
+    enum { HEADS = HEADS_A_RUN };
     const int64_t runs = (h + HEADS - 1) / HEADS;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && runs > 1)
     for (int64_t c = 0; c < runs; c++) {
