@@ -409,13 +409,14 @@ def test_the_attention_projections_in_and_out_equal_torchs(tokens):
                              config.o_groups + 1, attention.wo_b.weight)
 
 
-@pytest.mark.parametrize("d", [40, 64])
+@pytest.mark.parametrize("d", [40, 48, 64])
 def test_prefill_attention_equals_the_masked_softmax_over_window_and_entries(threads, d):
     """Queries of two sequences (positions shared, then each its own), window keys too old,
     too new and never written, selections with holes and none at all, a sink that
     dominates and one that vanishes, nine heads (the AVX-512 path takes eight of them in
-    groups, at a head width of 64 and not of 40); and one query alone (its heads spread
-    over the threads): torch's softmax over what each query sees."""
+    groups at a head width of 64, the AVX2 path pairs of them at 48 or 64, neither at 40);
+    and one query alone (its heads spread over the threads): torch's softmax over what
+    each query sees."""
     g = torch.Generator().manual_seed(2)
     b, n, h, m, u, k, window = 2, 7, 9, 12, 9, 4, 5
     q = torch.randn(b, n, h, d, generator=g) * 2

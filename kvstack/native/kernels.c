@@ -410,8 +410,8 @@ static void weighted_8x32(const float *const *seen, int64_t r, int64_t hd, int64
  * values) with the sink's logit [h] in the denominator, for its heads q [h, d]: out [h, d].
  * probs: [h, r] of scratch. The AVX-512 path (d a multiple of 32) takes four heads by four
  * rows in the logits and eight heads in the weighted sum at a time; the AVX2 path (d a
- * multiple of 16) keeps four sums in flight in the logits (four rows a pass) and eight in
- * the weighted sum (two eights of a row's values by four heads). */
+ * multiple of 16) keeps eight sums in flight in the logits (two heads by four rows a
+ * pass) and eight in the weighted sum (two eights of a row's values by four heads). */
 static void attend_rows(const float *q, const float *const *seen, int64_t r, int64_t h,
                         int64_t d, const float *sink, float scale, float *probs, float *out) {
     for (int64_t hd = 0; hd < h; hd++) {
@@ -424,6 +424,28 @@ static void attend_rows(const float *q, const float *const *seen, int64_t r, int
         else if (d % 32 == 0 && hd / 4 * 4 + 4 <= h) j = r - r % 4;
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
+        /* Two heads by four rows a pass where a pair of heads starts here (each row read
+         * once per two heads); the second of the pair skips the rows the first filled. */
+        if (d % 16 == 0 && j == 0 && hd % 2 == 0 && hd + 2 <= h)
+            for (; j + 4 <= r; j += 4) {
+                __m256 a[2][4];
+                for (int i = 0; i < 2; i++)
+                    for (int u = 0; u < 4; u++) a[i][u] = _mm256_setzero_ps();
+                for (int64_t e = 0; e < d; e += 8) {
+                    const __m256 q0 = _mm256_loadu_ps(qh + e), q1 = _mm256_loadu_ps(qh + d + e);
+                    for (int u = 0; u < 4; u++) {
+                        const __m256 row = _mm256_loadu_ps(seen[j + u] + e);
+                        a[0][u] = _mm256_fmadd_ps(q0, row, a[0][u]);
+                        a[1][u] = _mm256_fmadd_ps(q1, row, a[1][u]);
+                    }
+                }
+                for (int u = 0; u < 4; u++) {
+                    logit[j + u] = hsum(a[0][u]) * scale;
+                    logit[r + j + u] = hsum(a[1][u]) * scale;
+                }
+            }
+        else if (d % 16 == 0 && j == 0 && hd % 2 == 1)
+            j = r - r % 4;
         if (d % 16 == 0)
             for (; j + 4 <= r; j += 4) {
                 __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
