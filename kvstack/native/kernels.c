@@ -356,7 +356,7 @@ static inline void decode_any(const uint8_t *row, int64_t width, int64_t block, 
 }
 
 #if defined(__AVX512F__)
-/* attend_rows' logits on the AVX-512 path, d a multiple of 16: four heads times four rows
+/* attend_rows' logits on the AVX-512 path, d a multiple of 32: four heads times four rows
  * a pass, sixteen sums in flight, so each row's values are read once per four heads
  * (V4.1's 64 heads of 512 share each row: one head at a time read every row 64 times,
  * from the second-level cache). Rows past the last four are left to the caller. */
